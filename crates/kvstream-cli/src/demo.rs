@@ -1,0 +1,304 @@
+//! `kvstream demo`: one decode on the GPU, checked against the f64 reference and timed the way
+//! the benchmark method prescribes (CUDA graph over a rotating pool of >= 512 MiB of KV, median
+//! of rounds). Without a GPU it says so and runs the CPU reference instead.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use kvstream::plan::{plan, split_range, tile_tokens};
+use kvstream::reference::{
+    combine_partials, decode_reference, random_bf16, random_f16, relative_error, split_partial,
+    RefShape, SplitMix64,
+};
+use kvstream::{
+    DType, DecodeProblem, DecodeTensors, Decoder, DeviceFacts, Element, Error, Runtime,
+};
+
+use crate::ShapeArgs;
+
+/// Bytes of KV the timing pool cycles through, so the cache cannot hold it (L2 is 60 MB).
+const POOL_BYTES: usize = 512 << 20;
+/// Relative error a bf16/f16 decode must stay under.
+const TOLERANCE: f64 = 1e-2;
+
+pub fn run(shape: &ShapeArgs, rounds: usize) -> kvstream::Result<()> {
+    let (problem, opts) = shape.problem()?;
+    match Runtime::new(0) {
+        Ok(rt) => match problem.dtype {
+            DType::Bf16 => gpu_demo::<half::bf16>(&rt, problem, opts, rounds, random_bf16),
+            DType::F16 => gpu_demo::<half::f16>(&rt, problem, opts, rounds, random_f16),
+        },
+        Err(e @ (Error::DriverUnavailable(_) | Error::NoSuitableDevice(_))) => {
+            println!("No usable GPU: {e}.");
+            println!("kvstream's kernels need an NVIDIA H100/H200 (sm_90). Running the f64 CPU reference instead.\n");
+            cpu_demo()
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn ref_shape(p: &DecodeProblem) -> RefShape {
+    RefShape {
+        batch: p.batch,
+        q_len: 1,
+        hq: p.hq,
+        hkv: p.hkv,
+        d: p.head_dim,
+        max_len: p.max_len,
+        softmax_scale: p.scale() as f64,
+    }
+}
+
+/// The reference on a small problem, once directly and once through the split + combine model
+/// the GPU path uses, so the demo still shows the math end to end.
+fn cpu_demo() -> kvstream::Result<()> {
+    let problem = DecodeProblem::new(1, 16, 2, 128, 1000, DType::Bf16)?;
+    let shape = ref_shape(&problem);
+    let mut rng = SplitMix64::new(7);
+    let (_, q) = random_bf16(&mut rng, problem.hq * problem.head_dim, 1.0);
+    let kv_len = problem.max_len * problem.hkv * problem.head_dim;
+    let (_, k) = random_bf16(&mut rng, kv_len, 1.0);
+    let (_, v) = random_bf16(&mut rng, kv_len, 1.0);
+    let lens = [problem.max_len];
+    let t = Instant::now();
+    let full = decode_reference(&shape, &q, &k, &v, &lens);
+    let ref_time = t.elapsed();
+
+    let pl = plan(&problem, DeviceFacts::H200, Default::default())?;
+    let tile = tile_tokens(problem.head_dim);
+    let mut split_out = Vec::with_capacity(full.out.len());
+    for h in 0..problem.hq {
+        let partials: Vec<_> = (0..pl.num_splits)
+            .map(|s| {
+                let r = split_range(problem.max_len, pl.num_splits, s, tile);
+                split_partial(&shape, &q, &k, &v, 0, 0, h, r)
+            })
+            .collect();
+        split_out.extend(combine_partials(&partials, problem.head_dim).0);
+    }
+    let err = relative_error(&split_out, &full.out);
+    println!(
+        "CPU reference: batch 1, {}/{} heads, d {}, L {}: {:.1} ms; lse[0] = {:.4}",
+        problem.hq,
+        problem.hkv,
+        problem.head_dim,
+        problem.max_len,
+        ref_time.as_secs_f64() * 1e3,
+        full.lse[0]
+    );
+    println!(
+        "split model ({} splits of {}-token tiles, FP32-style combine) vs reference: rel err {err:.2e}",
+        pl.num_splits, tile
+    );
+    if err > 1e-12 {
+        return Err(Error::invalid(
+            "split model",
+            format!("rel err {err:e}"),
+            "<= 1e-12",
+        ));
+    }
+    Ok(())
+}
+
+type RandomFn<T> = fn(&mut SplitMix64, usize, f32) -> (Vec<T>, Vec<f32>);
+
+fn alloc<T: cudarc::driver::DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    n: usize,
+    what: &str,
+) -> kvstream::Result<CudaSlice<T>> {
+    // SAFETY: every buffer is written (upload or kernel) before it is read.
+    unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::Driver {
+        context: format!("allocating {n} elements for {what}"),
+        code: format!("{e:?}"),
+    })
+}
+
+fn driver<T>(what: &str, r: Result<T, cudarc::driver::DriverError>) -> kvstream::Result<T> {
+    r.map_err(|e| Error::Driver {
+        context: what.to_string(),
+        code: format!("{e:?}"),
+    })
+}
+
+fn gpu_demo<T: Element + Copy>(
+    rt: &Arc<Runtime>,
+    problem: DecodeProblem,
+    opts: kvstream::PlanOptions,
+    rounds: usize,
+    random: RandomFn<T>,
+) -> kvstream::Result<()> {
+    let ctx = rt.context();
+    // One stream, raw pointers inside the captured graph: cudarc's cross-stream event tracking
+    // is not needed and would add event waits to the capture.
+    // SAFETY: everything below runs on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = driver("creating a stream", ctx.new_stream())?;
+    let t = Instant::now();
+    let decoder = Decoder::new(rt, problem.clone(), opts)?;
+    let setup = t.elapsed();
+    let p = &problem;
+    let q_elems = p.batch * p.hq * p.head_dim;
+    let kv_elems = p.batch * p.max_len * p.hkv * p.head_dim;
+    let kv_set_bytes = 2 * kv_elems * p.dtype.size();
+    let sets = POOL_BYTES.div_ceil(kv_set_bytes).clamp(2, 256);
+
+    let mut rng = SplitMix64::new(2024);
+    let (q_h, q_f) = random(&mut rng, q_elems, 1.0);
+    let (k_h, k_f) = random(&mut rng, kv_elems, 1.0);
+    let (v_h, v_f) = random(&mut rng, kv_elems, 1.0);
+    let mut q = alloc::<T>(&stream, sets * q_elems, "q")?;
+    let mut k = alloc::<T>(&stream, sets * kv_elems, "k")?;
+    let mut v = alloc::<T>(&stream, sets * kv_elems, "v")?;
+    let mut out = alloc::<T>(&stream, sets * q_elems, "out")?;
+    let mut lse = alloc::<f32>(&stream, p.batch * p.hq, "lse")?;
+    for s in 0..sets {
+        driver(
+            "uploading q",
+            stream.memcpy_htod(&q_h, &mut q.slice_mut(s * q_elems..(s + 1) * q_elems)),
+        )?;
+        driver(
+            "uploading k",
+            stream.memcpy_htod(&k_h, &mut k.slice_mut(s * kv_elems..(s + 1) * kv_elems)),
+        )?;
+        driver(
+            "uploading v",
+            stream.memcpy_htod(&v_h, &mut v.slice_mut(s * kv_elems..(s + 1) * kv_elems)),
+        )?;
+    }
+    let elem = p.dtype.size() as u64;
+    let base = |s: &CudaSlice<T>| s.device_ptr(&stream).0;
+    let (qb, kb, vb) = (base(&q), base(&k), base(&v));
+    let ob = out.device_ptr_mut(&stream).0;
+    let lse_ptr = lse.device_ptr_mut(&stream).0;
+    let tensors = |s: usize, with_lse: bool| DecodeTensors {
+        q: qb + (s * q_elems) as u64 * elem,
+        k: kb + (s * kv_elems) as u64 * elem,
+        v: vb + (s * kv_elems) as u64 * elem,
+        out: ob + (s * q_elems) as u64 * elem,
+        lse: with_lse.then_some(lse_ptr),
+        seqlens: None,
+    };
+
+    // ---- check set 0 against the f64 reference ----
+    // SAFETY: the pointers cover the sizes the problem implies (allocated above).
+    unsafe { decoder.run(&tensors(0, true), stream.cu_stream())? };
+    let got: Vec<T> = driver("downloading out", stream.clone_dtoh(&out.slice(0..q_elems)))?;
+    let got_lse: Vec<f32> = driver("downloading lse", stream.clone_dtoh(&lse))?;
+    let got: Vec<f64> = got.iter().map(|&x| to_f64(x)).collect();
+    let reference = decode_reference(&ref_shape(p), &q_f, &k_f, &v_f, &vec![p.max_len; p.batch]);
+    let err = relative_error(&got, &reference.out);
+    let lse_err = got_lse
+        .iter()
+        .zip(&reference.lse)
+        .map(|(&a, &b)| lse_distance(a as f64, b))
+        .fold(0.0, f64::max);
+
+    // ---- time: one graph = one call per pool set ----
+    driver(
+        "beginning capture",
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+    )?;
+    for s in 0..sets {
+        // SAFETY: as above, for pool set s.
+        unsafe { decoder.run(&tensors(s, false), stream.cu_stream())? };
+    }
+    let graph = driver(
+        "instantiating the graph",
+        stream.end_capture(sys::CUgraphInstantiate_flags(0)),
+    )?
+    .ok_or_else(|| Error::Driver {
+        context: "capturing the decode".into(),
+        code: "empty graph".into(),
+    })?;
+    let start = driver("creating an event", ctx.new_event(None))?;
+    let stop = driver("creating an event", ctx.new_event(None))?;
+    for _ in 0..2 {
+        driver("warm-up replay", graph.launch())?;
+    }
+    let mut per_call_us = Vec::with_capacity(rounds);
+    for _ in 0..rounds.max(7) {
+        driver("recording", start.record(&stream))?;
+        driver("replaying", graph.launch())?;
+        driver("recording", stop.record(&stream))?;
+        let ms = driver("timing", start.elapsed_ms(&stop))?;
+        per_call_us.push(ms as f64 * 1e3 / sets as f64);
+    }
+    per_call_us.sort_by(|a, b| a.total_cmp(b));
+    let median = per_call_us[per_call_us.len() / 2];
+    let min = per_call_us[0];
+    let io = p.io_bytes(p.batch * p.max_len) as f64;
+
+    let pl = decoder.plan();
+    println!(
+        "kvstream decode on {}: batch {}, {}/{} heads, d {}, L {}, {}",
+        ctx.name().unwrap_or_default(),
+        p.batch,
+        p.hq,
+        p.hkv,
+        p.head_dim,
+        p.max_len,
+        p.dtype.name()
+    );
+    println!(
+        "  plan: {} split(s), grid {:?}, {}, kernel {} ({} regs); setup {:.0} ms",
+        pl.num_splits,
+        pl.grid,
+        if pl.combine.is_some() {
+            "decode + combine (PDL)"
+        } else {
+            "single kernel"
+        },
+        kvstream::kernels::Variant::name(&pl.decode),
+        decoder.decode_registers(),
+        setup.as_secs_f64() * 1e3
+    );
+    println!("  check vs f64 reference: rel err {err:.2e} (limit {TOLERANCE:.0e}), max |lse err| {lse_err:.2e}");
+    println!(
+        "  time: {median:.2} us median ({min:.2} us min) over {} rounds of {sets} calls; {:.0} GB/s ({:.1} MB moved per call)",
+        per_call_us.len(),
+        io / median / 1e3,
+        io / 1e6
+    );
+    println!(
+        "RESULT id=b{}-h{}-{}-d{}-L{} us={median:.3} GBps={:.1} splits={} rel_err={err:.3e}",
+        p.batch,
+        p.hq,
+        p.hkv,
+        p.head_dim,
+        p.max_len,
+        io / median / 1e3,
+        pl.num_splits
+    );
+    if err > TOLERANCE || lse_err > 1e-3 {
+        return Err(Error::invalid(
+            "decode result",
+            format!("rel err {err:.3e}, lse err {lse_err:.3e}"),
+            format!("rel err <= {TOLERANCE:e} and lse err <= 1e-3"),
+        ));
+    }
+    Ok(())
+}
+
+/// |a - b|, 0 when both are the same infinity, +inf when either is NaN (so NaN never passes).
+fn lse_distance(a: f64, b: f64) -> f64 {
+    if a == b {
+        0.0
+    } else {
+        let d = (a - b).abs();
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            d
+        }
+    }
+}
+
+fn to_f64<T: Element + Copy>(x: T) -> f64 {
+    match T::DTYPE {
+        // SAFETY: T is exactly the half type named by its DTYPE.
+        DType::Bf16 => unsafe { std::mem::transmute_copy::<T, half::bf16>(&x) }.to_f64(),
+        DType::F16 => unsafe { std::mem::transmute_copy::<T, half::f16>(&x) }.to_f64(),
+    }
+}

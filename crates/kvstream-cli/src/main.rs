@@ -1,0 +1,176 @@
+//! `kvstream`: run and check a decode on the GPU, inspect kernels and plans.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand};
+use kvstream::jit;
+use kvstream::kernels::all_variants;
+use kvstream::plan::{plan, PlanOptions};
+use kvstream::{DType, DecodeProblem, DeviceFacts};
+
+mod demo;
+
+#[derive(Parser)]
+#[command(
+    name = "kvstream",
+    version,
+    about = "Decode attention for LLM inference on NVIDIA Hopper"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Shape of a decode problem on the command line.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ShapeArgs {
+    /// Requests in the batch.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 16)]
+    pub hq: usize,
+    /// KV heads.
+    #[arg(long, default_value_t = 2)]
+    pub hkv: usize,
+    /// Head dimension (64 or 128).
+    #[arg(long, default_value_t = 128)]
+    pub head_dim: usize,
+    /// Cache length per request.
+    #[arg(long = "len", default_value_t = 4096)]
+    pub len: usize,
+    /// bf16 or f16.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Force the number of KV splits.
+    #[arg(long)]
+    pub splits: Option<usize>,
+}
+
+impl ShapeArgs {
+    /// The validated problem and plan options.
+    pub fn problem(&self) -> kvstream::Result<(DecodeProblem, PlanOptions)> {
+        let dtype: DType = self.dtype.parse()?;
+        let p = DecodeProblem::new(
+            self.batch,
+            self.hq,
+            self.hkv,
+            self.head_dim,
+            self.len,
+            dtype,
+        )?;
+        let opts = PlanOptions {
+            num_splits: self.splits,
+            ..Default::default()
+        };
+        Ok((p, opts))
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run one decode on the GPU, check it against the f64 reference, print time and bandwidth.
+    /// Without a GPU: say so and run the CPU reference on a small problem.
+    Demo {
+        #[command(flatten)]
+        shape: ShapeArgs,
+        /// Timed rounds (each replays one CUDA graph over the whole input pool); at least 7.
+        #[arg(long, default_value_t = 15)]
+        rounds: usize,
+    },
+    /// Compile every kernel variant with NVRTC (or take it from the cache) and print its ptxas
+    /// report. Needs NVRTC, not a GPU.
+    Kernels {
+        /// Also write each raw CUBIN to this directory (for cuobjdump / nvdisasm).
+        #[arg(long)]
+        dump: Option<std::path::PathBuf>,
+    },
+    /// Print the plan the library would choose for a shape (no GPU needed; assumes 132 SMs).
+    Plan {
+        #[command(flatten)]
+        shape: ShapeArgs,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo { shape, rounds } => demo::run(&shape, rounds),
+        Command::Kernels { dump } => kernels(dump.as_deref()),
+        Command::Plan { shape } => print_plan(&shape),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn kernels(dump: Option<&std::path::Path>) -> kvstream::Result<()> {
+    let (major, minor) = jit::compile::nvrtc_version()?;
+    println!(
+        "NVRTC {major}.{minor}, target {}, cache {}",
+        jit::ARCH,
+        jit::cache::cache_dir().display()
+    );
+    println!(
+        "{:<36} {:>6} {:>6} {:>7} {:>7} {:>9}  source",
+        "variant", "regs", "stack", "spill_st", "spill_ld", "smem_dyn"
+    );
+    let mut failures = 0;
+    for v in all_variants() {
+        let var = v.as_variant();
+        let t = Instant::now();
+        match jit::cubin(var) {
+            Ok((c, origin)) => {
+                let r = c.report();
+                if let Some(dir) = dump {
+                    let path = dir.join(format!("{}.cubin", var.name()));
+                    std::fs::create_dir_all(dir)
+                        .and_then(|_| std::fs::write(&path, &c.cubin))
+                        .map_err(|e| {
+                            kvstream::Error::Cache(format!("cannot write {}: {e}", path.display()))
+                        })?;
+                }
+                let dyn_smem = match v {
+                    kvstream::kernels::AnyVariant::Decode(d) => d.shared_bytes(),
+                    kvstream::kernels::AnyVariant::Combine(_) => 0,
+                };
+                println!(
+                    "{:<36} {:>6} {:>6} {:>8} {:>8} {:>9}  {:?} {:.1}s",
+                    var.name(),
+                    r.registers,
+                    r.stack_bytes,
+                    r.spill_stores,
+                    r.spill_loads,
+                    dyn_smem,
+                    origin,
+                    t.elapsed().as_secs_f64()
+                );
+            }
+            Err(e) => {
+                failures += 1;
+                println!("{:<36} FAILED: {e}", var.name());
+            }
+        }
+    }
+    if failures > 0 {
+        return Err(kvstream::Error::Compile {
+            variant: format!("{failures} variant(s)"),
+            options: vec![],
+            log: "see above".into(),
+        });
+    }
+    Ok(())
+}
+
+fn print_plan(shape: &ShapeArgs) -> kvstream::Result<()> {
+    let (p, opts) = shape.problem()?;
+    let pl = plan(&p, DeviceFacts::H200, opts)?;
+    println!("{p:?}");
+    println!("{pl:#?}");
+    Ok(())
+}

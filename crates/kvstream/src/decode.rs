@@ -1,0 +1,288 @@
+//! The decode operation: a planned problem bound to a GPU, ready to launch on any stream.
+//!
+//! [`Decoder::new`] does everything that may be slow or allocate (plan, compile and load the
+//! kernels, allocate the split workspace for the problem's maxima); [`Decoder::run`] only checks
+//! pointers and enqueues one or two kernels, so it can be called while a stream is being captured
+//! into a CUDA graph and replayed with new lengths.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+
+use crate::error::{Error, Result};
+use crate::kernels::{AnyVariant, COMBINE_ROWS_PER_CTA, COMBINE_THREADS, DECODE_THREADS};
+use crate::launch::{launch, LaunchConfig};
+use crate::params::DecodeParams;
+use crate::plan::{plan, DecodePlan, PlanOptions};
+use crate::problem::{DType, DecodeProblem};
+use crate::runtime::{LoadedKernel, Runtime};
+
+/// Device pointers of one call. Layouts (contiguous unless the problem says otherwise):
+/// q `[batch, hq, d]`, k and v `[batch, max_len, hkv, d]` with the problem's strides,
+/// out `[batch, hq, d]`, lse `[batch, hq]` f32, seqlens `[batch]` i32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodeTensors {
+    /// Queries.
+    pub q: u64,
+    /// K cache.
+    pub k: u64,
+    /// V cache.
+    pub v: u64,
+    /// Output, same dtype as q.
+    pub out: u64,
+    /// Optional log-sum-exp output (natural log, f32).
+    pub lse: Option<u64>,
+    /// Optional per-request lengths on the device (each in 0..=max_len; larger values are
+    /// clamped to max_len by the kernel, never read past it).
+    pub seqlens: Option<u64>,
+}
+
+/// Element types the safe slice API accepts.
+pub trait Element: cudarc::driver::DeviceRepr {
+    /// The matching kvstream dtype.
+    const DTYPE: DType;
+}
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::Bf16;
+}
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+
+/// A decode problem planned and loaded on one GPU.
+///
+/// ```no_run
+/// use kvstream::{DType, DecodeProblem, Decoder, PlanOptions, Runtime};
+/// # fn main() -> kvstream::Result<()> {
+/// let rt = Runtime::new(0)?;
+/// let problem = DecodeProblem::new(1, 16, 2, 128, 4096, DType::Bf16)?;
+/// let decoder = Decoder::new(&rt, problem, PlanOptions::default())?;
+/// let stream = rt.context().default_stream();
+/// let q = stream.alloc_zeros::<half::bf16>(16 * 128).unwrap();
+/// let k = stream.alloc_zeros::<half::bf16>(4096 * 2 * 128).unwrap();
+/// let v = stream.alloc_zeros::<half::bf16>(4096 * 2 * 128).unwrap();
+/// let mut out = stream.alloc_zeros::<half::bf16>(16 * 128).unwrap();
+/// decoder.run_slices(&stream, &q, &k, &v, &mut out, None, None)?;
+/// # Ok(()) }
+/// ```
+pub struct Decoder {
+    rt: Arc<Runtime>,
+    problem: DecodeProblem,
+    plan: DecodePlan,
+    decode: LoadedKernel,
+    combine: Option<LoadedKernel>,
+    workspace: Option<CudaSlice<u8>>,
+}
+
+impl Decoder {
+    /// Plans `problem` for this GPU, loads its kernels and allocates the split workspace.
+    pub fn new(rt: &Arc<Runtime>, problem: DecodeProblem, options: PlanOptions) -> Result<Self> {
+        let plan = plan(&problem, rt.facts(), options)?;
+        let decode = rt.kernel(AnyVariant::Decode(plan.decode), plan.decode.shared_bytes())?;
+        let combine = match plan.combine {
+            Some(c) => Some(rt.kernel(AnyVariant::Combine(c), 0)?),
+            None => None,
+        };
+        let workspace =
+            match plan.workspace.bytes() {
+                0 => None,
+                bytes => {
+                    let stream = rt.context().default_stream();
+                    // SAFETY: the workspace is write-before-read in every call (see combine.cu).
+                    Some(unsafe { stream.alloc::<u8>(bytes) }.map_err(|e| {
+                        Error::driver(format!("allocating {bytes} B of workspace"), e)
+                    })?)
+                }
+            };
+        Ok(Decoder {
+            rt: rt.clone(),
+            problem,
+            plan,
+            decode,
+            combine,
+            workspace,
+        })
+    }
+
+    /// The problem this decoder serves.
+    pub fn problem(&self) -> &DecodeProblem {
+        &self.problem
+    }
+
+    /// The plan it executes.
+    pub fn plan(&self) -> &DecodePlan {
+        &self.plan
+    }
+
+    /// Registers of the decode kernel (from ptxas), for reports.
+    pub fn decode_registers(&self) -> u32 {
+        self.decode.report.registers
+    }
+
+    /// Enqueues one decode on `stream` (a raw `CUstream`, e.g. PyTorch's current stream).
+    ///
+    /// # Safety
+    /// The pointers must reference device memory of this runtime's GPU with at least the sizes
+    /// the layouts in [`DecodeTensors`] imply for this problem, and stay valid until the work
+    /// completes. `stream` must belong to this runtime's context.
+    pub unsafe fn run(&self, t: &DecodeTensors, stream: sys::CUstream) -> Result<()> {
+        let rt = &self.rt;
+        rt.check_pointer("q", t.q, 16)?;
+        rt.check_pointer("k_cache", t.k, 16)?;
+        rt.check_pointer("v_cache", t.v, 16)?;
+        rt.check_pointer("out", t.out, 16)?;
+        if let Some(lse) = t.lse {
+            rt.check_pointer("lse", lse, 4)?;
+        }
+        if let Some(s) = t.seqlens {
+            rt.check_pointer("cache_seqlens", s, 4)?;
+        }
+        rt.bind()?;
+        let p = &self.problem;
+        let (ws, (o_off, m_off, l_off)) = match &self.workspace {
+            Some(w) => {
+                let (ptr, _sync) = w.device_ptr(w.stream());
+                (ptr, self.plan.workspace.offsets())
+            }
+            None => (0, (0, 0, 0)),
+        };
+        let at = |off: usize| if ws == 0 { 0 } else { ws + off as u64 };
+        let params = DecodeParams {
+            q: t.q,
+            k: t.k,
+            v: t.v,
+            out: t.out,
+            lse: t.lse.unwrap_or(0),
+            seqlens: t.seqlens.unwrap_or(0),
+            o_partial: at(o_off),
+            m_partial: at(m_off),
+            l_partial: at(l_off),
+            q_batch_stride: (p.hq * p.head_dim) as i64,
+            q_head_stride: p.head_dim as i64,
+            k_batch_stride: p.k_strides.batch,
+            k_token_stride: p.k_strides.token,
+            k_head_stride: p.k_strides.head,
+            v_batch_stride: p.v_strides.batch,
+            v_token_stride: p.v_strides.token,
+            v_head_stride: p.v_strides.head,
+            o_batch_stride: (p.hq * p.head_dim) as i64,
+            o_head_stride: p.head_dim as i64,
+            batch: p.batch as i32,
+            hq: p.hq as i32,
+            hkv: p.hkv as i32,
+            group: p.group() as i32,
+            max_len: p.max_len as i32,
+            num_splits: self.plan.num_splits as i32,
+            scale_log2: p.scale() * std::f32::consts::LOG2_E,
+            reserved: 0,
+        };
+        let decode_cfg = LaunchConfig {
+            grid: self.plan.grid,
+            block: [DECODE_THREADS, 1, 1],
+            shared_bytes: self.plan.decode.shared_bytes() as u32,
+            pdl: self.plan.pdl,
+            cluster: None,
+        };
+        launch(
+            self.decode.func,
+            &decode_cfg,
+            stream,
+            &params,
+            "the decode kernel",
+        )?;
+        if let Some(combine) = &self.combine {
+            let rows = (p.batch * p.hq) as u32;
+            let cfg = LaunchConfig {
+                grid: [rows.div_ceil(COMBINE_ROWS_PER_CTA), 1, 1],
+                block: [COMBINE_THREADS, 1, 1],
+                shared_bytes: 0,
+                pdl: self.plan.pdl,
+                cluster: None,
+            };
+            launch(combine.func, &cfg, stream, &params, "the combine kernel")?;
+        }
+        Ok(())
+    }
+
+    /// Safe form of [`Decoder::run`] on cudarc slices: checks dtype and lengths, then enqueues
+    /// on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_slices<T: Element>(
+        &self,
+        stream: &Arc<CudaStream>,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+        seqlens: Option<&CudaSlice<i32>>,
+    ) -> Result<()> {
+        let p = &self.problem;
+        if T::DTYPE != p.dtype {
+            return Err(Error::invalid(
+                "q, k_cache, v_cache, out",
+                T::DTYPE.name(),
+                format!("{} (the problem's dtype)", p.dtype.name()),
+            ));
+        }
+        let rows = p.batch * p.hq;
+        let need_q = rows * p.head_dim;
+        let kv_need = |s: crate::problem::KvStrides| {
+            (p.batch as i64 - 1) * s.batch
+                + (p.max_len as i64 - 1) * s.token
+                + (p.hkv as i64 - 1) * s.head
+                + p.head_dim as i64
+        };
+        let checks: [(&'static str, usize, usize); 4] = [
+            ("q", q.len(), need_q),
+            ("k_cache", k.len(), kv_need(p.k_strides) as usize),
+            ("v_cache", v.len(), kv_need(p.v_strides) as usize),
+            ("out", out.len(), need_q),
+        ];
+        for (arg, have, need) in checks {
+            if have < need {
+                return Err(Error::invalid(
+                    arg,
+                    format!("{have} elements"),
+                    format!("at least {need}"),
+                ));
+            }
+        }
+        if let Some(l) = &lse {
+            if l.len() < rows {
+                return Err(Error::invalid(
+                    "lse",
+                    format!("{} elements", l.len()),
+                    format!("at least {rows}"),
+                ));
+            }
+        }
+        if let Some(s) = seqlens {
+            if s.len() < p.batch {
+                return Err(Error::invalid(
+                    "cache_seqlens",
+                    format!("{} elements", s.len()),
+                    format!("at least {} (one per request)", p.batch),
+                ));
+            }
+        }
+        let (qp, _g1) = q.device_ptr(stream);
+        let (kp, _g2) = k.device_ptr(stream);
+        let (vp, _g3) = v.device_ptr(stream);
+        let (op, _g4) = out.device_ptr_mut(stream);
+        let mut lse = lse;
+        let lse_ptr = lse.as_mut().map(|l| l.device_ptr_mut(stream));
+        let seq_ptr = seqlens.map(|s| s.device_ptr(stream));
+        let tensors = DecodeTensors {
+            q: qp,
+            k: kp,
+            v: vp,
+            out: op,
+            lse: lse_ptr.as_ref().map(|(p, _)| *p),
+            seqlens: seq_ptr.as_ref().map(|(p, _)| *p),
+        };
+        // SAFETY: lengths checked above; the slices outlive the enqueue and cudarc's guards
+        // record the stream use.
+        unsafe { self.run(&tensors, stream.cu_stream()) }
+    }
+}

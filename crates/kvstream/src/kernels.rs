@@ -1,0 +1,213 @@
+//! The CUDA sources embedded in the library and the variants they are compiled into.
+//!
+//! A variant is a source plus NVRTC `-D` defines; the plan module chooses variants, the JIT
+//! compiles them, nothing else knows about defines. [`all_variants`] lists every variant the
+//! library can launch, so tests and `kvstream kernels` can compile each one.
+
+use crate::plan;
+use crate::problem::{DType, DecodeProblem, MAX_GROUP, SUPPORTED_HEAD_DIMS};
+
+/// Headers the kernels include, by the name they use in `#include "..."`.
+pub const HEADERS: [(&str, &str); 2] = [
+    ("ptx.cuh", include_str!("../../../kernels/include/ptx.cuh")),
+    (
+        "params.cuh",
+        include_str!("../../../kernels/include/params.cuh"),
+    ),
+];
+
+const DECODE_GQA_SRC: &str = include_str!("../../../kernels/sm90/decode_gqa.cu");
+const COMBINE_SRC: &str = include_str!("../../../kernels/sm90/combine.cu");
+
+/// Threads per decode CTA: four consumer warps and one producer warp (decode_gqa.cu).
+pub const DECODE_THREADS: u32 = 160;
+/// Threads per combine CTA: one warp per output row, four rows per CTA (combine.cu).
+pub const COMBINE_THREADS: u32 = 128;
+/// Output rows per combine CTA.
+pub const COMBINE_ROWS_PER_CTA: u32 = 4;
+
+/// A compiled-at-run-time kernel: where its source is and how to specialise it.
+pub trait Variant {
+    /// Unique, human-readable name, e.g. `decode_gqa.bf16.d128.n1.t64.s4`.
+    fn name(&self) -> String;
+    /// The `.cu` source.
+    fn source(&self) -> &'static str;
+    /// The `extern "C"` entry point.
+    fn entry(&self) -> &'static str;
+    /// `-D` defines that specialise the source.
+    fn defines(&self) -> Vec<(String, String)>;
+}
+
+/// One specialisation of `decode_gqa.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DecodeVariant {
+    /// Element type.
+    pub dtype: DType,
+    /// 64 or 128.
+    pub head_dim: usize,
+    /// ceil(group / 8).
+    pub n_tiles: usize,
+    /// KV positions per ring stage.
+    pub tile_tokens: usize,
+    /// Ring depth.
+    pub stages: usize,
+}
+
+impl DecodeVariant {
+    /// The variant that serves `problem`.
+    pub fn for_problem(problem: &DecodeProblem) -> Self {
+        DecodeVariant {
+            dtype: problem.dtype,
+            head_dim: problem.head_dim,
+            n_tiles: problem.group().div_ceil(8),
+            tile_tokens: plan::tile_tokens(problem.head_dim),
+            stages: plan::STAGES,
+        }
+    }
+
+    /// Dynamic shared memory of one CTA; mirrors `SharedPlan` in decode_gqa.cu.
+    pub fn shared_bytes(&self) -> usize {
+        let smem_row = self.head_dim * 2 + 16;
+        let ring = self.stages * 2 * self.tile_tokens * smem_row;
+        let q = self.n_tiles * 8 * smem_row;
+        let barriers = 2 * 8 * self.stages;
+        let stats = 2 * 4 * 4 * self.n_tiles * 8;
+        ring + q + barriers + stats
+    }
+}
+
+impl Variant for DecodeVariant {
+    fn name(&self) -> String {
+        format!(
+            "decode_gqa.{}.d{}.n{}.t{}.s{}",
+            self.dtype.name(),
+            self.head_dim,
+            self.n_tiles,
+            self.tile_tokens,
+            self.stages
+        )
+    }
+    fn source(&self) -> &'static str {
+        DECODE_GQA_SRC
+    }
+    fn entry(&self) -> &'static str {
+        "kvs_decode_gqa"
+    }
+    fn defines(&self) -> Vec<(String, String)> {
+        vec![
+            (
+                "KVS_IS_F16".into(),
+                u8::from(self.dtype == DType::F16).to_string(),
+            ),
+            ("KVS_HEAD_DIM".into(), self.head_dim.to_string()),
+            ("KVS_N_TILES".into(), self.n_tiles.to_string()),
+            ("KVS_TILE_TOKENS".into(), self.tile_tokens.to_string()),
+            ("KVS_STAGES".into(), self.stages.to_string()),
+        ]
+    }
+}
+
+/// One specialisation of `combine.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CombineVariant {
+    /// Output element type.
+    pub dtype: DType,
+    /// 64 or 128.
+    pub head_dim: usize,
+}
+
+impl Variant for CombineVariant {
+    fn name(&self) -> String {
+        format!("combine.{}.d{}", self.dtype.name(), self.head_dim)
+    }
+    fn source(&self) -> &'static str {
+        COMBINE_SRC
+    }
+    fn entry(&self) -> &'static str {
+        "kvs_combine"
+    }
+    fn defines(&self) -> Vec<(String, String)> {
+        vec![
+            (
+                "KVS_IS_F16".into(),
+                u8::from(self.dtype == DType::F16).to_string(),
+            ),
+            ("KVS_HEAD_DIM".into(), self.head_dim.to_string()),
+        ]
+    }
+}
+
+/// Any kernel variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum AnyVariant {
+    /// A decode kernel.
+    Decode(DecodeVariant),
+    /// A combine kernel.
+    Combine(CombineVariant),
+}
+
+impl AnyVariant {
+    /// The variant as a trait object.
+    pub fn as_variant(&self) -> &dyn Variant {
+        match self {
+            AnyVariant::Decode(v) => v,
+            AnyVariant::Combine(v) => v,
+        }
+    }
+}
+
+/// Every variant the planner can choose: all dtypes x head dims x group tiles, and the combines.
+pub fn all_variants() -> Vec<AnyVariant> {
+    let mut out = Vec::new();
+    for dtype in [DType::Bf16, DType::F16] {
+        for head_dim in SUPPORTED_HEAD_DIMS {
+            for n_tiles in 1..=MAX_GROUP / 8 {
+                out.push(AnyVariant::Decode(DecodeVariant {
+                    dtype,
+                    head_dim,
+                    n_tiles,
+                    tile_tokens: plan::tile_tokens(head_dim),
+                    stages: plan::STAGES,
+                }));
+            }
+            out.push(AnyVariant::Combine(CombineVariant { dtype, head_dim }));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_planned_variant_is_listed() {
+        let all = all_variants();
+        for g in 1..=MAX_GROUP {
+            for d in SUPPORTED_HEAD_DIMS {
+                for dt in [DType::Bf16, DType::F16] {
+                    let p = DecodeProblem::new(1, g, 1, d, 8, dt).unwrap();
+                    assert!(all.contains(&AnyVariant::Decode(DecodeVariant::for_problem(&p))));
+                }
+            }
+        }
+        let mut names: Vec<_> = all.iter().map(|v| v.as_variant().name()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), all.len(), "variant names must be unique");
+    }
+
+    #[test]
+    fn decode_shared_memory_fits_one_cta_per_sm() {
+        for v in all_variants() {
+            if let AnyVariant::Decode(d) = v {
+                assert!(
+                    d.shared_bytes() <= 227 * 1024,
+                    "{}: {}",
+                    d.name(),
+                    d.shared_bytes()
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,43 @@
+//! kvstream: decode attention for LLM inference on NVIDIA Hopper (sm_90a).
+//!
+//! One new query token per request attends to a long cached K/V. The kernels use the swap-AB
+//! formulation (S^T = K Q^T, O^T = V^T P^T: KV positions on the MMA M dimension, the query-head
+//! group on N), split the cache across CTAs to fill the GPU, and merge the splits with an FP32
+//! combine kernel chained by programmatic dependent launch. They are CUDA C++ with inline PTX,
+//! embedded here and compiled at first use by NVRTC to sm_90a CUBINs (cached on disk).
+//!
+//! Layers, top to bottom:
+//! - [`problem`]: shapes, dtype, strides; validation with errors that name the argument;
+//! - [`plan`]: split count, kernel variant, grid, workspace (every heuristic lives there);
+//! - [`kernels`] and [`jit`]: the embedded sources, their variants, NVRTC and the disk cache;
+//! - [`launch`] and [`runtime`]: `cuLaunchKernelEx` with PDL / cluster attributes, loaded modules;
+//! - [`decode`]: the public operation, [`Decoder`];
+//! - [`reference`]: the f64 CPU reference and the split/combine model the tests check against.
+//!
+//! ```no_run
+//! use kvstream::{DType, DecodeProblem, Decoder, PlanOptions, Runtime};
+//! # fn main() -> kvstream::Result<()> {
+//! let rt = Runtime::new(0)?;                                  // needs an H100/H200
+//! let problem = DecodeProblem::new(8, 32, 8, 128, 32768, DType::Bf16)?;
+//! let decoder = Decoder::new(&rt, problem, PlanOptions::default())?;
+//! println!("{} splits", decoder.plan().num_splits);
+//! # Ok(()) }
+//! ```
+#![deny(missing_docs)]
+
+pub mod decode;
+pub mod error;
+pub mod jit;
+pub mod kernels;
+pub mod launch;
+pub mod params;
+pub mod plan;
+pub mod problem;
+pub mod reference;
+pub mod runtime;
+
+pub use decode::{DecodeTensors, Decoder, Element};
+pub use error::{Error, Result};
+pub use plan::{DecodePlan, DeviceFacts, PlanOptions};
+pub use problem::{DType, DecodeProblem, KvStrides};
+pub use runtime::Runtime;

@@ -1,0 +1,44 @@
+//! Kernel parameter block, mirrored field for field from `kernels/include/params.cuh`.
+//!
+//! Passed by value as the kernels' only argument (`__grid_constant__`), so a launch is one
+//! pointer to this struct. Strides are in elements.
+
+/// Launch parameters of the decode and combine kernels.
+///
+/// Each field is documented once, with its shape, in `params.cuh`; repeating the comments here
+/// would let the two copies drift.
+#[allow(missing_docs)]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DecodeParams {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub out: u64,
+    pub lse: u64,
+    pub seqlens: u64,
+    pub o_partial: u64,
+    pub m_partial: u64,
+    pub l_partial: u64,
+    pub q_batch_stride: i64,
+    pub q_head_stride: i64,
+    pub k_batch_stride: i64,
+    pub k_token_stride: i64,
+    pub k_head_stride: i64,
+    pub v_batch_stride: i64,
+    pub v_token_stride: i64,
+    pub v_head_stride: i64,
+    pub o_batch_stride: i64,
+    pub o_head_stride: i64,
+    pub batch: i32,
+    pub hq: i32,
+    pub hkv: i32,
+    pub group: i32,
+    pub max_len: i32,
+    pub num_splits: i32,
+    pub scale_log2: f32,
+    pub reserved: i32,
+}
+
+// Same number as the static_assert in params.cuh.
+const _: () = assert!(std::mem::size_of::<DecodeParams>() == 184);

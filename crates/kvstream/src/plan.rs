@@ -1,0 +1,260 @@
+//! From a problem to a launch plan: kernel variant, tile shape, split count, grid and workspace.
+//!
+//! Every heuristic of the library lives here, next to the measurements that set its constants,
+//! so that the kernels and the launch code only execute decisions.
+//!
+//! # Split heuristic (v1, host side)
+//!
+//! Decode is a stream over the KV cache; what matters is that every SM has a CTA streaming, and
+//! that no CTA streams so little that its pipeline never fills. One CTA handles one
+//! (request, KV head, split); one CTA fits per SM (about 150 KB of shared memory).
+//!
+//! 1. `ctas = batch * hkv`. If that already fills the SMs, one split: no combine kernel.
+//! 2. Otherwise split each request into enough pieces to fill one wave:
+//!    `ceil(sm_count / ctas)`,
+//! 3. but give each split at least [`MIN_TILES_PER_SPLIT`] tiles (the ring holds
+//!    [`STAGES`] tiles, a split shorter than that never overlaps copy and compute),
+//! 4. and at most [`MAX_SPLITS`] splits.
+//!
+//! Worked example: 16/2 heads, d 128, batch 1, L 131072 on 132 SMs: 2 CTAs, so
+//! `ceil(132 / 2) = 66` splits; 2048 tiles of 64 tokens allow up to 512 splits of 4 tiles,
+//! so 66 splits of 31 or 32 tiles: 132 CTAs, one wave.
+//!
+//! Measured on the H200 (see `bench/NOTES.md`, split sweep): the constants come from
+//! sweeping forced split counts 1..64 for batch-1 shapes at L = 4096 and 131072.
+
+use crate::error::{Error, Result};
+use crate::kernels::{CombineVariant, DecodeVariant};
+use crate::problem::DecodeProblem;
+
+/// Ring depth of the decode kernel.
+pub const STAGES: usize = 4;
+/// Fewest tiles a split should stream (see the module docs).
+pub const MIN_TILES_PER_SPLIT: usize = 4;
+/// Most splits per (request, KV head): bounds the workspace and the combine's loop.
+pub const MAX_SPLITS: usize = 128;
+
+/// KV positions per ring stage. Stages of 64 rows of d128 (or 128 rows of d64) move 32 KB per
+/// stage, so four stages keep ~128 KB in flight per SM, well over the ~35 KB that hides
+/// DRAM latency at full bandwidth.
+pub fn tile_tokens(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        128
+    } else {
+        64
+    }
+}
+
+/// What the caller may force.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Force this many KV splits (1..=MAX_SPLITS) instead of the heuristic.
+    pub num_splits: Option<usize>,
+    /// Launch with programmatic dependent launch (default on).
+    pub disable_pdl: bool,
+}
+
+/// Sizes of the FP32 split workspace, in elements. Derived from the problem's maxima only, so a
+/// captured graph replays safely whatever the lengths are.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkspaceLayout {
+    /// `[splits, batch, hq, d]` unnormalised partial outputs.
+    pub o_partial: usize,
+    /// `[splits, batch, hq]` per-split maxima; the denominators follow with the same size.
+    pub stats: usize,
+}
+
+impl WorkspaceLayout {
+    /// Total bytes, each array starting on a 256-byte boundary.
+    pub fn bytes(&self) -> usize {
+        if self.o_partial == 0 {
+            return 0;
+        }
+        align(self.o_partial * 4) + 2 * align(self.stats * 4)
+    }
+
+    /// Byte offsets of (o_partial, m_partial, l_partial) from the workspace start.
+    pub fn offsets(&self) -> (usize, usize, usize) {
+        let m = align(self.o_partial * 4);
+        (0, m, m + align(self.stats * 4))
+    }
+}
+
+fn align(bytes: usize) -> usize {
+    bytes.div_ceil(256) * 256
+}
+
+/// The decisions for one problem.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodePlan {
+    /// Decode kernel variant.
+    pub decode: DecodeVariant,
+    /// Combine kernel variant; `None` when one split writes the output directly.
+    pub combine: Option<CombineVariant>,
+    /// KV splits per (request, KV head).
+    pub num_splits: usize,
+    /// Decode grid: (splits, hkv, batch).
+    pub grid: [u32; 3],
+    /// FP32 workspace needed by the combine.
+    pub workspace: WorkspaceLayout,
+    /// Launch with PDL.
+    pub pdl: bool,
+}
+
+/// Device facts the plan depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceFacts {
+    /// Streaming multiprocessors.
+    pub sm_count: usize,
+}
+
+impl DeviceFacts {
+    /// The H200 / H100 SXM: 132 SMs. Used for planning without a GPU (CPU tests, `kvstream plan`).
+    pub const H200: DeviceFacts = DeviceFacts { sm_count: 132 };
+}
+
+/// Split count chosen by the heuristic (module docs).
+pub fn heuristic_splits(problem: &DecodeProblem, device: DeviceFacts) -> usize {
+    let ctas = problem.batch * problem.hkv;
+    if ctas >= device.sm_count {
+        return 1;
+    }
+    let tiles = problem.max_len.div_ceil(tile_tokens(problem.head_dim));
+    let fill = device.sm_count.div_ceil(ctas);
+    let longest_useful = (tiles / MIN_TILES_PER_SPLIT).max(1);
+    fill.min(longest_useful).clamp(1, MAX_SPLITS)
+}
+
+/// Builds the plan for `problem`.
+pub fn plan(
+    problem: &DecodeProblem,
+    device: DeviceFacts,
+    options: PlanOptions,
+) -> Result<DecodePlan> {
+    problem.validate()?;
+    let num_splits = match options.num_splits {
+        Some(n) if (1..=MAX_SPLITS).contains(&n) => n,
+        Some(n) => return Err(Error::invalid("num_splits", n, format!("1..={MAX_SPLITS}"))),
+        None => heuristic_splits(problem, device),
+    };
+    let decode = DecodeVariant::for_problem(problem);
+    let combine = (num_splits > 1).then_some(CombineVariant {
+        dtype: problem.dtype,
+        head_dim: problem.head_dim,
+    });
+    let rows = problem.batch * problem.hq;
+    let workspace = if num_splits > 1 {
+        WorkspaceLayout {
+            o_partial: num_splits * rows * problem.head_dim,
+            stats: num_splits * rows,
+        }
+    } else {
+        WorkspaceLayout::default()
+    };
+    Ok(DecodePlan {
+        decode,
+        combine,
+        num_splits,
+        grid: [num_splits as u32, problem.hkv as u32, problem.batch as u32],
+        workspace,
+        pdl: !options.disable_pdl,
+    })
+}
+
+/// Token range `[begin, end)` of split `split` of a request of `len` tokens; mirrors
+/// `split_range` in `params.cuh` exactly: split `s` takes whole tiles
+/// `[s * tiles / splits, (s + 1) * tiles / splits)`, so run lengths differ by at most one tile.
+pub fn split_range(
+    len: usize,
+    num_splits: usize,
+    split: usize,
+    tile: usize,
+) -> std::ops::Range<usize> {
+    let tiles = len.div_ceil(tile);
+    let first = split * tiles / num_splits;
+    let last = (split + 1) * tiles / num_splits;
+    let begin = first * tile;
+    begin..len.min(last * tile).max(begin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::DType;
+    use proptest::prelude::*;
+
+    #[test]
+    fn worked_example_from_the_docs() {
+        let p = DecodeProblem::new(1, 16, 2, 128, 131_072, DType::Bf16).unwrap();
+        let plan = plan(&p, DeviceFacts::H200, PlanOptions::default()).unwrap();
+        assert_eq!(plan.num_splits, 66);
+        assert_eq!(plan.grid, [66, 2, 1]);
+        assert!(plan.combine.is_some());
+    }
+
+    #[test]
+    fn a_full_wave_needs_no_split_and_no_workspace() {
+        let p = DecodeProblem::new(128, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        let plan = plan(&p, DeviceFacts::H200, PlanOptions::default()).unwrap();
+        assert_eq!(plan.num_splits, 1);
+        assert!(plan.combine.is_none());
+        assert_eq!(plan.workspace.bytes(), 0);
+    }
+
+    #[test]
+    fn forced_split_count_is_checked() {
+        let p = DecodeProblem::new(1, 16, 2, 128, 4096, DType::Bf16).unwrap();
+        for n in [0, MAX_SPLITS + 1] {
+            let opts = PlanOptions {
+                num_splits: Some(n),
+                ..Default::default()
+            };
+            let msg = plan(&p, DeviceFacts::H200, opts).unwrap_err().to_string();
+            assert!(msg.contains("num_splits"), "{msg}");
+        }
+    }
+
+    proptest! {
+        /// Splits tile [0, len) exactly: consecutive, disjoint, in order, whole tiles except the
+        /// last non-empty one, lengths within one tile of each other.
+        #[test]
+        fn split_ranges_partition_the_request(len in 0usize..20_000, splits in 1usize..=MAX_SPLITS,
+                                              d in prop::sample::select(vec![64usize, 128])) {
+            let tile = tile_tokens(d);
+            let mut next = 0;
+            let tiles = len.div_ceil(tile);
+            for s in 0..splits {
+                let r = split_range(len, splits, s, tile);
+                if r.is_empty() {
+                    prop_assert!(tiles < splits, "empty split with {} tiles", tiles);
+                    continue;
+                }
+                prop_assert_eq!(r.start, next);
+                prop_assert!(r.start % tile == 0);
+                prop_assert!(r.end == len || r.end % tile == 0);
+                let n = r.end.div_ceil(tile) - r.start / tile;
+                prop_assert!(n == tiles / splits || n == tiles / splits + 1);
+                next = r.end;
+            }
+            prop_assert_eq!(next, len);
+        }
+
+        /// The heuristic stays in range, never leaves a one-wave problem split, and never
+        /// gives a split fewer than MIN_TILES_PER_SPLIT tiles unless it is the only split.
+        #[test]
+        fn heuristic_is_sane(batch in 1usize..300, hkv in prop::sample::select(vec![1usize, 2, 4, 8, 16]),
+                             g in 1usize..=32, d in prop::sample::select(vec![64usize, 128]),
+                             len in 1usize..300_000) {
+            let p = DecodeProblem::new(batch, hkv * g, hkv, d, len, DType::Bf16).unwrap();
+            let pl = plan(&p, DeviceFacts::H200, PlanOptions::default()).unwrap();
+            prop_assert!((1..=MAX_SPLITS).contains(&pl.num_splits));
+            if batch * hkv >= 132 { prop_assert_eq!(pl.num_splits, 1); }
+            let tiles = len.div_ceil(tile_tokens(d));
+            if pl.num_splits > 1 {
+                prop_assert!(tiles / pl.num_splits >= MIN_TILES_PER_SPLIT);
+                prop_assert_eq!(pl.workspace.o_partial, pl.num_splits * batch * hkv * g * d);
+            }
+            prop_assert!(batch * hkv * pl.num_splits <= 132 + batch * hkv);
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! What the caller asks for: shapes, dtype, layout and options of one decode, validated.
+//!
+//! A [`DecodeProblem`] holds no device memory; it is checked once when built, so the layers below
+//! (plan, launch) can assume a well-formed problem.
+
+use crate::error::{Error, Result};
+
+/// Element type of Q, K, V and the output (they always share it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DType {
+    /// bfloat16
+    Bf16,
+    /// IEEE half
+    F16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        2
+    }
+
+    /// Short lowercase name (`"bf16"`, `"f16"`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+        }
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "bf16" | "bfloat16" => Ok(DType::Bf16),
+            "f16" | "fp16" | "float16" | "half" => Ok(DType::F16),
+            other => Err(Error::invalid("dtype", other, "bf16 or f16")),
+        }
+    }
+}
+
+/// Head dimensions the kernels are built for.
+pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Largest query-head group (hq / hkv) one CTA handles: four n8 MMA tiles.
+pub const MAX_GROUP: usize = 32;
+
+/// Element strides of one KV cache tensor `[batch, max_len, hkv, d]`; the head dim is contiguous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvStrides {
+    /// Between consecutive requests.
+    pub batch: i64,
+    /// Between consecutive positions of one request.
+    pub token: i64,
+    /// Between consecutive KV heads.
+    pub head: i64,
+}
+
+impl KvStrides {
+    /// Strides of a contiguous `[batch, max_len, hkv, d]` tensor (the FA3 / vLLM layout).
+    pub fn contiguous(max_len: usize, hkv: usize, d: usize) -> Self {
+        KvStrides {
+            batch: (max_len * hkv * d) as i64,
+            token: (hkv * d) as i64,
+            head: d as i64,
+        }
+    }
+}
+
+/// One decode call: a single new query token per request attending to a cached K/V.
+///
+/// ```
+/// use kvstream::{DecodeProblem, DType};
+/// // 16 query heads sharing 2 KV heads, head dim 128, caches of up to 4096 tokens
+/// let p = DecodeProblem::new(1, 16, 2, 128, 4096, DType::Bf16).unwrap();
+/// assert_eq!(p.group(), 8);
+/// assert!(DecodeProblem::new(1, 12, 5, 128, 4096, DType::Bf16).is_err()); // 12 % 5 != 0
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodeProblem {
+    /// Requests in the batch.
+    pub batch: usize,
+    /// Query heads.
+    pub hq: usize,
+    /// KV heads (hq is a multiple).
+    pub hkv: usize,
+    /// Head dimension (64 or 128).
+    pub head_dim: usize,
+    /// Cache capacity per request (L); per-request lengths, when given, are at most this.
+    pub max_len: usize,
+    /// Element type of every tensor.
+    pub dtype: DType,
+    /// Softmax scale; `None` means 1/sqrt(head_dim).
+    pub softmax_scale: Option<f32>,
+    /// Strides of the K cache.
+    pub k_strides: KvStrides,
+    /// Strides of the V cache.
+    pub v_strides: KvStrides,
+}
+
+impl DecodeProblem {
+    /// A problem with contiguous `[batch, max_len, hkv, d]` caches and the default scale.
+    pub fn new(
+        batch: usize,
+        hq: usize,
+        hkv: usize,
+        head_dim: usize,
+        max_len: usize,
+        dtype: DType,
+    ) -> Result<Self> {
+        let strides = KvStrides::contiguous(max_len, hkv.max(1), head_dim);
+        let p = DecodeProblem {
+            batch,
+            hq,
+            hkv,
+            head_dim,
+            max_len,
+            dtype,
+            softmax_scale: None,
+            k_strides: strides,
+            v_strides: strides,
+        };
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// Same problem with an explicit softmax scale.
+    pub fn with_softmax_scale(mut self, scale: f32) -> Result<Self> {
+        self.softmax_scale = Some(scale);
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Same problem with other cache strides (e.g. a cache allocated for more requests).
+    pub fn with_kv_strides(mut self, k: KvStrides, v: KvStrides) -> Result<Self> {
+        self.k_strides = k;
+        self.v_strides = v;
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.hq / self.hkv
+    }
+
+    /// The softmax scale actually used.
+    pub fn scale(&self) -> f32 {
+        self.softmax_scale
+            .unwrap_or(1.0 / (self.head_dim as f32).sqrt())
+    }
+
+    /// Bytes one call must move at least when every request has `len` tokens: Q, K, V and out,
+    /// each once. The denominator of every GB/s figure kvstream prints.
+    pub fn io_bytes(&self, total_tokens: usize) -> usize {
+        let e = self.dtype.size();
+        let qo = 2 * self.batch * self.hq * self.head_dim * e;
+        qo + 2 * total_tokens * self.hkv * self.head_dim * e
+    }
+
+    /// Checks every field; called by the constructors.
+    pub fn validate(&self) -> Result<()> {
+        if self.batch == 0 || self.batch > 65_535 {
+            return Err(Error::invalid("batch", self.batch, "1..=65535"));
+        }
+        if self.hkv == 0 || self.hkv > 65_535 {
+            return Err(Error::invalid("hkv", self.hkv, "1..=65535"));
+        }
+        if self.hq == 0 || self.hq % self.hkv != 0 {
+            return Err(Error::invalid(
+                "hq",
+                format!("{} with hkv = {}", self.hq, self.hkv),
+                "a positive multiple of hkv",
+            ));
+        }
+        if self.group() > MAX_GROUP {
+            return Err(Error::invalid(
+                "hq / hkv",
+                self.group(),
+                format!("1..={MAX_GROUP} query heads per KV head"),
+            ));
+        }
+        if !SUPPORTED_HEAD_DIMS.contains(&self.head_dim) {
+            return Err(Error::invalid(
+                "head_dim",
+                self.head_dim,
+                format!("{SUPPORTED_HEAD_DIMS:?}"),
+            ));
+        }
+        if self.max_len == 0 || self.max_len > i32::MAX as usize {
+            return Err(Error::invalid("max_len", self.max_len, "1..=2^31-1"));
+        }
+        if let Some(s) = self.softmax_scale {
+            if !s.is_finite() || s <= 0.0 {
+                return Err(Error::invalid(
+                    "softmax_scale",
+                    s,
+                    "a finite positive number",
+                ));
+            }
+        }
+        for (arg, st) in [("k strides", self.k_strides), ("v strides", self.v_strides)] {
+            // Rows are moved by bulk copies: 16-byte aligned starts.
+            let ok = [st.batch, st.token, st.head]
+                .iter()
+                .all(|&x| x > 0 && x % 8 == 0);
+            if !ok {
+                return Err(Error::invalid(
+                    arg,
+                    format!("{st:?}"),
+                    "positive multiples of 8 elements (16 bytes)",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks per-request lengths known on the host against the problem.
+    pub fn validate_seqlens(&self, seqlens: &[i32]) -> Result<()> {
+        if seqlens.len() != self.batch {
+            return Err(Error::invalid(
+                "cache_seqlens",
+                format!("{} entries", seqlens.len()),
+                format!("one per request ({})", self.batch),
+            ));
+        }
+        if let Some((b, &len)) = seqlens
+            .iter()
+            .enumerate()
+            .find(|(_, &l)| l < 0 || l as usize > self.max_len)
+        {
+            return Err(Error::invalid(
+                "cache_seqlens",
+                format!("{len} at request {b}"),
+                format!("0..={} (the cache capacity)", self.max_len),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arg_of(e: Error) -> &'static str {
+        match e {
+            Error::InvalidArgument { arg, .. } => arg,
+            other => panic!("expected InvalidArgument, got {other}"),
+        }
+    }
+
+    #[test]
+    fn accepts_every_supported_group() {
+        for g in 1..=MAX_GROUP {
+            for d in SUPPORTED_HEAD_DIMS {
+                for dt in [DType::Bf16, DType::F16] {
+                    let p = DecodeProblem::new(3, 2 * g, 2, d, 100, dt).unwrap();
+                    assert_eq!(p.group(), g);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_each_bad_field_by_name() {
+        let e = |r: Result<DecodeProblem>| arg_of(r.unwrap_err());
+        assert_eq!(
+            e(DecodeProblem::new(0, 16, 2, 128, 64, DType::Bf16)),
+            "batch"
+        );
+        assert_eq!(e(DecodeProblem::new(1, 16, 0, 128, 64, DType::Bf16)), "hkv");
+        assert_eq!(e(DecodeProblem::new(1, 12, 5, 128, 64, DType::Bf16)), "hq");
+        assert_eq!(
+            e(DecodeProblem::new(1, 66, 2, 128, 64, DType::Bf16)),
+            "hq / hkv"
+        );
+        assert_eq!(
+            e(DecodeProblem::new(1, 16, 2, 96, 64, DType::Bf16)),
+            "head_dim"
+        );
+        assert_eq!(
+            e(DecodeProblem::new(1, 16, 2, 128, 0, DType::Bf16)),
+            "max_len"
+        );
+        let p = DecodeProblem::new(1, 16, 2, 128, 64, DType::Bf16).unwrap();
+        assert_eq!(e(p.clone().with_softmax_scale(f32::NAN)), "softmax_scale");
+        assert_eq!(e(p.clone().with_softmax_scale(-1.0)), "softmax_scale");
+        let odd = KvStrides {
+            batch: 8,
+            token: 12,
+            head: 8,
+        };
+        assert_eq!(e(p.clone().with_kv_strides(odd, odd)), "k strides");
+        let good = KvStrides::contiguous(64, 2, 128);
+        assert_eq!(e(p.clone().with_kv_strides(good, odd)), "v strides");
+        assert_eq!(arg_of("fp8".parse::<DType>().unwrap_err()), "dtype");
+    }
+
+    #[test]
+    fn seqlens_are_checked_against_capacity() {
+        let p = DecodeProblem::new(2, 16, 2, 128, 64, DType::F16).unwrap();
+        assert!(p.validate_seqlens(&[0, 64]).is_ok());
+        let msg = p.validate_seqlens(&[3, 65]).unwrap_err().to_string();
+        assert!(
+            msg.contains("65 at request 1") && msg.contains("0..=64"),
+            "{msg}"
+        );
+        assert!(p.validate_seqlens(&[-1, 3]).is_err());
+        assert!(p.validate_seqlens(&[1]).is_err());
+    }
+
+    #[test]
+    fn error_message_names_argument_value_and_allowed() {
+        let msg = DecodeProblem::new(1, 16, 2, 96, 64, DType::Bf16)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(msg, "invalid head_dim: got 96, allowed: [64, 128]");
+    }
+}

@@ -1,0 +1,743 @@
+//! CPU reference for decode attention, used as the ground truth that the GPU kernels are tested
+//! against.
+//!
+//! Everything here favours being obviously right over being fast: inputs are widened to `f64`,
+//! every accumulation happens in `f64`, and loops follow the tensor layouts in their natural
+//! order. The GPU kernels accumulate in `f32` with bf16/f16 inputs, so an `f64` reference puts
+//! all of the observable error on the kernel side and lets tests use tight, meaningful
+//! tolerances.
+//!
+//! Besides the full [`decode_reference`], the module mirrors the split-KV pipeline piece by piece
+//! ([`split_partial`] and [`combine_partials`]) in the kernel's base-2 convention, so a failing
+//! GPU test can tell whether the partial pass or the combine pass is wrong. It also holds the
+//! helpers that every test and demo needs: a relative-error metric that cannot be fooled by NaN,
+//! and a small deterministic generator for bf16/f16 test data.
+
+use half::{bf16, f16};
+use std::ops::Range;
+
+/// Shape of one decode problem as the reference sees it. Layouts are contiguous:
+/// q `[batch, q_len, hq, d]`, k and v `[batch, max_len, hkv, d]`, out `[batch, q_len, hq, d]`,
+/// lse `[batch, q_len, hq]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RefShape {
+    /// Number of requests.
+    pub batch: usize,
+    /// New tokens per request (1 for plain decode, more for speculative / multi-token decode).
+    pub q_len: usize,
+    /// Query heads; must be a multiple of `hkv`.
+    pub hq: usize,
+    /// Key/value heads.
+    pub hkv: usize,
+    /// Head dimension.
+    pub d: usize,
+    /// Capacity of the KV cache per request, in positions (the stride of the `batch` axis).
+    pub max_len: usize,
+    /// Multiplier applied to `q . k` before the softmax (usually `1 / sqrt(d)`).
+    pub softmax_scale: f64,
+}
+
+impl RefShape {
+    fn group(&self) -> usize {
+        assert!(self.hkv > 0, "hkv must be positive");
+        assert!(
+            self.hq % self.hkv == 0,
+            "hq ({}) must be a multiple of hkv ({})",
+            self.hq,
+            self.hkv
+        );
+        self.hq / self.hkv
+    }
+
+    fn q_offset(&self, b: usize, qi: usize, h: usize) -> usize {
+        ((b * self.q_len + qi) * self.hq + h) * self.d
+    }
+
+    fn kv_offset(&self, b: usize, pos: usize, kvh: usize) -> usize {
+        ((b * self.max_len + pos) * self.hkv + kvh) * self.d
+    }
+
+    fn check_inputs(&self, q: &[f32], k: &[f32], v: &[f32]) {
+        let q_elems = self.batch * self.q_len * self.hq * self.d;
+        let kv_elems = self.batch * self.max_len * self.hkv * self.d;
+        assert_eq!(q.len(), q_elems, "q has the wrong length for {self:?}");
+        assert_eq!(k.len(), kv_elems, "k has the wrong length for {self:?}");
+        assert_eq!(v.len(), kv_elems, "v has the wrong length for {self:?}");
+    }
+}
+
+/// Number of cache positions query row `qi` may attend to: positions `[0, seqlen - q_len + qi]`,
+/// i.e. none when that bound is negative.
+fn visible_len(seqlen: usize, q_len: usize, qi: usize) -> usize {
+    (seqlen + qi + 1).saturating_sub(q_len)
+}
+
+/// Output of the reference: `out` in `f64` and natural-log LSE (`f64::NEG_INFINITY` for a
+/// zero-length request).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RefOutput {
+    /// Attention output, layout `[batch, q_len, hq, d]`.
+    pub out: Vec<f64>,
+    /// Natural-log sum of exponentiated scaled scores, layout `[batch, q_len, hq]`.
+    pub lse: Vec<f64>,
+}
+
+/// Full decode attention in `f64`. `seqlens[b]` <= `max_len` is request b's cache length.
+///
+/// Query head h uses kv head `h / (hq / hkv)`. Multi-token (`q_len > 1`): query row i of request
+/// b sees cache positions `[0, seqlens[b] - q_len + i]` inclusive (causal among the new tokens;
+/// if that bound is < 0 the row sees nothing). A row that sees no position gives out = 0 and
+/// lse = -inf (never NaN).
+pub fn decode_reference(
+    shape: &RefShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    seqlens: &[usize],
+) -> RefOutput {
+    let group = shape.group();
+    shape.check_inputs(q, k, v);
+    assert_eq!(seqlens.len(), shape.batch, "one seqlen per request");
+    let d = shape.d;
+    let mut out = vec![0.0f64; shape.batch * shape.q_len * shape.hq * d];
+    let mut lse = vec![f64::NEG_INFINITY; shape.batch * shape.q_len * shape.hq];
+
+    // Scratch reused by every row so that long caches cost no allocation per row.
+    let mut scores = vec![0.0f64; shape.max_len];
+    let mut q_row = vec![0.0f64; d];
+    let mut acc = vec![0.0f64; d];
+
+    for (b, &seqlen) in seqlens.iter().enumerate() {
+        assert!(
+            seqlen <= shape.max_len,
+            "seqlens[{b}] = {seqlen} exceeds max_len {}",
+            shape.max_len
+        );
+        for kvh in 0..shape.hkv {
+            for h in kvh * group..(kvh + 1) * group {
+                for qi in 0..shape.q_len {
+                    let n = visible_len(seqlen, shape.q_len, qi);
+                    if n == 0 {
+                        // Already zero / -inf from initialisation.
+                        continue;
+                    }
+                    let qo = shape.q_offset(b, qi, h);
+                    for (dst, &src) in q_row.iter_mut().zip(&q[qo..qo + d]) {
+                        *dst = f64::from(src);
+                    }
+
+                    // Two passes (max, then exponentials) keep exp() in range for any scores.
+                    let mut m = f64::NEG_INFINITY;
+                    for (j, s) in scores[..n].iter_mut().enumerate() {
+                        let ko = shape.kv_offset(b, j, kvh);
+                        *s = dot(&q_row, &k[ko..ko + d]) * shape.softmax_scale;
+                        m = m.max(*s);
+                    }
+
+                    acc.fill(0.0);
+                    let mut l = 0.0f64;
+                    for (j, &s) in scores[..n].iter().enumerate() {
+                        let p = (s - m).exp();
+                        l += p;
+                        let vo = shape.kv_offset(b, j, kvh);
+                        axpy(&mut acc, p, &v[vo..vo + d]);
+                    }
+
+                    let row = &mut out[qo..qo + d];
+                    for (o, &a) in row.iter_mut().zip(&acc) {
+                        *o = a / l;
+                    }
+                    lse[(b * shape.q_len + qi) * shape.hq + h] = m + l.ln();
+                }
+            }
+        }
+    }
+    RefOutput { out, lse }
+}
+
+fn dot(q: &[f64], k: &[f32]) -> f64 {
+    q.iter().zip(k).map(|(&a, &b)| a * f64::from(b)).sum()
+}
+
+fn axpy(acc: &mut [f64], p: f64, v: &[f32]) {
+    for (a, &x) in acc.iter_mut().zip(v) {
+        *a += p * f64::from(x);
+    }
+}
+
+/// Split-KV partial state of one query row over one KV range, in the kernel's base-2 convention:
+/// scores are `s_j = (q . k_j) * softmax_scale * log2(e)`; `m = max_j s_j` (`NEG_INFINITY` when
+/// empty), `l = sum_j 2^(s_j - m)` (0 when empty), `o[i] = sum_j 2^(s_j - m) v_j[i]`
+/// (unnormalised; all zero when empty).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SplitPartial {
+    /// Running maximum of the base-2 scores.
+    pub m: f64,
+    /// Sum of `2^(s_j - m)`.
+    pub l: f64,
+    /// Unnormalised output accumulator, length `d`.
+    pub o: Vec<f64>,
+}
+
+/// Partial for one (request `b`, query row `qi`, query head `h`) over cache positions `range`
+/// (already clipped by the caller to what the row may see; may be empty).
+// The argument list mirrors the kernel's indexing one to one; bundling it would only hide that.
+#[allow(clippy::too_many_arguments)]
+pub fn split_partial(
+    shape: &RefShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    b: usize,
+    qi: usize,
+    h: usize,
+    range: Range<usize>,
+) -> SplitPartial {
+    let group = shape.group();
+    shape.check_inputs(q, k, v);
+    assert!(
+        b < shape.batch && qi < shape.q_len && h < shape.hq,
+        "row (b {b}, qi {qi}, h {h}) outside {shape:?}"
+    );
+    assert!(
+        range.end <= shape.max_len,
+        "range {range:?} exceeds max_len {}",
+        shape.max_len
+    );
+    let d = shape.d;
+    let kvh = h / group;
+    let qo = shape.q_offset(b, qi, h);
+    let q_row: Vec<f64> = q[qo..qo + d].iter().map(|&x| f64::from(x)).collect();
+    let scale2 = shape.softmax_scale * std::f64::consts::LOG2_E;
+
+    let mut m = f64::NEG_INFINITY;
+    for j in range.clone() {
+        let ko = shape.kv_offset(b, j, kvh);
+        m = m.max(dot(&q_row, &k[ko..ko + d]) * scale2);
+    }
+
+    let mut l = 0.0f64;
+    let mut o = vec![0.0f64; d];
+    // An empty range skips this loop, so m = -inf never meets exp2(-inf - -inf) = NaN.
+    for j in range {
+        let ko = shape.kv_offset(b, j, kvh);
+        let p = (dot(&q_row, &k[ko..ko + d]) * scale2 - m).exp2();
+        l += p;
+        let vo = shape.kv_offset(b, j, kvh);
+        axpy(&mut o, p, &v[vo..vo + d]);
+    }
+    SplitPartial { m, l, o }
+}
+
+/// Merge partials in the given (fixed) order, exactly like the GPU combine kernel:
+/// `M = max m_s` over non-empty splits; `w_s = 2^(m_s - M)`;
+/// `out = sum_s w_s o_s / sum_s w_s l_s`; lse (natural log) `= (M + log2(sum_s w_s l_s)) * ln 2`.
+///
+/// Empty partials (`m = -inf`) are skipped without reading `o`. All empty -> out zeros, lse -inf.
+/// Returns `(out, lse)` with `out` of length `d`.
+pub fn combine_partials(partials: &[SplitPartial], d: usize) -> (Vec<f64>, f64) {
+    let is_empty = |p: &SplitPartial| p.m == f64::NEG_INFINITY;
+    let big_m = partials
+        .iter()
+        .filter(|p| !is_empty(p))
+        .map(|p| p.m)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let mut out = vec![0.0f64; d];
+    if big_m == f64::NEG_INFINITY {
+        return (out, f64::NEG_INFINITY);
+    }
+
+    let mut l = 0.0f64;
+    for p in partials.iter().filter(|p| !is_empty(p)) {
+        assert_eq!(p.o.len(), d, "partial accumulator length differs from d");
+        let w = (p.m - big_m).exp2();
+        l += w * p.l;
+        for (acc, &x) in out.iter_mut().zip(&p.o) {
+            *acc += w * x;
+        }
+    }
+    for x in &mut out {
+        *x /= l;
+    }
+    let lse = (big_m + l.log2()) * std::f64::consts::LN_2;
+    (out, lse)
+}
+
+/// Relative error `||a - b||_2 / ||b||_2` (returns `||a||_2` when `||b|| == 0`; NaN anywhere
+/// gives `f64::INFINITY` so a NaN never passes a tolerance check).
+///
+/// Panics if the lengths differ, since comparing misaligned tensors is always a test bug.
+pub fn relative_error(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(
+        a.len(),
+        b.len(),
+        "relative_error on slices of different length"
+    );
+    let mut diff2 = 0.0f64;
+    let mut b2 = 0.0f64;
+    let mut a2 = 0.0f64;
+    for (&x, &y) in a.iter().zip(b) {
+        diff2 += (x - y) * (x - y);
+        b2 += y * y;
+        a2 += x * x;
+    }
+    // NaN inputs, and inf - inf, all surface as a NaN somewhere in these sums.
+    if diff2.is_nan() || b2.is_nan() || a2.is_nan() {
+        return f64::INFINITY;
+    }
+    let err = if b2 == 0.0 {
+        a2.sqrt()
+    } else {
+        diff2.sqrt() / b2.sqrt()
+    };
+    if err.is_nan() {
+        f64::INFINITY
+    } else {
+        err
+    }
+}
+
+/// Small deterministic generator for test and demo data (SplitMix64). Never produces all-zero
+/// data: unlike xorshift-style generators it has no absorbing zero state, so every seed
+/// (including 0) is fine.
+#[derive(Clone, Debug)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// Generator seeded with `seed`; equal seeds give equal streams on every platform.
+    pub fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`, with 53 random bits.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in `[-1, 1)`, on a grid of `2^-23` so every value is exact in `f32`.
+    pub fn symmetric(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 * (1.0 / (1u32 << 23) as f32) - 1.0
+    }
+
+    /// Uniform integer in `[0, n)`; panics when `n == 0`.
+    pub fn below(&mut self, n: usize) -> usize {
+        assert!(n > 0, "SplitMix64::below(0) has no valid result");
+        // Multiply-shift instead of `%`: no modulo bias worth mentioning and no division.
+        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
+    }
+}
+
+/// Random bf16 tensor of `n` values uniform in `[-scale, scale)` (rounded to nearest bf16):
+/// returns (bits for upload, the same values widened to f32 for the reference).
+pub fn random_bf16(rng: &mut SplitMix64, n: usize, scale: f32) -> (Vec<bf16>, Vec<f32>) {
+    let bits: Vec<bf16> = (0..n)
+        .map(|_| bf16::from_f32(rng.symmetric() * scale))
+        .collect();
+    // Widen the rounded values, not the originals, so the reference sees what the GPU sees.
+    let wide = bits.iter().map(|x| x.to_f32()).collect();
+    (bits, wide)
+}
+
+/// Random f16 tensor of `n` values uniform in `[-scale, scale)` (rounded to nearest f16):
+/// returns (bits for upload, the same values widened to f32 for the reference).
+pub fn random_f16(rng: &mut SplitMix64, n: usize, scale: f32) -> (Vec<f16>, Vec<f32>) {
+    let bits: Vec<f16> = (0..n)
+        .map(|_| f16::from_f32(rng.symmetric() * scale))
+        .collect();
+    let wide = bits.iter().map(|x| x.to_f32()).collect();
+    (bits, wide)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const TOL: f64 = 1e-12;
+
+    struct Problem {
+        shape: RefShape,
+        q: Vec<f32>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        seqlens: Vec<usize>,
+    }
+
+    fn make_problem(
+        seed: u64,
+        q_len: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        seqlens: &[usize],
+    ) -> Problem {
+        let batch = seqlens.len();
+        // Leave slack past the longest request so a wrong stride reads data that does not match.
+        let max_len = seqlens.iter().copied().max().unwrap_or(0) + 3;
+        let shape = RefShape {
+            batch,
+            q_len,
+            hq,
+            hkv,
+            d,
+            max_len,
+            softmax_scale: 1.0 / (d as f64).sqrt(),
+        };
+        let mut rng = SplitMix64::new(seed);
+        // A larger q scale makes the softmax peaky, which exercises the max subtraction.
+        let (_, q) = random_bf16(&mut rng, batch * q_len * hq * d, 3.0);
+        let (_, k) = random_bf16(&mut rng, batch * max_len * hkv * d, 1.0);
+        let (_, v) = random_f16(&mut rng, batch * max_len * hkv * d, 1.0);
+        Problem {
+            shape,
+            q,
+            k,
+            v,
+            seqlens: seqlens.to_vec(),
+        }
+    }
+
+    /// Textbook attention with no tricks: materialise exp(score) for every visible position,
+    /// normalise, and take the weighted sum. Independent indexing so layout bugs show up.
+    fn naive(p: &Problem) -> RefOutput {
+        let s = &p.shape;
+        let mut out = Vec::new();
+        let mut lse = Vec::new();
+        for b in 0..s.batch {
+            for qi in 0..s.q_len {
+                for h in 0..s.hq {
+                    let kvh = h / (s.hq / s.hkv);
+                    let last = p.seqlens[b] as i64 - s.q_len as i64 + qi as i64;
+                    let qv = |i: usize| f64::from(p.q[((b * s.q_len + qi) * s.hq + h) * s.d + i]);
+                    let at = |t: &[f32], j: usize, i: usize| {
+                        f64::from(t[((b * s.max_len + j) * s.hkv + kvh) * s.d + i])
+                    };
+                    let mut e = Vec::new();
+                    let mut j = 0i64;
+                    while j <= last {
+                        let sc: f64 = (0..s.d).map(|i| qv(i) * at(&p.k, j as usize, i)).sum();
+                        e.push((sc * s.softmax_scale).exp());
+                        j += 1;
+                    }
+                    let total: f64 = e.iter().sum();
+                    for i in 0..s.d {
+                        let num: f64 = e.iter().enumerate().map(|(j, w)| w * at(&p.v, j, i)).sum();
+                        out.push(if e.is_empty() { 0.0 } else { num / total });
+                    }
+                    lse.push(total.ln());
+                }
+            }
+        }
+        RefOutput { out, lse }
+    }
+
+    fn assert_lse_close(got: f64, want: f64, what: &str) {
+        if want == f64::NEG_INFINITY {
+            assert_eq!(got, f64::NEG_INFINITY, "{what}: lse {got} should be -inf");
+        } else {
+            assert!(
+                (got - want).abs() <= TOL * want.abs().max(1.0),
+                "{what}: lse {got} vs {want}"
+            );
+        }
+    }
+
+    fn assert_matches(got: &RefOutput, want: &RefOutput, what: &str) {
+        assert_eq!(got.out.len(), want.out.len(), "{what}: out length");
+        assert_eq!(got.lse.len(), want.lse.len(), "{what}: lse length");
+        let err = relative_error(&got.out, &want.out);
+        assert!(err <= TOL, "{what}: relative error {err}");
+        for (i, (&g, &w)) in got.lse.iter().zip(&want.lse).enumerate() {
+            assert_lse_close(g, w, &format!("{what} row {i}"));
+        }
+    }
+
+    // (q_len, hq, hkv, d, seqlens): group sizes 1, 2, 5, 8 and MQA, ragged lengths including 0
+    // and lengths shorter than q_len.
+    const CASES: &[(usize, usize, usize, usize, &[usize])] = &[
+        (1, 4, 4, 64, &[0, 17, 33]),
+        (3, 4, 4, 128, &[9, 2, 0]),
+        (1, 8, 4, 128, &[40, 1]),
+        (3, 8, 4, 64, &[5, 1, 40]),
+        (1, 10, 2, 64, &[29, 0]),
+        (3, 10, 2, 128, &[3, 31]),
+        (1, 16, 2, 128, &[64, 2, 0, 3]),
+        (3, 16, 2, 64, &[64, 2, 0, 3]),
+        (1, 6, 1, 64, &[50, 7]),
+        (3, 8, 1, 128, &[50, 7, 0]),
+    ];
+
+    #[test]
+    fn decode_reference_matches_naive_formula() {
+        for (n, &(q_len, hq, hkv, d, seqlens)) in CASES.iter().enumerate() {
+            let p = make_problem(100 + n as u64, q_len, hq, hkv, d, seqlens);
+            let got = decode_reference(&p.shape, &p.q, &p.k, &p.v, &p.seqlens);
+            assert_matches(&got, &naive(&p), &format!("case {n}"));
+        }
+    }
+
+    #[test]
+    fn decode_reference_matches_naive_with_unusual_scale() {
+        let mut p = make_problem(7, 3, 8, 2, 64, &[20, 3, 11]);
+        p.shape.softmax_scale = 0.3;
+        let got = decode_reference(&p.shape, &p.q, &p.k, &p.v, &p.seqlens);
+        assert_matches(&got, &naive(&p), "scale 0.3");
+    }
+
+    #[test]
+    fn zero_length_request_gives_zero_and_neg_inf() {
+        for q_len in [1, 3] {
+            let p = make_problem(11, q_len, 8, 2, 64, &[0, 12, 0]);
+            let r = decode_reference(&p.shape, &p.q, &p.k, &p.v, &p.seqlens);
+            assert!(r.out.iter().all(|x| !x.is_nan()));
+            assert!(r.lse.iter().all(|x| !x.is_nan()));
+            let row = p.shape.q_len * p.shape.hq;
+            for b in [0, 2] {
+                assert!(r.out[b * row * 64..(b + 1) * row * 64]
+                    .iter()
+                    .all(|&x| x == 0.0));
+                assert!(r.lse[b * row..(b + 1) * row]
+                    .iter()
+                    .all(|&x| x == f64::NEG_INFINITY));
+            }
+            assert!(r.lse[row..2 * row].iter().all(|x| x.is_finite()));
+        }
+    }
+
+    #[test]
+    fn rows_before_the_cache_start_see_nothing() {
+        // seqlen 1 with q_len 3: rows 0 and 1 have a negative bound, row 2 sees position 0 only.
+        let p = make_problem(12, 3, 2, 1, 64, &[1]);
+        let r = decode_reference(&p.shape, &p.q, &p.k, &p.v, &p.seqlens);
+        for qi in 0..2 {
+            for h in 0..2 {
+                assert_eq!(r.lse[qi * 2 + h], f64::NEG_INFINITY);
+                let o = (qi * 2 + h) * 64;
+                assert!(r.out[o..o + 64].iter().all(|&x| x == 0.0));
+            }
+        }
+        for h in 0..2 {
+            let o = (2 * 2 + h) * 64;
+            let want: Vec<f64> = p.v[h / 2 * 64..h / 2 * 64 + 64]
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
+            assert_eq!(
+                r.out[o..o + 64],
+                want[..],
+                "one visible position: out = v_0"
+            );
+        }
+    }
+
+    /// Splits `[0, n)` at the given cut points (clamped and sorted) into consecutive ranges.
+    fn ranges_from_cuts(n: usize, cuts: &[usize]) -> Vec<Range<usize>> {
+        let mut cuts: Vec<usize> = cuts.iter().map(|&c| c.min(n)).collect();
+        cuts.sort_unstable();
+        let mut bounds = vec![0];
+        bounds.extend(cuts);
+        bounds.push(n);
+        bounds.windows(2).map(|w| w[0]..w[1]).collect()
+    }
+
+    fn combine_row(p: &Problem, b: usize, qi: usize, h: usize, ranges: &[Range<usize>]) {
+        let s = &p.shape;
+        let n = visible_len(p.seqlens[b], s.q_len, qi);
+        assert_eq!(ranges.first().map(|r| r.start), Some(0));
+        assert_eq!(ranges.last().map(|r| r.end), Some(n));
+        let partials: Vec<SplitPartial> = ranges
+            .iter()
+            .map(|r| split_partial(s, &p.q, &p.k, &p.v, b, qi, h, r.clone()))
+            .collect();
+        let (out, lse) = combine_partials(&partials, s.d);
+        let reference = decode_reference(s, &p.q, &p.k, &p.v, &p.seqlens);
+        let o = ((b * s.q_len + qi) * s.hq + h) * s.d;
+        let what = format!("b {b} qi {qi} h {h} ranges {ranges:?}");
+        let err = relative_error(&out, &reference.out[o..o + s.d]);
+        assert!(err <= TOL, "{what}: relative error {err}");
+        assert_lse_close(lse, reference.lse[o / s.d], &what);
+    }
+
+    #[test]
+    fn combine_of_random_partitions_matches_reference() {
+        let mut rng = SplitMix64::new(0xC0FFEE);
+        for (n, &(q_len, hq, hkv, d, seqlens)) in CASES.iter().enumerate() {
+            let p = make_problem(200 + n as u64, q_len, hq, hkv, d, seqlens);
+            for b in 0..p.shape.batch {
+                for qi in 0..q_len {
+                    let len = visible_len(p.seqlens[b], q_len, qi);
+                    for h in [0, hq / 2, hq - 1] {
+                        let splits = 1 + rng.below(64);
+                        let mut cuts: Vec<usize> =
+                            (0..splits - 1).map(|_| rng.below(len + 1)).collect();
+                        // Force an empty first and last split whenever there is room for both.
+                        if splits >= 3 {
+                            cuts[0] = 0;
+                            cuts[1] = len;
+                        }
+                        combine_row(&p, b, qi, h, &ranges_from_cuts(len, &cuts));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn combine_with_leading_and_trailing_empty_splits() {
+        let p = make_problem(5, 1, 4, 2, 128, &[37]);
+        let ranges = [0..0, 0..0, 0..10, 10..10, 10..37, 37..37, 37..37];
+        for h in 0..4 {
+            combine_row(&p, 0, 0, h, &ranges);
+        }
+    }
+
+    #[test]
+    fn combine_of_all_empty_is_zero_and_neg_inf() {
+        let p = make_problem(6, 1, 2, 1, 64, &[10]);
+        let partials: Vec<SplitPartial> = (0..5)
+            .map(|i| split_partial(&p.shape, &p.q, &p.k, &p.v, 0, 0, 1, i * 2..i * 2))
+            .collect();
+        for part in &partials {
+            assert_eq!(part.m, f64::NEG_INFINITY);
+            assert_eq!(part.l, 0.0);
+            assert!(part.o.iter().all(|&x| x == 0.0));
+        }
+        let (out, lse) = combine_partials(&partials, 64);
+        assert_eq!(out, vec![0.0; 64]);
+        assert_eq!(lse, f64::NEG_INFINITY);
+
+        let (out, lse) = combine_partials(&[], 64);
+        assert_eq!(out, vec![0.0; 64]);
+        assert_eq!(lse, f64::NEG_INFINITY);
+    }
+
+    #[test]
+    fn combine_never_reads_o_of_empty_partials() {
+        // The GPU combine kernel may leave an empty split's accumulator uninitialised.
+        let poisoned = SplitPartial {
+            m: f64::NEG_INFINITY,
+            l: 0.0,
+            o: vec![f64::NAN; 4],
+        };
+        let real = SplitPartial {
+            m: 1.5,
+            l: 2.0,
+            o: vec![2.0, -4.0, 6.0, 0.0],
+        };
+        let (out, lse) = combine_partials(&[poisoned.clone(), real, poisoned], 4);
+        assert_eq!(out, vec![1.0, -2.0, 3.0, 0.0]);
+        assert!((lse - (1.5 + 1.0) * std::f64::consts::LN_2).abs() < 1e-15);
+    }
+
+    #[test]
+    fn split_partial_uses_base_two_scores() {
+        let p = make_problem(8, 1, 2, 1, 64, &[4]);
+        let part = split_partial(&p.shape, &p.q, &p.k, &p.v, 0, 0, 1, 2..3);
+        let qk: f64 = (0..64)
+            .map(|i| f64::from(p.q[64 + i]) * f64::from(p.k[2 * 64 + i]))
+            .sum();
+        let want_m = qk * p.shape.softmax_scale * std::f64::consts::LOG2_E;
+        assert!((part.m - want_m).abs() <= 1e-14 * want_m.abs().max(1.0));
+        assert_eq!(part.l, 1.0);
+        let v2: Vec<f64> = p.v[2 * 64..3 * 64].iter().map(|&x| f64::from(x)).collect();
+        assert_eq!(part.o, v2);
+    }
+
+    proptest! {
+        #[test]
+        fn prop_combine_equals_reference(
+            len in 0usize..300,
+            cuts in prop::collection::vec(0usize..300, 0..39),
+            q_len in 1usize..=3,
+            seed in any::<u64>(),
+        ) {
+            let p = make_problem(seed, q_len, 4, 2, 64, &[len]);
+            let reference = decode_reference(&p.shape, &p.q, &p.k, &p.v, &p.seqlens);
+            for qi in 0..q_len {
+                let n = visible_len(len, q_len, qi);
+                for h in 0..4 {
+                    let ranges = ranges_from_cuts(n, &cuts);
+                    let partials: Vec<SplitPartial> = ranges
+                        .iter()
+                        .map(|r| split_partial(&p.shape, &p.q, &p.k, &p.v, 0, qi, h, r.clone()))
+                        .collect();
+                    let (out, lse) = combine_partials(&partials, 64);
+                    let row = qi * 4 + h;
+                    let err = relative_error(&out, &reference.out[row * 64..(row + 1) * 64]);
+                    prop_assert!(err <= TOL, "relative error {}", err);
+                    let want = reference.lse[row];
+                    if want == f64::NEG_INFINITY {
+                        prop_assert_eq!(lse, f64::NEG_INFINITY);
+                    } else {
+                        prop_assert!((lse - want).abs() <= TOL * want.abs().max(1.0));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn relative_error_edge_cases() {
+        assert_eq!(relative_error(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        assert_eq!(relative_error(&[], &[]), 0.0);
+        assert_eq!(relative_error(&[3.0, 4.0], &[0.0, 0.0]), 5.0);
+        assert_eq!(relative_error(&[0.0, 0.0], &[0.0, 0.0]), 0.0);
+        assert_eq!(relative_error(&[0.0, 3.0], &[0.0, 4.0]), 0.25);
+        assert_eq!(relative_error(&[f64::NAN, 1.0], &[1.0, 1.0]), f64::INFINITY);
+        assert_eq!(relative_error(&[1.0, 1.0], &[1.0, f64::NAN]), f64::INFINITY);
+        assert_eq!(relative_error(&[f64::NAN], &[0.0]), f64::INFINITY);
+        assert_eq!(
+            relative_error(&[f64::INFINITY], &[f64::INFINITY]),
+            f64::INFINITY
+        );
+        assert_eq!(relative_error(&[f64::INFINITY], &[1.0]), f64::INFINITY);
+    }
+
+    #[test]
+    #[should_panic(expected = "different length")]
+    fn relative_error_rejects_length_mismatch() {
+        relative_error(&[1.0], &[1.0, 2.0]);
+    }
+
+    #[test]
+    fn splitmix64_matches_published_sequence_and_ranges() {
+        let mut rng = SplitMix64::new(0);
+        assert_eq!(rng.next_u64(), 0xE220_A839_7B1D_CDAF);
+        assert_eq!(rng.next_u64(), 0x6E78_9E6A_A1B9_65F4);
+        assert_eq!(rng.next_u64(), 0x06C4_5D18_8009_454F);
+
+        let mut rng = SplitMix64::new(42);
+        for _ in 0..10_000 {
+            let u = rng.uniform();
+            assert!((0.0..1.0).contains(&u));
+            let s = rng.symmetric();
+            assert!((-1.0..1.0).contains(&s));
+            assert!(rng.below(7) < 7);
+        }
+        assert_eq!(rng.below(1), 0);
+    }
+
+    #[test]
+    fn random_tensors_widen_exactly_and_are_not_all_zero() {
+        let mut rng = SplitMix64::new(0);
+        let (bits, wide) = random_bf16(&mut rng, 1000, 2.0);
+        assert!(bits.iter().zip(&wide).all(|(b, &w)| b.to_f32() == w));
+        // Rounding to the nearest representable value may land exactly on the bound.
+        assert!(wide.iter().all(|x| (-2.0..=2.0).contains(x)));
+        assert!(wide.iter().any(|&x| x != 0.0));
+
+        let (bits, wide) = random_f16(&mut rng, 1000, 0.5);
+        assert!(bits.iter().zip(&wide).all(|(b, &w)| b.to_f32() == w));
+        assert!(wide.iter().all(|x| (-0.5..=0.5).contains(x)));
+        assert!(wide.iter().any(|&x| x != 0.0));
+    }
+}

@@ -1,0 +1,184 @@
+// kvstream kernel primitives: the only place where inline PTX lives.
+//
+// Every wrapper is a single instruction (or a tiny retry loop around one) and cites the PTX ISA
+// section it comes from, so that a reader can check operand order against the manual. Kernels are
+// compiled by NVRTC without toolkit headers, so nothing here includes <cuda_*.h>.
+#pragma once
+
+namespace kvs {
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+
+// ---------------------------------------------------------------------------------------------
+// Addresses
+// ---------------------------------------------------------------------------------------------
+
+// 32-bit shared-window address of a generic pointer into shared memory (PTX ISA 9.7.9.23, cvta).
+__device__ __forceinline__ u32 smem_addr(const void* ptr) {
+    u32 addr;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+                 : "=r"(addr) : "l"(ptr));
+    return addr;
+}
+
+// ---------------------------------------------------------------------------------------------
+// mbarrier (PTX ISA 9.7.13.15)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void mbarrier_init(u64* bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(arrivals));
+}
+
+// Makes barrier initialisation visible to the async proxy (bulk copies complete on it).
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// One arrival that also announces `bytes` of bulk-copy traffic the phase must wait for.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
+
+// Blocks until the phase with the given parity has completed.
+__device__ __forceinline__ void mbarrier_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bulk copies (PTX ISA 9.7.9.25.4.1, cp.async.bulk) and L2 policies (9.7.9.17, createpolicy)
+// ---------------------------------------------------------------------------------------------
+
+// KV is read exactly once per call: let it leave L2 first so it does not push out Q, the
+// partials and the next kernel's weights.
+__device__ __forceinline__ u64 l2_policy_evict_first() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// Global -> shared copy of `bytes` (multiple of 16, both addresses 16-byte aligned) that
+// completes on `bar` as transaction bytes.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, u32 bytes, u64* bar,
+                                              u64 policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1], %2, [%3], %4;"
+        :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (PTX ISA 9.7.12.16, griddepcontrol)
+// ---------------------------------------------------------------------------------------------
+
+// Waits until the grid this one depends on has completed and its writes are visible. A no-op
+// when the kernel was not launched with programmatic stream serialization.
+__device__ __forceinline__ void pdl_wait_for_producer() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+// Lets the next kernel in the stream start its prologue; it still waits for our completion
+// before reading anything we write.
+__device__ __forceinline__ void pdl_release_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Named barriers (PTX ISA 9.7.13.4, bar.sync): id 0 is __syncthreads
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp-level matrix fragments (PTX ISA 9.7.14.5.15 ldmatrix, 9.7.14.5.16 movmatrix,
+// 9.7.14.5.14 mma.m16n8k16)
+// ---------------------------------------------------------------------------------------------
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// Same, each matrix transposed on the way into registers.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// Transposes one 8x8 b16 matrix held in the ldmatrix fragment layout, in registers.
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// D (16x8 f32) += A (16x16, row) * B (16x8, col), 16-bit inputs of type T (bf16 or f16).
+template <bool IS_F16>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if (IS_F16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+            " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+            " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Numbers (PTX ISA 9.7.3.22 ex2, 9.7.9.21 cvt)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Packs two floats into a 16-bit pair, `lo` in the low half (round to nearest even).
+template <bool IS_F16>
+__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
+    u32 r;
+    if (IS_F16) {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+template <bool IS_F16>
+__device__ __forceinline__ float half_to_float(u16 x) {
+    float f;
+    if (IS_F16) {
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    } else {
+        f = __uint_as_float(((u32)x) << 16);
+    }
+    return f;
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+}  // namespace kvs

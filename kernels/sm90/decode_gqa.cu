@@ -1,0 +1,393 @@
+// Swap-AB split-KV GQA decode for sm_90a.
+//
+//   S^T [tokens x group] = K [tokens x d] * Q^T [d x group]     (mma m16n8k16, tokens on M)
+//   O^T [d x group]      = V^T [d x tokens] * P^T [tokens x group]
+//
+// KV positions sit on the MMA M dimension and the query heads of one KV head on N, so a group of
+// 8 fills an n8 tile instead of padding a 64-row tile. One CTA handles one (request, kv head,
+// split); the split's tiles stream through a ring of shared-memory stages filled by bulk copies.
+//
+// Warp roles (CTA of CONSUMER_WARPS + 1 warps):
+//   warps 0..3   consumers: each owns ROWS_PER_WARP rows of every tile and keeps a private
+//                online softmax (running max m, denominator l, O^T accumulators) over them, so
+//                the four warps never wait for each other inside the KV loop. They merge once,
+//                at the end of the split, through shared memory.
+//   warp 4       producer: one bulk copy per K row and per V row (a KV row is contiguous, rows
+//                are strided by hkv*d), completing on the stage's `full` barrier; waits on the
+//                stage's `empty` barrier before reusing it.
+//
+// Ring protocol, stage s = tile % STAGES, parity = (tile / STAGES) & 1:
+//   producer: wait empty[s] (from the second lap), arrive.expect_tx(full[s], bytes), copy
+//   consumer: wait full[s] with parity, compute, __syncwarp, lane 0 arrives on empty[s]
+//
+// Output: with one split the CTA normalises and writes `out` (and LSE) itself. With several it
+// writes its unnormalised O, max and denominator to the FP32 workspace for combine.cu. Every
+// split writes its max and denominator, empty ones included (-inf and 0), so the combine reads
+// nothing this call did not write.
+//
+// Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
+//   KVS_IS_F16       0: bf16, 1: f16 (Q, K, V and out share it)
+//   KVS_HEAD_DIM     64 or 128
+//   KVS_N_TILES      ceil(group / 8): n8 tiles of query heads
+//   KVS_TILE_TOKENS  KV positions per ring stage (multiple of 16 * CONSUMER_WARPS)
+//   KVS_STAGES       ring depth
+#include "ptx.cuh"
+#include "params.cuh"
+
+namespace kvs {
+
+constexpr bool IS_F16 = KVS_IS_F16;
+constexpr int HEAD_DIM = KVS_HEAD_DIM;
+constexpr int N_TILES = KVS_N_TILES;
+constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
+constexpr int STAGES = KVS_STAGES;
+
+constexpr int CONSUMER_WARPS = 4;
+constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
+constexpr int THREADS = CONSUMER_THREADS + 32;
+constexpr int PRODUCER_WARP = CONSUMER_WARPS;
+constexpr int ROWS_PER_WARP = TILE_TOKENS / CONSUMER_WARPS;
+constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
+constexpr int GROUP_PAD = N_TILES * 8;
+constexpr int D_TILES = HEAD_DIM / 16;
+
+constexpr int ROW_BYTES = HEAD_DIM * 2;
+// +16 bytes per row: the 8 rows an ldmatrix phase reads then start 4 banks apart and cover all
+// 32 banks (rows of exactly 128 or 256 bytes would all hit the same 4 banks).
+constexpr int SMEM_ROW = ROW_BYTES + 16;
+constexpr int TILE_BYTES = TILE_TOKENS * SMEM_ROW;
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K tile then V tile
+constexpr int STAGE_TX_BYTES = 2 * TILE_TOKENS * ROW_BYTES;
+
+// End-of-split merge scratch, laid over the ring once the ring is drained: per consumer warp its
+// rescaled O^T as [group_pad][d], rows padded by 4 floats so the fragment stores are
+// conflict-free.
+constexpr int MERGE_ROW = HEAD_DIM + 4;
+constexpr int MERGE_WARP_FLOATS = GROUP_PAD * MERGE_ROW;
+
+constexpr int RING_BYTES = STAGES * STAGE_BYTES;
+constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;
+
+struct SharedPlan {
+    // ring (and merge scratch) | q | barriers | per-warp statistics
+    static constexpr int ring = 0;
+    static constexpr int q = RING_BYTES;
+    static constexpr int full = q + Q_BYTES;
+    static constexpr int empty = full + 8 * STAGES;
+    static constexpr int warp_m = empty + 8 * STAGES;
+    static constexpr int warp_l = warp_m + 4 * CONSUMER_WARPS * GROUP_PAD;
+    static constexpr int bytes = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;
+};
+
+static_assert(TILE_TOKENS % (16 * CONSUMER_WARPS) == 0, "tile must split into m16 slices");
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim");
+static_assert(N_TILES >= 1 && N_TILES <= 4, "group up to 32");
+static_assert(CONSUMER_WARPS * MERGE_WARP_FLOATS * 4 <= RING_BYTES, "merge scratch fits in ring");
+static_assert(TILE_TOKENS % 32 == 0, "producer lanes copy whole rounds of rows");
+static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
+
+__device__ __forceinline__ const u16* kv_row(const u16* base, long long batch_off, long long tok,
+                                            long long tok_stride, long long head_off) {
+    return base + batch_off + tok * tok_stride + head_off;
+}
+
+}  // namespace kvs
+
+using namespace kvs;
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned char* ring = smem + SharedPlan::ring;
+    unsigned char* q_smem = smem + SharedPlan::q;
+    u64* full = reinterpret_cast<u64*>(smem + SharedPlan::full);
+    u64* empty = reinterpret_cast<u64*>(smem + SharedPlan::empty);
+    float* warp_m = reinterpret_cast<float*>(smem + SharedPlan::warp_m);
+    float* warp_l = reinterpret_cast<float*>(smem + SharedPlan::warp_l);
+
+    const int split = blockIdx.x;
+    const int kv_head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], CONSUMER_WARPS);
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    // Everything above overlaps the previous kernel's tail; nothing below may read global
+    // memory before it has finished.
+    pdl_wait_for_producer();
+
+    // Lengths come from device memory the host never sees: clamp rather than trust them.
+    const int len = max(0, min(p.seqlens ? p.seqlens[batch] : p.max_len, p.max_len));
+    const SplitRange range = split_range(len, p.num_splits, split, TILE_TOKENS);
+    const int num_tiles = range.end > range.begin
+                              ? (range.end - range.begin + TILE_TOKENS - 1) / TILE_TOKENS
+                              : 0;
+    const int head0 = kv_head * p.group;  // first query head of this group
+    const long long stat_base = ((long long)split * p.batch + batch) * p.hq + head0;
+
+    if (num_tiles == 0) {
+        // ---------------- empty split: publish neutral statistics and leave ----------------
+        if (p.num_splits > 1) {
+            for (int g = threadIdx.x; g < p.group; g += THREADS) {
+                p.m_partial[stat_base + g] = neg_inf();
+                p.l_partial[stat_base + g] = 0.f;
+            }
+        } else {
+            // zero-length request: out = 0, LSE = -inf
+            u16* out = reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride;
+            for (int i = threadIdx.x; i < p.group * HEAD_DIM; i += THREADS) {
+                out[(head0 + i / HEAD_DIM) * p.o_head_stride + i % HEAD_DIM] = 0;
+            }
+            if (p.lse) {
+                for (int g = threadIdx.x; g < p.group; g += THREADS) {
+                    p.lse[(long long)batch * p.hq + head0 + g] = neg_inf();
+                }
+            }
+        }
+        pdl_release_dependents();
+        return;
+    }
+
+    if (warp == PRODUCER_WARP) {
+        // =============================== producer warp ===================================
+        const u16* k = reinterpret_cast<const u16*>(p.k);
+        const u16* v = reinterpret_cast<const u16*>(p.v);
+        const long long k_batch = batch * p.k_batch_stride, k_head = kv_head * p.k_head_stride;
+        const long long v_batch = batch * p.v_batch_stride, v_head = kv_head * p.v_head_stride;
+        const u64 policy = l2_policy_evict_first();
+        for (int tile = 0; tile < num_tiles; ++tile) {
+            const int stage = tile % STAGES;
+            if (tile >= STAGES) mbarrier_wait(&empty[stage], ((tile / STAGES) - 1) & 1);
+            if (lane == 0) mbarrier_arrive_expect_tx(&full[stage], STAGE_TX_BYTES);
+            __syncwarp();
+            unsigned char* k_dst = ring + stage * STAGE_BYTES;
+            unsigned char* v_dst = k_dst + TILE_BYTES;
+            const int tile_begin = range.begin + tile * TILE_TOKENS;
+#pragma unroll
+            for (int r = lane; r < TILE_TOKENS; r += 32) {
+                // Rows past the end repeat the last valid row: the stage always receives the
+                // same byte count, and the padding is finite data whatever lies beyond the
+                // request (its scores are masked to -inf, so its P is exactly 0).
+                const long long tok = min(tile_begin + r, range.end - 1);
+                bulk_copy_g2s(k_dst + r * SMEM_ROW, kv_row(k, k_batch, tok, p.k_token_stride, k_head),
+                              ROW_BYTES, &full[stage], policy);
+                bulk_copy_g2s(v_dst + r * SMEM_ROW, kv_row(v, v_batch, tok, p.v_token_stride, v_head),
+                              ROW_BYTES, &full[stage], policy);
+            }
+        }
+        return;
+    }
+
+    // ================================= consumer warps ======================================
+    // Q of the group -> shared memory, rows past the group zero-filled (their columns are
+    // computed and dropped; zeros keep them finite).
+    {
+        const u16* q = reinterpret_cast<const u16*>(p.q) + batch * p.q_batch_stride;
+        constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
+        for (int i = threadIdx.x; i < GROUP_PAD * CHUNKS; i += CONSUMER_THREADS) {
+            const int g = i / CHUNKS, c = i % CHUNKS;
+            uint4 val = make_uint4(0, 0, 0, 0);
+            if (g < p.group) {
+                val = *reinterpret_cast<const uint4*>(q + (head0 + g) * p.q_head_stride + c * 8);
+            }
+            *reinterpret_cast<uint4*>(q_smem + g * SMEM_ROW + c * 16) = val;
+        }
+        named_barrier_sync(1, CONSUMER_THREADS);
+    }
+
+    const int row0 = warp * ROWS_PER_WARP;  // first row of this warp inside each tile
+    const u32 q_base = smem_addr(q_smem);
+    const u32 ring_base = smem_addr(ring);
+
+    // Per-thread state. Fragment columns (query heads) of S^T and O^T coincide: lane holds
+    // columns nt*8 + 2*(lane%4) + {0,1}, so one (m, l, alpha) pair per column covers both.
+    float o_acc[D_TILES][N_TILES][4];
+    float m_run[N_TILES][2], l_run[N_TILES][2];
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            m_run[nt][j] = neg_inf();
+            l_run[nt][j] = 0.f;
+        }
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o_acc[dt][nt][i] = 0.f;
+    }
+
+    // ldmatrix lane addressing (see ptx.cuh): K as row-major A, V^T via .trans, Q as col B.
+    const int a_row = lane % 16, a_col = (lane / 16) * 8;                       // K
+    const int v_row = (lane / 16) * 8 + lane % 8, v_col = ((lane / 8) % 2) * 8;  // V^T
+    const int q_row = lane % 8, q_col = (lane / 8) * 8;                          // Q, 2 k-steps
+
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        const int stage = tile % STAGES;
+        mbarrier_wait(&full[stage], (tile / STAGES) & 1);
+        const u32 k_tile = ring_base + stage * STAGE_BYTES;
+        const u32 v_tile = k_tile + TILE_BYTES;
+        const int tile_begin = range.begin + tile * TILE_TOKENS;
+
+#pragma unroll
+        for (int ms = 0; ms < M_SLICES; ++ms) {
+            const int slice_row = row0 + ms * 16;
+
+            // ---- S^T = K Q^T for 16 tokens x GROUP_PAD heads ----
+            float s[N_TILES][4];
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D_TILES; kk += 2) {
+                u32 a0[4], a1[4];
+                ldmatrix_x4(a0, k_tile + (slice_row + a_row) * SMEM_ROW + (kk * 16 + a_col) * 2);
+                ldmatrix_x4(a1, k_tile + (slice_row + a_row) * SMEM_ROW + ((kk + 1) * 16 + a_col) * 2);
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt) {
+                    u32 b[4];
+                    ldmatrix_x4(b, q_base + (nt * 8 + q_row) * SMEM_ROW + (kk * 16 + q_col) * 2);
+                    mma_m16n8k16<IS_F16>(s[nt], a0, b[0], b[1]);
+                    mma_m16n8k16<IS_F16>(s[nt], a1, b[2], b[3]);
+                }
+            }
+
+            // ---- online softmax over this warp's rows (base 2) ----
+            const int tok_lo = tile_begin + slice_row + lane / 4;  // rows of s[..][0..1]
+            const bool valid_lo = tok_lo < range.end, valid_hi = tok_lo + 8 < range.end;
+            u32 p_frag[N_TILES][2];
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt) {
+                float x[4];
+                x[0] = valid_lo ? s[nt][0] * p.scale_log2 : neg_inf();
+                x[1] = valid_lo ? s[nt][1] * p.scale_log2 : neg_inf();
+                x[2] = valid_hi ? s[nt][2] * p.scale_log2 : neg_inf();
+                x[3] = valid_hi ? s[nt][3] * p.scale_log2 : neg_inf();
+                float mx[2] = {fmaxf(x[0], x[2]), fmaxf(x[1], x[3])};
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                    for (int off = 4; off < 32; off *= 2)
+                        mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], off));
+                    const float m_new = fmaxf(m_run[nt][j], mx[j]);
+                    // A column that has seen only masked rows keeps m = -inf; subtract 0 then so
+                    // that exp2 gives 0 rather than NaN.
+                    const float m_use = m_new == neg_inf() ? 0.f : m_new;
+                    const float alpha = exp2_approx(m_run[nt][j] - m_use);
+                    m_run[nt][j] = m_new;
+                    x[j] = exp2_approx(x[j] - m_use);
+                    x[j + 2] = exp2_approx(x[j + 2] - m_use);
+                    l_run[nt][j] = l_run[nt][j] * alpha + x[j] + x[j + 2];
+#pragma unroll
+                    for (int dt = 0; dt < D_TILES; ++dt) {
+                        o_acc[dt][nt][j] *= alpha;
+                        o_acc[dt][nt][j + 2] *= alpha;
+                    }
+                }
+                // P^T as the B operand: the S^T accumulator halves are 8x8 blocks with tokens on
+                // rows; transposing each in registers gives the k-major B fragment.
+                p_frag[nt][0] = movmatrix_trans(pack_half2<IS_F16>(x[0], x[1]));
+                p_frag[nt][1] = movmatrix_trans(pack_half2<IS_F16>(x[2], x[3]));
+            }
+
+            // ---- O^T += V^T P^T ----
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; ++dt) {
+                u32 a[4];
+                ldmatrix_x4_trans(a, v_tile + (slice_row + v_row) * SMEM_ROW + (dt * 16 + v_col) * 2);
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+                    mma_m16n8k16<IS_F16>(o_acc[dt][nt], a, p_frag[nt][0], p_frag[nt][1]);
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&empty[stage]);
+    }
+
+    // ============================ end of split: merge the warps ============================
+    // Denominators were accumulated per lane over its own rows; finish them across the 8 lanes
+    // that share a column.
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int off = 4; off < 32; off *= 2)
+                l_run[nt][j] += __shfl_xor_sync(0xffffffffu, l_run[nt][j], off);
+    if (lane < 4) {
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int col = nt * 8 + 2 * lane + j;
+                warp_m[warp * GROUP_PAD + col] = m_run[nt][j];
+                warp_l[warp * GROUP_PAD + col] = l_run[nt][j];
+            }
+    }
+    named_barrier_sync(1, CONSUMER_THREADS);
+
+    // Each warp rescales its O^T to the CTA-wide max and parks it in the drained ring.
+    float* merge = reinterpret_cast<float*>(ring);
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int col = nt * 8 + 2 * (lane % 4) + j;
+            float m_cta = neg_inf();
+#pragma unroll
+            for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + col]);
+            const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
+            const float factor = exp2_approx(m_run[nt][j] - m_use);
+            float* dst = merge + warp * MERGE_WARP_FLOATS + col * MERGE_ROW;
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; ++dt) {
+                dst[dt * 16 + lane / 4] = o_acc[dt][nt][j] * factor;
+                dst[dt * 16 + lane / 4 + 8] = o_acc[dt][nt][j + 2] * factor;
+            }
+        }
+    named_barrier_sync(1, CONSUMER_THREADS);
+
+    // Sum the warps in a fixed order and write: two head-dim elements per thread per step.
+    const bool single_split = p.num_splits == 1;
+    for (int i = threadIdx.x; i < p.group * (HEAD_DIM / 2); i += CONSUMER_THREADS) {
+        const int g = i / (HEAD_DIM / 2), d = (i % (HEAD_DIM / 2)) * 2;
+        float m_cta = neg_inf();
+#pragma unroll
+        for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + g]);
+        const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
+        float l_cta = 0.f, o0 = 0.f, o1 = 0.f;
+#pragma unroll
+        for (int w = 0; w < CONSUMER_WARPS; ++w) {
+            l_cta += warp_l[w * GROUP_PAD + g] * exp2_approx(warp_m[w * GROUP_PAD + g] - m_use);
+            const float* src = merge + w * MERGE_WARP_FLOATS + g * MERGE_ROW + d;
+            o0 += src[0];
+            o1 += src[1];
+        }
+        if (single_split) {
+            const float inv = l_cta > 0.f ? 1.f / l_cta : 0.f;
+            u32* out = reinterpret_cast<u32*>(reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride +
+                                              (head0 + g) * p.o_head_stride + d);
+            *out = pack_half2<IS_F16>(o0 * inv, o1 * inv);
+            if (p.lse && d == 0) {
+                p.lse[(long long)batch * p.hq + head0 + g] =
+                    l_cta > 0.f ? (m_cta + __log2f(l_cta)) * 0.69314718055994531f : neg_inf();
+            }
+        } else {
+            float2* dst = reinterpret_cast<float2*>(p.o_partial + (stat_base + g) * HEAD_DIM + d);
+            *dst = make_float2(o0, o1);
+            if (d == 0) {
+                p.m_partial[stat_base + g] = m_cta;
+                p.l_partial[stat_base + g] = l_cta;
+            }
+        }
+    }
+    pdl_release_dependents();
+}
