@@ -7,7 +7,14 @@
 
 namespace kvs {
 
-struct DecodeParams {
+// A CUtensorMap, encoded on the host by cuTensorMapEncodeTiled; opaque to the kernel.
+struct alignas(128) TensorMap {
+    unsigned long long opaque[16];
+};
+
+struct alignas(128) DecodeParams {
+    TensorMap k_map;        // K as a 4-D tensor {d, hkv, max_len, batch}, box {64, 1, tile, 1},
+    TensorMap v_map;        //   128-byte swizzle; V likewise (decode kernel only)
     const void* q;          // [batch, hq, d]            bf16 | f16
     const void* k;          // [batch, max_len, hkv, d]  strides below
     const void* v;          // [batch, max_len, hkv, d]  strides below
@@ -28,7 +35,7 @@ struct DecodeParams {
     int reserved;
 };
 
-static_assert(sizeof(DecodeParams) == 184, "DecodeParams must match params.rs");
+static_assert(sizeof(DecodeParams) == 512, "DecodeParams must match params.rs");
 
 // Token range [begin, end) of one split. The cache is cut into whole tiles and split s takes
 // tiles [s * tiles / splits, (s + 1) * tiles / splits): run lengths differ by at most one tile,

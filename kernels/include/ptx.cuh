@@ -69,15 +69,23 @@ __device__ __forceinline__ u64 l2_policy_evict_first() {
     return policy;
 }
 
-// Global -> shared copy of `bytes` (multiple of 16, both addresses 16-byte aligned) that
-// completes on `bar` as transaction bytes.
-__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, u32 bytes, u64* bar,
-                                              u64 policy) {
+// Tensor-map (TMA) load of one 4-D box into shared memory, completing on `bar` as transaction
+// bytes (PTX ISA 9.7.9.25.5.1, cp.async.bulk.tensor). Coordinates are innermost first; parts of
+// the box outside the tensor are zero-filled and still count towards the transaction bytes.
+__device__ __forceinline__ void tma_load_4d(void* dst, const void* tensor_map, int c0, int c1,
+                                            int c2, int c3, u64* bar, u64 policy) {
     asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1], %2, [%3], %4;"
-        :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7;"
+        :: "r"(smem_addr(dst)), "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+           "r"(smem_addr(bar)), "l"(policy)
         : "memory");
+}
+
+// Pulls a tensor map (a kernel parameter) into the descriptor cache before its first use
+// (PTX ISA 9.7.9.26, prefetch.tensormap).
+__device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"(tensor_map) : "memory");
 }
 
 // ---------------------------------------------------------------------------------------------

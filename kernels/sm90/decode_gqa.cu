@@ -12,12 +12,12 @@
 //                online softmax (running max m, denominator l, O^T accumulators) over them, so
 //                the four warps never wait for each other inside the KV loop. They merge once,
 //                at the end of the split, through shared memory.
-//   warp 4       producer: one bulk copy per K row and per V row (a KV row is contiguous, rows
-//                are strided by hkv*d), completing on the stage's `full` barrier; waits on the
-//                stage's `empty` barrier before reusing it.
+//   warp 4       producer (one lane): per stage, TMA box loads of the K and V tiles (64 head
+//                dims x TILE_TOKENS positions each, 128-byte swizzle) completing on the stage's
+//                `full` barrier; waits on the stage's `empty` barrier before reusing it.
 //
 // Ring protocol, stage s = tile % STAGES, parity = (tile / STAGES) & 1:
-//   producer: wait empty[s] (from the second lap), arrive.expect_tx(full[s], bytes), copy
+//   producer: wait empty[s] (from the second lap), arrive.expect_tx(full[s], bytes), TMA
 //   consumer: wait full[s] with parity, compute, __syncwarp, lane 0 arrives on empty[s]
 //
 // Output: with one split the CTA normalises and writes `out` (and LSE) itself. With several it
@@ -51,13 +51,16 @@ constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
 constexpr int GROUP_PAD = N_TILES * 8;
 constexpr int D_TILES = HEAD_DIM / 16;
 
-constexpr int ROW_BYTES = HEAD_DIM * 2;
-// +16 bytes per row: the 8 rows an ldmatrix phase reads then start 4 banks apart and cover all
-// 32 banks (rows of exactly 128 or 256 bytes would all hit the same 4 banks).
-constexpr int SMEM_ROW = ROW_BYTES + 16;
-constexpr int TILE_BYTES = TILE_TOKENS * SMEM_ROW;
+// K and V tiles arrive as TMA boxes of 64 head dims (128 bytes) x TILE_TOKENS positions, one box
+// per 64 dims, with the 128-byte swizzle: 16-byte chunk c of position t sits at chunk c ^ (t % 8)
+// of its 128-byte line, so the 8 rows one ldmatrix phase reads hit 8 different bank groups.
+constexpr int BOXES = HEAD_DIM / 64;
+constexpr int BOX_BYTES = TILE_TOKENS * 128;
+constexpr int TILE_BYTES = BOXES * BOX_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K tile then V tile
-constexpr int STAGE_TX_BYTES = 2 * TILE_TOKENS * ROW_BYTES;
+constexpr int STAGE_TX_BYTES = STAGE_BYTES;  // out-of-range rows are zero-filled, still counted
+// Q is staged by ordinary stores, rows padded by 16 bytes for the same conflict-free reads.
+constexpr int SMEM_ROW = HEAD_DIM * 2 + 16;
 
 // End-of-split merge scratch, laid over the ring once the ring is drained: per consumer warp its
 // rescaled O^T as [group_pad][d], rows padded by 4 floats so the fragment stores are
@@ -69,7 +72,9 @@ constexpr int RING_BYTES = STAGES * STAGE_BYTES;
 constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;
 
 struct SharedPlan {
-    // ring (and merge scratch) | q | barriers | per-warp statistics
+    // ring (and merge scratch) | q | barriers | per-warp statistics, from a 1024-byte aligned
+    // base (the 128-byte swizzle pattern repeats every 1024 bytes and TMA expects that alignment)
+    static constexpr int align = 1024;
     static constexpr int ring = 0;
     static constexpr int q = RING_BYTES;
     static constexpr int full = q + Q_BYTES;
@@ -85,10 +90,12 @@ static_assert(N_TILES >= 1 && N_TILES <= 4, "group up to 32");
 static_assert(CONSUMER_WARPS * MERGE_WARP_FLOATS * 4 <= RING_BYTES, "merge scratch fits in ring");
 static_assert(TILE_TOKENS % 32 == 0, "producer lanes copy whole rounds of rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
+static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern boundary");
 
-__device__ __forceinline__ const u16* kv_row(const u16* base, long long batch_off, long long tok,
-                                            long long tok_stride, long long head_off) {
-    return base + batch_off + tok * tok_stride + head_off;
+// Shared address of 16-byte chunk `chunk` (head dims 8*chunk .. 8*chunk+7) of position `t` in a
+// K or V tile.
+__device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk) {
+    return tile + (chunk / 8) * BOX_BYTES + t * 128 + (((chunk % 8) ^ (t % 8)) << 4);
 }
 
 }  // namespace kvs
@@ -97,7 +104,9 @@ using namespace kvs;
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((SharedPlan::align - smem_addr(smem_raw) % SharedPlan::align) %
+                                      SharedPlan::align);
     unsigned char* ring = smem + SharedPlan::ring;
     unsigned char* q_smem = smem + SharedPlan::q;
     u64* full = reinterpret_cast<u64*>(smem + SharedPlan::full);
@@ -158,29 +167,26 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     if (warp == PRODUCER_WARP) {
         // =============================== producer warp ===================================
-        const u16* k = reinterpret_cast<const u16*>(p.k);
-        const u16* v = reinterpret_cast<const u16*>(p.v);
-        const long long k_batch = batch * p.k_batch_stride, k_head = kv_head * p.k_head_stride;
-        const long long v_batch = batch * p.v_batch_stride, v_head = kv_head * p.v_head_stride;
-        const u64 policy = l2_policy_evict_first();
-        for (int tile = 0; tile < num_tiles; ++tile) {
-            const int stage = tile % STAGES;
-            if (tile >= STAGES) mbarrier_wait(&empty[stage], ((tile / STAGES) - 1) & 1);
-            if (lane == 0) mbarrier_arrive_expect_tx(&full[stage], STAGE_TX_BYTES);
-            __syncwarp();
-            unsigned char* k_dst = ring + stage * STAGE_BYTES;
-            unsigned char* v_dst = k_dst + TILE_BYTES;
-            const int tile_begin = range.begin + tile * TILE_TOKENS;
+        if (lane == 0) {
+            prefetch_tensor_map(&p.k_map);
+            prefetch_tensor_map(&p.v_map);
+            const u64 policy = l2_policy_evict_first();
+            for (int tile = 0; tile < num_tiles; ++tile) {
+                const int stage = tile % STAGES;
+                if (tile >= STAGES) mbarrier_wait(&empty[stage], ((tile / STAGES) - 1) & 1);
+                mbarrier_arrive_expect_tx(&full[stage], STAGE_TX_BYTES);
+                unsigned char* k_dst = ring + stage * STAGE_BYTES;
+                unsigned char* v_dst = k_dst + TILE_BYTES;
+                // Positions past the request's length are loaded too (zeros past max_len,
+                // whatever the cache holds before it); the consumers mask them.
+                const int tile_begin = range.begin + tile * TILE_TOKENS;
 #pragma unroll
-            for (int r = lane; r < TILE_TOKENS; r += 32) {
-                // Rows past the end repeat the last valid row: the stage always receives the
-                // same byte count, and the padding is finite data whatever lies beyond the
-                // request (its scores are masked to -inf, so its P is exactly 0).
-                const long long tok = min(tile_begin + r, range.end - 1);
-                bulk_copy_g2s(k_dst + r * SMEM_ROW, kv_row(k, k_batch, tok, p.k_token_stride, k_head),
-                              ROW_BYTES, &full[stage], policy);
-                bulk_copy_g2s(v_dst + r * SMEM_ROW, kv_row(v, v_batch, tok, p.v_token_stride, v_head),
-                              ROW_BYTES, &full[stage], policy);
+                for (int box = 0; box < BOXES; ++box) {
+                    tma_load_4d(k_dst + box * BOX_BYTES, &p.k_map, box * 64, kv_head, tile_begin,
+                                batch, &full[stage], policy);
+                    tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * 64, kv_head, tile_begin,
+                                batch, &full[stage], policy);
+                }
             }
         }
         return;
@@ -249,8 +255,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int kk = 0; kk < D_TILES; kk += 2) {
                 u32 a0[4], a1[4];
-                ldmatrix_x4(a0, k_tile + (slice_row + a_row) * SMEM_ROW + (kk * 16 + a_col) * 2);
-                ldmatrix_x4(a1, k_tile + (slice_row + a_row) * SMEM_ROW + ((kk + 1) * 16 + a_col) * 2);
+                ldmatrix_x4(a0, kv_chunk(k_tile, slice_row + a_row, 2 * kk + a_col / 8));
+                ldmatrix_x4(a1, kv_chunk(k_tile, slice_row + a_row, 2 * (kk + 1) + a_col / 8));
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt) {
                     u32 b[4];
@@ -299,10 +305,23 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             }
 
             // ---- O^T += V^T P^T ----
+            // Positions past the end carry P = 0, but the V rows there may hold anything
+            // (NaN included, and 0 * NaN = NaN): clear them in the partial last tile. Lane holds
+            // V^T columns (positions) 2*(lane%4) + {0,1} in a[0..1] and 8 more in a[2..3].
+            u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
+            if (tile_begin + TILE_TOKENS > range.end) {
+                const int t0 = tile_begin + slice_row + 2 * (lane % 4);
+                keep_lo = (t0 < range.end ? 0x0000ffffu : 0u) | (t0 + 1 < range.end ? 0xffff0000u : 0u);
+                keep_hi = (t0 + 8 < range.end ? 0x0000ffffu : 0u) | (t0 + 9 < range.end ? 0xffff0000u : 0u);
+            }
 #pragma unroll
             for (int dt = 0; dt < D_TILES; ++dt) {
                 u32 a[4];
-                ldmatrix_x4_trans(a, v_tile + (slice_row + v_row) * SMEM_ROW + (dt * 16 + v_col) * 2);
+                ldmatrix_x4_trans(a, kv_chunk(v_tile, slice_row + v_row, 2 * dt + v_col / 8));
+                a[0] &= keep_lo;
+                a[1] &= keep_lo;
+                a[2] &= keep_hi;
+                a[3] &= keep_hi;
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt)
                     mma_m16n8k16<IS_F16>(o_acc[dt][nt], a, p_frag[nt][0], p_frag[nt][1]);

@@ -75,7 +75,7 @@ enum Command {
     Demo {
         #[command(flatten)]
         shape: ShapeArgs,
-        /// Timed rounds (each replays one CUDA graph over the whole input pool); at least 7.
+        /// Timed rounds (each replays one CUDA graph over the whole input pool); at least 7, 0 = check only.
         #[arg(long, default_value_t = 15)]
         rounds: usize,
     },

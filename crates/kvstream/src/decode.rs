@@ -11,7 +11,7 @@ use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::error::{Error, Result};
 use crate::kernels::{AnyVariant, COMBINE_ROWS_PER_CTA, COMBINE_THREADS, DECODE_THREADS};
-use crate::launch::{launch, LaunchConfig};
+use crate::launch::{kv_tensor_map, launch, LaunchConfig};
 use crate::params::DecodeParams;
 use crate::plan::{plan, DecodePlan, PlanOptions};
 use crate::problem::{DType, DecodeProblem};
@@ -51,6 +51,10 @@ impl Element for half::f16 {
 
 /// A decode problem planned and loaded on one GPU.
 ///
+/// A decoder owns one split workspace: calls on one stream (or one captured graph) are ordered,
+/// but two calls of the same decoder must not be in flight on two streams at once; give each
+/// concurrent stream its own decoder.
+///
 /// ```no_run
 /// use kvstream::{DType, DecodeProblem, Decoder, PlanOptions, Runtime};
 /// # fn main() -> kvstream::Result<()> {
@@ -71,7 +75,9 @@ pub struct Decoder {
     plan: DecodePlan,
     decode: LoadedKernel,
     combine: Option<LoadedKernel>,
-    workspace: Option<CudaSlice<u8>>,
+    /// Owned split workspace and its device address (taken once, so `run` does no stream
+    /// bookkeeping on it).
+    workspace: Option<(CudaSlice<u8>, u64)>,
 }
 
 impl Decoder {
@@ -83,17 +89,22 @@ impl Decoder {
             Some(c) => Some(rt.kernel(AnyVariant::Combine(c), 0)?),
             None => None,
         };
-        let workspace =
-            match plan.workspace.bytes() {
-                0 => None,
-                bytes => {
-                    let stream = rt.context().default_stream();
-                    // SAFETY: the workspace is write-before-read in every call (see combine.cu).
-                    Some(unsafe { stream.alloc::<u8>(bytes) }.map_err(|e| {
-                        Error::driver(format!("allocating {bytes} B of workspace"), e)
-                    })?)
-                }
-            };
+        let workspace = match plan.workspace.bytes() {
+            0 => None,
+            bytes => {
+                let stream = rt.context().default_stream();
+                // SAFETY: the workspace is write-before-read in every call (see combine.cu).
+                let buf = unsafe { stream.alloc::<u8>(bytes) }
+                    .map_err(|e| Error::driver(format!("allocating {bytes} B of workspace"), e))?;
+                let ptr = buf.device_ptr(&stream).0;
+                // The allocation is stream-ordered on the default stream; finish it so that
+                // calls on any other stream (a capture stream, PyTorch's) can use it at once.
+                stream
+                    .synchronize()
+                    .map_err(|e| Error::driver("allocating the workspace", e))?;
+                Some((buf, ptr))
+            }
+        };
         Ok(Decoder {
             rt: rt.clone(),
             problem,
@@ -140,14 +151,26 @@ impl Decoder {
         rt.bind()?;
         let p = &self.problem;
         let (ws, (o_off, m_off, l_off)) = match &self.workspace {
-            Some(w) => {
-                let (ptr, _sync) = w.device_ptr(w.stream());
-                (ptr, self.plan.workspace.offsets())
-            }
+            Some((_, ptr)) => (*ptr, self.plan.workspace.offsets()),
             None => (0, (0, 0, 0)),
         };
         let at = |off: usize| if ws == 0 { 0 } else { ws + off as u64 };
+        let map = |arg, ptr, strides| {
+            kv_tensor_map(
+                arg,
+                ptr,
+                p.dtype,
+                p.head_dim,
+                p.hkv,
+                p.max_len,
+                p.batch,
+                strides,
+                self.plan.decode.box_tokens(),
+            )
+        };
         let params = DecodeParams {
+            k_map: map("k_cache", t.k, p.k_strides)?,
+            v_map: map("v_cache", t.v, p.v_strides)?,
             q: t.q,
             k: t.k,
             v: t.v,

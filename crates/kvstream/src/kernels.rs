@@ -65,14 +65,19 @@ impl DecodeVariant {
         }
     }
 
-    /// Dynamic shared memory of one CTA; mirrors `SharedPlan` in decode_gqa.cu.
+    /// Dynamic shared memory of one CTA; mirrors `SharedPlan` in decode_gqa.cu (plus the slack
+    /// that lets the kernel align its base to 1024 bytes).
     pub fn shared_bytes(&self) -> usize {
-        let smem_row = self.head_dim * 2 + 16;
-        let ring = self.stages * 2 * self.tile_tokens * smem_row;
-        let q = self.n_tiles * 8 * smem_row;
+        let ring = self.stages * 2 * self.tile_tokens * self.head_dim * 2;
+        let q = self.n_tiles * 8 * (self.head_dim * 2 + 16);
         let barriers = 2 * 8 * self.stages;
         let stats = 2 * 4 * 4 * self.n_tiles * 8;
-        ring + q + barriers + stats
+        1024 + ring + q + barriers + stats
+    }
+
+    /// TMA box of one K or V load: 64 head dims x `tile_tokens` positions.
+    pub fn box_tokens(&self) -> usize {
+        self.tile_tokens
     }
 }
 

@@ -8,6 +8,7 @@ use cudarc::driver::sys;
 
 use crate::error::{Error, Result};
 use crate::params::DecodeParams;
+use crate::problem::{DType, KvStrides};
 
 /// Geometry and attributes of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,4 +69,63 @@ pub unsafe fn launch(
     sys::cuLaunchKernelEx(&config, func, &mut arg, std::ptr::null_mut())
         .result()
         .map_err(|e| Error::driver(format!("launching {what}"), e))
+}
+
+/// Encodes the TMA tensor map of one KV cache tensor for the decode kernel: a 4-D tensor
+/// `{d, hkv, max_len, batch}` (innermost first) with the given element strides, read in boxes of
+/// 64 head dims x `box_tokens` positions of one head, 128-byte swizzled in shared memory.
+/// Positions past `max_len` read as zeros. Pure host work: no device call, legal during capture.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_tensor_map(
+    arg: &'static str,
+    ptr: u64,
+    dtype: DType,
+    head_dim: usize,
+    hkv: usize,
+    max_len: usize,
+    batch: usize,
+    strides: KvStrides,
+    box_tokens: usize,
+) -> Result<sys::CUtensorMap> {
+    let elem = dtype.size() as u64;
+    let dims: [u64; 4] = [head_dim as u64, hkv as u64, max_len as u64, batch as u64];
+    // byte strides of dims 1..3 (dim 0 is contiguous)
+    let byte_strides: [u64; 3] = [
+        strides.head as u64 * elem,
+        strides.token as u64 * elem,
+        strides.batch as u64 * elem,
+    ];
+    let box_dims: [u32; 4] = [64, 1, box_tokens as u32, 1];
+    let element_strides: [u32; 4] = [1, 1, 1, 1];
+    let data_type = match dtype {
+        DType::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    };
+    // SAFETY: all-zero bytes are a valid (if meaningless) tensor map; it is fully written below.
+    let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
+    // SAFETY: every array has the rank's length; the pointer is only recorded, not dereferenced.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            data_type,
+            4,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            byte_strides.as_ptr(),
+            box_dims.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    r.result().map_err(|_| {
+        Error::invalid(
+            arg,
+            format!("address {ptr:#x}, dims {dims:?}, byte strides {byte_strides:?}"),
+            "a 16-byte aligned tensor with 16-byte multiple strides below 2^40 bytes (TMA limits)",
+        )
+    })?;
+    Ok(map)
 }

@@ -1,16 +1,19 @@
 //! Kernel parameter block, mirrored field for field from `kernels/include/params.cuh`.
 //!
 //! Passed by value as the kernels' only argument (`__grid_constant__`), so a launch is one
-//! pointer to this struct. Strides are in elements.
+//! pointer to this struct; the TMA tensor maps travel inside it, where the kernel's copies can
+//! address them. Strides are in elements.
 
 /// Launch parameters of the decode and combine kernels.
 ///
 /// Each field is documented once, with its shape, in `params.cuh`; repeating the comments here
 /// would let the two copies drift.
 #[allow(missing_docs)]
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[repr(C, align(128))]
+#[derive(Clone, Copy, Debug)]
 pub struct DecodeParams {
+    pub k_map: cudarc::driver::sys::CUtensorMap,
+    pub v_map: cudarc::driver::sys::CUtensorMap,
     pub q: u64,
     pub k: u64,
     pub v: u64,
@@ -41,4 +44,4 @@ pub struct DecodeParams {
 }
 
 // Same number as the static_assert in params.cuh.
-const _: () = assert!(std::mem::size_of::<DecodeParams>() == 184);
+const _: () = assert!(std::mem::size_of::<DecodeParams>() == 512);

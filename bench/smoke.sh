@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# First look on the GPU machine: demos over several shapes, sanitizers, SASS facts, a split sweep
+# and the SDPA peers. Expects the release binary in .carry/bin and the compiled kernels in
+# .carry/cache and .carry/cubins. PARTS selects: demo sanitize sass sweep peers (default: all).
+set -u
+B=.carry/bin/kvstream
+export KVSTREAM_CACHE_DIR=$PWD/.carry/cache
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+PARTS=${PARTS:-demo sanitize sass gputests sweep peers}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+run() { echo "== $*"; timeout 120 "$@"; echo "rc=$?"; }
+nvidia-smi -L
+if want demo; then
+  run $B demo
+  run $B demo --len 131072
+  run $B demo --hq 32 --hkv 1 --head-dim 64 --len 1000 --dtype f16 --splits 7
+  run $B demo --batch 3 --hq 12 --hkv 2 --len 65 --splits 1
+  run $B demo --batch 2 --hq 10 --hkv 2 --head-dim 64 --len 4097 --dtype bf16
+  run $B demo --batch 128 --hq 32 --hkv 8 --len 4096
+fi
+if want sanitize; then
+  for tool in memcheck racecheck synccheck; do
+    echo "== $tool"; timeout 300 compute-sanitizer --tool $tool $B demo --len 1000 --rounds 0 2>&1 | tail -3
+  done
+fi
+if want sass; then
+  for f in .carry/cubins/*.cubin; do
+    s=$(cuobjdump -sass "$f")
+    printf "%-44s HMMA=%s LDL/STL=%s UBLKCP=%s\n" "$(basename "$f")" "$(grep -c HMMA <<<"$s")" \
+      "$(grep -cE 'LDL|STL' <<<"$s")" "$(grep -c UBLKCP <<<"$s")"
+  done
+fi
+if want sweep; then
+  for L in 1024 4096 16384 131072; do for s in 1 4 8 16 24 32 48 64 96 128; do
+    timeout 60 $B demo --len $L --splits $s --rounds 9 | grep RESULT; done; done
+  for s in 8 16 32 64 132; do
+    timeout 60 $B demo --hq 16 --hkv 1 --head-dim 64 --len 32768 --splits $s --rounds 9 | grep RESULT
+    timeout 60 $B demo --batch 4 --hq 32 --hkv 8 --len 32768 --splits $s --rounds 9 | grep RESULT
+  done
+fi
+if want gputests; then
+  G=.carry/bin/gpu-tests
+  KVSTREAM_GPU_SUMMARY=$O/gpu-summary.json timeout 400 $G --ignored --test-threads=1 2>&1 | tee $O/gpu-tests.log | tail -25
+  for tool in memcheck racecheck; do
+    echo "== $tool on the GPU suite (12 random cases + graph + zero-length)"
+    KVSTREAM_GPU_CASES=12 timeout 400 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
+      random_cases graph_capture zero_length 2>&1 | tail -6
+  done
+fi
+if want peers; then
+  timeout 300 python3 bench/peer_sdpa.py --shape 1,16,2,128,4096 --shape 1,16,2,128,131072
+fi

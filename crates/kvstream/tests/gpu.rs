@@ -1,0 +1,1091 @@
+//! GPU correctness suite: every test launches the real kernels on an H100/H200 and checks them
+//! against the f64 CPU reference of [`kvstream::reference`].
+//!
+//! - `random_cases_match_reference`: a few hundred seeded random decodes (lengths 1 to 131072,
+//!   groups 1 to 32, bf16 and f16, d 64 and 128, ragged and zero lengths, forced and heuristic
+//!   split counts, with and without LSE, custom softmax scales). Outputs are poisoned with NaN
+//!   before every run, so an element the kernels forget to write fails; K/V positions past a
+//!   request's length hold NaN, so a read past the length fails; every case runs twice and must
+//!   be bitwise reproducible.
+//! - `graph_capture_replays_with_new_lengths`: a CUDA graph captured once replays with new
+//!   `cache_seqlens` written into the same device buffer and matches eager runs bit for bit.
+//! - `pdl_on_and_off_agree`: programmatic dependent launch changes timing, never results.
+//! - `bad_pointers_are_rejected`: null, misaligned, host and too-short arguments are refused by
+//!   name, a dtype mismatch is refused, and a refused call writes nothing.
+//! - `zero_length_batch_gives_zeros_and_neg_inf`: all requests empty, with and without splits.
+//!
+//! Every test is ignored, so `cargo test` on a machine without a GPU lists them and moves on. On
+//! an H100/H200 (NVRTC 13 on the library path, see `scripts/test.sh`):
+//!
+//! ```text
+//! cargo test -p kvstream --release --test gpu -- --ignored --test-threads=1
+//! ```
+//!
+//! Add `--nocapture` to see the summaries. Knobs of the random test: `KVSTREAM_GPU_CASES`
+//! (default 300; use a handful under `compute-sanitizer`), `KVSTREAM_GPU_SEED` (decimal or
+//! `0x` hex) and `KVSTREAM_GPU_SUMMARY` (a path: a JSON summary is written there). A GPU that
+//! cannot be opened is a test failure, never a skip.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{
+    sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
+};
+use half::{bf16, f16};
+use kvstream::reference::{
+    decode_reference, random_bf16, random_f16, relative_error, RefOutput, RefShape, SplitMix64,
+};
+use kvstream::{
+    DType, DecodeProblem, DecodeTensors, Decoder, Element, Error, PlanOptions, Runtime,
+};
+
+/// Largest accepted `||out - ref|| / ||ref||` of one (request, head) row. bf16 rounding of the
+/// output and of P alone gives ~2e-3.
+const REL_TOL: f64 = 1e-2;
+/// Largest accepted `|lse - ref|` (natural log); the kernels keep the statistics in f32.
+const LSE_TOL: f64 = 1e-3;
+/// Bit pattern written over outputs (and K/V positions that must never be read): a NaN in both
+/// bf16 and f16.
+const POISON: u16 = 0xFFFF;
+/// Default seed of the random test ("kvstream" in ASCII).
+const DEFAULT_SEED: u64 = 0x6B76_7374_7265_616D;
+const DEFAULT_CASES: u64 = 300;
+/// The random test stops early after this many failing cases (a sticky CUDA error fails every
+/// later case; listing them all would only cost time).
+const MAX_FAILURES: usize = 50;
+
+// ---------------------------------------------------------------------------------------------
+// Element types
+// ---------------------------------------------------------------------------------------------
+
+/// The two element types, as the tests need them: random data, raw bits, widening.
+trait Half: Element + ValidAsZeroBits + Copy + 'static {
+    /// `n` values uniform in [-1, 1), and the same values widened for the reference.
+    fn random(rng: &mut SplitMix64, n: usize) -> (Vec<Self>, Vec<f32>);
+    fn from_raw(bits: u16) -> Self;
+    fn raw(self) -> u16;
+    fn widen(self) -> f64;
+}
+
+impl Half for bf16 {
+    fn random(rng: &mut SplitMix64, n: usize) -> (Vec<Self>, Vec<f32>) {
+        random_bf16(rng, n, 1.0)
+    }
+    fn from_raw(bits: u16) -> Self {
+        bf16::from_bits(bits)
+    }
+    fn raw(self) -> u16 {
+        self.to_bits()
+    }
+    fn widen(self) -> f64 {
+        f64::from(self.to_f32())
+    }
+}
+
+impl Half for f16 {
+    fn random(rng: &mut SplitMix64, n: usize) -> (Vec<Self>, Vec<f32>) {
+        random_f16(rng, n, 1.0)
+    }
+    fn from_raw(bits: u16) -> Self {
+        f16::from_bits(bits)
+    }
+    fn raw(self) -> u16 {
+        self.to_bits()
+    }
+    fn widen(self) -> f64 {
+        f64::from(self.to_f32())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host data, device buffers, runs
+// ---------------------------------------------------------------------------------------------
+
+/// Opens GPU 0; any failure is a test failure (these tests only run when asked for).
+fn open_gpu() -> (Arc<Runtime>, Arc<CudaStream>) {
+    let rt = Runtime::new(0)
+        .unwrap_or_else(|e| panic!("cannot open GPU 0 (the GPU tests need an H100/H200): {e}"));
+    let stream = rt.context().default_stream();
+    (rt, stream)
+}
+
+fn make_decoder(rt: &Arc<Runtime>, p: &DecodeProblem, opts: PlanOptions) -> Decoder {
+    Decoder::new(rt, p.clone(), opts).unwrap_or_else(|e| panic!("Decoder::new({p:?}): {e}"))
+}
+
+fn upload<T: DeviceRepr>(stream: &Arc<CudaStream>, host: &[T]) -> CudaSlice<T> {
+    stream
+        .clone_htod(host)
+        .unwrap_or_else(|e| panic!("uploading {} elements: {e}", host.len()))
+}
+
+fn download<T: DeviceRepr>(stream: &Arc<CudaStream>, dev: &CudaSlice<T>) -> Vec<T> {
+    stream
+        .clone_dtoh(dev)
+        .unwrap_or_else(|e| panic!("downloading {} elements: {e}", dev.len()))
+}
+
+fn overwrite<T: DeviceRepr>(stream: &Arc<CudaStream>, host: &[T], dev: &mut CudaSlice<T>) {
+    stream
+        .memcpy_htod(host, dev)
+        .unwrap_or_else(|e| panic!("copying {} elements to the device: {e}", host.len()));
+}
+
+fn lens_i32(lens: &[usize]) -> Vec<i32> {
+    lens.iter().map(|&l| l as i32).collect()
+}
+
+/// Host copies of one problem's inputs: the bits to upload and the same values widened to f32
+/// for the reference.
+struct Inputs<T> {
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    q32: Vec<f32>,
+    k32: Vec<f32>,
+    v32: Vec<f32>,
+}
+
+/// Random Q; K and V random at positions `< lens[b]` and NaN from there to `max_len`: the
+/// kernels must never read a position past a request's length, and a NaN read there would
+/// reach the output (0 * NaN is NaN in the P.V product).
+fn make_inputs<T: Half>(rng: &mut SplitMix64, p: &DecodeProblem, lens: &[usize]) -> Inputs<T> {
+    let (q, q32) = T::random(rng, p.batch * p.hq * p.head_dim);
+    let (k, k32) = random_cache::<T>(rng, p, lens);
+    let (v, v32) = random_cache::<T>(rng, p, lens);
+    Inputs {
+        q,
+        k,
+        v,
+        q32,
+        k32,
+        v32,
+    }
+}
+
+fn random_cache<T: Half>(
+    rng: &mut SplitMix64,
+    p: &DecodeProblem,
+    lens: &[usize],
+) -> (Vec<T>, Vec<f32>) {
+    let per_token = p.hkv * p.head_dim;
+    let total = p.batch * p.max_len * per_token;
+    let (mut bits, mut wide) = (Vec::with_capacity(total), Vec::with_capacity(total));
+    for &len in lens {
+        let (b, w) = T::random(rng, len * per_token);
+        bits.extend(b);
+        wide.extend(w);
+        let tail = (p.max_len - len) * per_token;
+        bits.extend(std::iter::repeat(T::from_raw(POISON)).take(tail));
+        wide.extend(std::iter::repeat(f32::NAN).take(tail));
+    }
+    (bits, wide)
+}
+
+fn reference<T>(p: &DecodeProblem, x: &Inputs<T>, lens: &[usize]) -> RefOutput {
+    let shape = RefShape {
+        batch: p.batch,
+        q_len: 1,
+        hq: p.hq,
+        hkv: p.hkv,
+        d: p.head_dim,
+        max_len: p.max_len,
+        // The f32 scale the kernels get, widened: the reference computes what was asked.
+        softmax_scale: f64::from(p.scale()),
+    };
+    decode_reference(&shape, &x.q32, &x.k32, &x.v32, lens)
+}
+
+/// Inputs on the device. `seqlens` is `None` when every request has `max_len` tokens.
+struct DeviceInputs<T> {
+    q: CudaSlice<T>,
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+    seqlens: Option<CudaSlice<i32>>,
+}
+
+impl<T: Half> DeviceInputs<T> {
+    fn upload(stream: &Arc<CudaStream>, x: &Inputs<T>, seqlens: Option<&[usize]>) -> Self {
+        DeviceInputs {
+            q: upload(stream, &x.q),
+            k: upload(stream, &x.k),
+            v: upload(stream, &x.v),
+            seqlens: seqlens.map(|l| upload(stream, &lens_i32(l))),
+        }
+    }
+}
+
+/// Output buffers on the device.
+struct Outputs<T> {
+    out: CudaSlice<T>,
+    lse: Option<CudaSlice<f32>>,
+}
+
+/// Outputs read back to the host.
+struct Output<T> {
+    out: Vec<T>,
+    lse: Option<Vec<f32>>,
+}
+
+impl<T: Half> Outputs<T> {
+    fn new(stream: &Arc<CudaStream>, p: &DecodeProblem, with_lse: bool) -> Self {
+        let rows = p.batch * p.hq;
+        let alloc = "allocating outputs";
+        Outputs {
+            out: stream.alloc_zeros::<T>(rows * p.head_dim).expect(alloc),
+            lse: with_lse.then(|| stream.alloc_zeros::<f32>(rows).expect(alloc)),
+        }
+    }
+
+    /// NaN everywhere, so that whatever the next run does not write is caught.
+    fn poison(&mut self, stream: &Arc<CudaStream>) {
+        overwrite(
+            stream,
+            &vec![T::from_raw(POISON); self.out.len()],
+            &mut self.out,
+        );
+        if let Some(lse) = &mut self.lse {
+            overwrite(stream, &vec![f32::NAN; lse.len()], lse);
+        }
+    }
+
+    fn read(&self, stream: &Arc<CudaStream>) -> Output<T> {
+        Output {
+            out: download(stream, &self.out),
+            lse: self.lse.as_ref().map(|l| download(stream, l)),
+        }
+    }
+}
+
+/// Raw pointers of the buffers, for the unsafe `Decoder::run`.
+fn raw_tensors<T: Half>(
+    stream: &Arc<CudaStream>,
+    x: &DeviceInputs<T>,
+    o: &mut Outputs<T>,
+) -> DecodeTensors {
+    let (q, _) = x.q.device_ptr(stream);
+    let (k, _) = x.k.device_ptr(stream);
+    let (v, _) = x.v.device_ptr(stream);
+    let (out, _) = o.out.device_ptr_mut(stream);
+    DecodeTensors {
+        q,
+        k,
+        v,
+        out,
+        lse: o.lse.as_mut().map(|l| l.device_ptr_mut(stream).0),
+        seqlens: x.seqlens.as_ref().map(|s| s.device_ptr(stream).0),
+    }
+}
+
+/// Poisons the outputs, runs one decode through the safe API, waits and reads back.
+fn run_poisoned<T: Half>(
+    stream: &Arc<CudaStream>,
+    dec: &Decoder,
+    x: &DeviceInputs<T>,
+    o: &mut Outputs<T>,
+) -> Result<Output<T>, String> {
+    o.poison(stream);
+    dec.run_slices(
+        stream,
+        &x.q,
+        &x.k,
+        &x.v,
+        &mut o.out,
+        o.lse.as_mut(),
+        x.seqlens.as_ref(),
+    )
+    .map_err(|e| format!("run_slices refused a valid call: {e}"))?;
+    // Kernel faults surface here, with a message that says so.
+    stream
+        .synchronize()
+        .map_err(|e| format!("the decode failed on the GPU: {e}"))?;
+    Ok(o.read(stream))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks
+// ---------------------------------------------------------------------------------------------
+
+/// Largest errors of one checked output.
+#[derive(Clone, Copy, Debug, Default)]
+struct Errors {
+    rel: f64,
+    lse: f64,
+}
+
+/// Checks `got` against the reference row by row: every element written (no poison left), each
+/// non-empty row within [`REL_TOL`], empty rows exactly 0 with LSE -inf, LSE within [`LSE_TOL`].
+fn check_output<T: Half>(
+    p: &DecodeProblem,
+    got: &Output<T>,
+    want: &RefOutput,
+) -> Result<Errors, String> {
+    let d = p.head_dim;
+    let at = |row: usize| format!("request {} head {}", row / p.hq, row % p.hq);
+    if let Some(i) = got.out.iter().position(|x| x.widen().is_nan()) {
+        return Err(format!(
+            "out of {} element {} is NaN (bits {:#06x}): never written, or a NaN computed",
+            at(i / d),
+            i % d,
+            got.out[i].raw()
+        ));
+    }
+    let mut errors = Errors::default();
+    for row in 0..p.batch * p.hq {
+        let out: Vec<f64> = got.out[row * d..(row + 1) * d]
+            .iter()
+            .map(|x| x.widen())
+            .collect();
+        let want_lse = want.lse[row];
+        if want_lse == f64::NEG_INFINITY {
+            if let Some(x) = out.iter().find(|&&x| x != 0.0) {
+                return Err(format!(
+                    "{} has length 0, yet out holds {x} (must be exactly 0)",
+                    at(row)
+                ));
+            }
+        } else {
+            let rel = relative_error(&out, &want.out[row * d..(row + 1) * d]);
+            errors.rel = errors.rel.max(rel);
+            if rel.is_nan() || rel > REL_TOL {
+                return Err(format!(
+                    "{}: relative error {rel:.3e} > {REL_TOL:e}",
+                    at(row)
+                ));
+            }
+        }
+        if let Some(lse) = &got.lse {
+            let g = f64::from(lse[row]);
+            if want_lse == f64::NEG_INFINITY {
+                if g != f64::NEG_INFINITY {
+                    return Err(format!("{}: lse {g}, want -inf (length 0)", at(row)));
+                }
+            } else {
+                let err = (g - want_lse).abs();
+                errors.lse = errors.lse.max(err);
+                if err.is_nan() || err > LSE_TOL {
+                    return Err(format!(
+                        "{}: lse {g}, reference {want_lse} (error {err:.3e} > {LSE_TOL:e})",
+                        at(row)
+                    ));
+                }
+            }
+        }
+    }
+    Ok(errors)
+}
+
+/// `Ok` when both outputs hold the same bits (out and LSE).
+fn same_bits<T: Half>(a: &Output<T>, b: &Output<T>, what: &str) -> Result<(), String> {
+    if let Some(i) = a
+        .out
+        .iter()
+        .zip(&b.out)
+        .position(|(x, y)| x.raw() != y.raw())
+    {
+        return Err(format!(
+            "{what}: out[{i}] differs ({:#06x} vs {:#06x})",
+            a.out[i].raw(),
+            b.out[i].raw()
+        ));
+    }
+    if let (Some(la), Some(lb)) = (&a.lse, &b.lse) {
+        if let Some(i) = la
+            .iter()
+            .zip(lb)
+            .position(|(x, y)| x.to_bits() != y.to_bits())
+        {
+            return Err(format!("{what}: lse[{i}] differs ({} vs {})", la[i], lb[i]));
+        }
+    }
+    Ok(())
+}
+
+/// The argument a refused call names; panics if the call was accepted or failed otherwise.
+fn rejected_arg(r: kvstream::Result<()>, call: &str) -> &'static str {
+    match r {
+        Err(Error::InvalidArgument { arg, .. }) => arg,
+        Err(other) => panic!("{call}: expected InvalidArgument, got {other}"),
+        Ok(()) => panic!("{call}: accepted, must be refused"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Random cases
+// ---------------------------------------------------------------------------------------------
+
+const LENS: [usize; 7] = [1, 7, 63, 64, 65, 1000, 4097];
+const LONG_LEN: usize = 131_072;
+const GROUPS: [usize; 9] = [1, 2, 4, 5, 7, 8, 12, 16, 32];
+
+/// One drawn case; everything needed to rerun it.
+#[derive(Clone, Debug)]
+struct Case {
+    index: usize,
+    data_seed: u64,
+    dtype: DType,
+    batch: usize,
+    hq: usize,
+    hkv: usize,
+    head_dim: usize,
+    max_len: usize,
+    /// `None`: no `cache_seqlens`, every request has `max_len` tokens.
+    lens: Option<Vec<usize>>,
+    splits: Option<usize>,
+    lse: bool,
+    scale: Option<f32>,
+}
+
+impl Case {
+    fn draw(index: usize, rng: &mut SplitMix64) -> Case {
+        // 131072 about once in 12 cases, with one request and at most 16 query heads: the f64
+        // reference costs ~1 s for it already.
+        let long = rng.below(12) == 0;
+        let max_len = if long {
+            LONG_LEN
+        } else {
+            LENS[rng.below(LENS.len())]
+        };
+        let (group, hkv) = loop {
+            let g = GROUPS[rng.below(GROUPS.len())];
+            let hkv = 1 + rng.below(4);
+            if !long || g * hkv <= 16 {
+                break (g, hkv);
+            }
+        };
+        let batch = match max_len {
+            LONG_LEN => 1,
+            l if l >= 4096 => 1 + rng.below(2),
+            _ => 1 + rng.below(4),
+        };
+        let dtype = if rng.below(2) == 0 {
+            DType::Bf16
+        } else {
+            DType::F16
+        };
+        let head_dim = if rng.below(2) == 0 { 64 } else { 128 };
+        let lens = (rng.below(2) == 0).then(|| {
+            if rng.below(16) == 0 {
+                vec![0; batch] // the all-empty family
+            } else {
+                (0..batch)
+                    .map(|_| match rng.below(8) {
+                        0 => 0,
+                        1 => max_len,
+                        _ => rng.below(max_len + 1),
+                    })
+                    .collect()
+            }
+        });
+        let splits = (rng.below(4) != 0).then(|| 1 + rng.below(64));
+        let lse = rng.below(4) != 0;
+        let scale = (rng.below(5) == 0).then(|| (0.01 + 0.99 * rng.uniform()) as f32);
+        Case {
+            index,
+            data_seed: rng.next_u64(),
+            dtype,
+            batch,
+            hq: group * hkv,
+            hkv,
+            head_dim,
+            max_len,
+            lens,
+            splits,
+            lse,
+            scale,
+        }
+    }
+
+    fn problem(&self) -> Result<DecodeProblem, String> {
+        let p = DecodeProblem::new(
+            self.batch,
+            self.hq,
+            self.hkv,
+            self.head_dim,
+            self.max_len,
+            self.dtype,
+        );
+        let p = match self.scale {
+            Some(s) => p.and_then(|p| p.with_softmax_scale(s)),
+            None => p,
+        };
+        p.map_err(|e| format!("DecodeProblem refused a valid shape: {e}"))
+    }
+
+    fn lens(&self) -> Vec<usize> {
+        self.lens
+            .clone()
+            .unwrap_or_else(|| vec![self.max_len; self.batch])
+    }
+}
+
+impl fmt::Display for Case {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "case {} ({}, batch {}, hq {}, hkv {}, d {}, L {}, lens {}, splits {}, lse {}, scale {})",
+            self.index,
+            self.dtype.name(),
+            self.batch,
+            self.hq,
+            self.hkv,
+            self.head_dim,
+            self.max_len,
+            match &self.lens {
+                Some(l) => format!("{l:?}"),
+                None => "none (all L)".into(),
+            },
+            match self.splits {
+                Some(s) => s.to_string(),
+                None => "heuristic".into(),
+            },
+            if self.lse { "on" } else { "off" },
+            match self.scale {
+                Some(s) => s.to_string(),
+                None => "default".into(),
+            },
+        )
+    }
+}
+
+/// What one passing case contributes to the summary.
+struct CaseResult {
+    errors: Errors,
+    splits: usize,
+}
+
+fn run_case(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+) -> Result<CaseResult, String> {
+    match case.dtype {
+        DType::Bf16 => run_case_as::<bf16>(rt, stream, case),
+        DType::F16 => run_case_as::<f16>(rt, stream, case),
+    }
+}
+
+fn run_case_as<T: Half>(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+) -> Result<CaseResult, String> {
+    let p = case.problem()?;
+    let opts = PlanOptions {
+        num_splits: case.splits,
+        disable_pdl: false,
+    };
+    let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
+    let lens = case.lens();
+    let x = make_inputs::<T>(&mut SplitMix64::new(case.data_seed), &p, &lens);
+    let dev = DeviceInputs::upload(stream, &x, case.lens.as_deref());
+    let mut outs = Outputs::new(stream, &p, case.lse);
+
+    let first = run_poisoned(stream, &dec, &dev, &mut outs)?;
+    let errors = check_output(&p, &first, &reference(&p, &x, &lens))?;
+    // Same inputs, same plan: the fixed-order reductions must give the same bits.
+    let second = run_poisoned(stream, &dec, &dev, &mut outs)?;
+    same_bits(&first, &second, "second run vs first")?;
+    Ok(CaseResult {
+        errors,
+        splits: dec.plan().num_splits,
+    })
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    match std::env::var(name) {
+        Ok(s) if !s.trim().is_empty() => {
+            let s = s.trim();
+            let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+                Some(hex) => u64::from_str_radix(&hex.replace('_', ""), 16),
+                None => s.replace('_', "").parse(),
+            };
+            parsed.unwrap_or_else(|_| panic!("{name}={s:?} is not a number"))
+        }
+        _ => default,
+    }
+}
+
+/// Running totals of the random test.
+#[derive(Default)]
+struct Summary {
+    cases: usize,
+    max_rel: f64,
+    max_lse: f64,
+    dtype: BTreeMap<&'static str, usize>,
+    head_dim: BTreeMap<usize, usize>,
+    group: BTreeMap<usize, usize>,
+    max_len: BTreeMap<usize, usize>,
+    splits: BTreeMap<usize, usize>,
+    ragged: usize,
+    all_empty: usize,
+    heuristic_splits: usize,
+    with_lse: usize,
+    custom_scale: usize,
+}
+
+impl Summary {
+    fn add(&mut self, case: &Case, r: &CaseResult) {
+        self.cases += 1;
+        self.max_rel = self.max_rel.max(r.errors.rel);
+        self.max_lse = self.max_lse.max(r.errors.lse);
+        *self.dtype.entry(case.dtype.name()).or_default() += 1;
+        *self.head_dim.entry(case.head_dim).or_default() += 1;
+        *self.group.entry(case.hq / case.hkv).or_default() += 1;
+        *self.max_len.entry(case.max_len).or_default() += 1;
+        *self.splits.entry(r.splits).or_default() += 1;
+        self.ragged += usize::from(case.lens.is_some());
+        self.all_empty += usize::from(
+            case.lens
+                .as_ref()
+                .is_some_and(|l| l.iter().all(|&x| x == 0)),
+        );
+        self.heuristic_splits += usize::from(case.splits.is_none());
+        self.with_lse += usize::from(case.lse);
+        self.custom_scale += usize::from(case.scale.is_some());
+    }
+
+    fn line(&self, seed: u64, failures: usize, secs: f64) -> String {
+        format!(
+            "random_cases_match_reference: {} cases passed, {failures} failed (seed {seed:#x}, \
+             {secs:.1} s); max rel err {:.3e}, max lse err {:.3e}; dtype {:?}, d {:?}, \
+             groups {:?}, L {:?}, {} distinct split counts ({} heuristic), ragged {} \
+             (all-empty {}), lse {}, custom scale {}",
+            self.cases,
+            self.max_rel,
+            self.max_lse,
+            self.dtype,
+            self.head_dim,
+            self.group,
+            self.max_len,
+            self.splits.len(),
+            self.heuristic_splits,
+            self.ragged,
+            self.all_empty,
+            self.with_lse,
+            self.custom_scale,
+        )
+    }
+
+    fn json(&self, seed: u64, failures: usize) -> String {
+        fn num(x: f64) -> String {
+            if x.is_finite() {
+                format!("{x:e}")
+            } else {
+                "null".into()
+            }
+        }
+        fn map<K: fmt::Display>(m: &BTreeMap<K, usize>) -> String {
+            let items: Vec<String> = m.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+            format!("{{{}}}", items.join(","))
+        }
+        format!(
+            "{{\"test\":\"random_cases_match_reference\",\"cases\":{},\"max_rel_err\":{},\
+             \"max_lse_err\":{},\"seed\":{seed},\"seed_hex\":\"{seed:#x}\",\"failures\":{failures},\"by_dtype\":{},\
+             \"by_head_dim\":{},\"by_group\":{},\"by_max_len\":{},\"splits_used\":{},\
+             \"ragged\":{},\"all_empty\":{},\"heuristic_splits\":{},\"with_lse\":{},\
+             \"custom_scale\":{}}}\n",
+            self.cases,
+            num(self.max_rel),
+            num(self.max_lse),
+            map(&self.dtype),
+            map(&self.head_dim),
+            map(&self.group),
+            map(&self.max_len),
+            map(&self.splits),
+            self.ragged,
+            self.all_empty,
+            self.heuristic_splits,
+            self.with_lse,
+            self.custom_scale,
+        )
+    }
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "panic with a non-string payload".into())
+}
+
+/// Expected run time on an H200: about 1 minute for 300 cases, most of it in the f64 reference
+/// of the L = 131072 cases (the first run compiles the kernels with NVRTC: add ~1 minute once).
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn random_cases_match_reference() {
+    let seed = env_u64("KVSTREAM_GPU_SEED", DEFAULT_SEED);
+    let count = env_u64("KVSTREAM_GPU_CASES", DEFAULT_CASES) as usize;
+    let (rt, stream) = open_gpu();
+    let start = Instant::now();
+    // Shapes come from one stream of draws, so case i is the same for any case count.
+    let mut rng = SplitMix64::new(seed);
+    let mut summary = Summary::default();
+    let mut failures: Vec<String> = Vec::new();
+    for index in 0..count {
+        let case = Case::draw(index, &mut rng);
+        // A panic inside a case (a driver call failing) is that case's failure, not the end
+        // of the run.
+        let outcome = catch_unwind(AssertUnwindSafe(|| run_case(&rt, &stream, &case)))
+            .unwrap_or_else(|p| Err(format!("panicked: {}", panic_message(p))));
+        match outcome {
+            Ok(r) => summary.add(&case, &r),
+            Err(e) => {
+                eprintln!("FAILED {case}: {e}");
+                failures.push(format!("{case}: {e}"));
+                if failures.len() >= MAX_FAILURES {
+                    failures.push(format!("stopped after {MAX_FAILURES} failing cases"));
+                    break;
+                }
+            }
+        }
+        if (index + 1) % 50 == 0 {
+            println!(
+                "  {} / {count} cases, {:.1} s",
+                index + 1,
+                start.elapsed().as_secs_f64()
+            );
+        }
+    }
+    let n_failed = failures.len().min(MAX_FAILURES);
+    println!(
+        "{}",
+        summary.line(seed, n_failed, start.elapsed().as_secs_f64())
+    );
+    if let Ok(path) = std::env::var("KVSTREAM_GPU_SUMMARY") {
+        if !path.is_empty() {
+            std::fs::write(&path, summary.json(seed, n_failed))
+                .unwrap_or_else(|e| panic!("writing the summary to {path}: {e}"));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{n_failed} of {count} random cases failed (seed {seed:#x}; rerun one with \
+         KVSTREAM_GPU_SEED={seed:#x} KVSTREAM_GPU_CASES=<index + 1>). First {}:\n{}",
+        failures.len().min(10),
+        failures[..failures.len().min(10)].join("\n")
+    );
+    assert!(count == 0 || summary.cases > 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. CUDA graph capture
+// ---------------------------------------------------------------------------------------------
+
+/// The shape of the graph and PDL tests: a Llama-style 32/8 head layout, split 8 ways.
+fn mid_problem() -> DecodeProblem {
+    DecodeProblem::new(4, 32, 8, 128, 4096, DType::Bf16).expect("a valid problem")
+}
+
+/// Expected run time: a few seconds (three 4 x 4096 references).
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn graph_capture_replays_with_new_lengths() {
+    let (rt, _) = open_gpu();
+    let ctx = rt.context().clone();
+    // cudarc's automatic event tracking would make slice accesses record and wait on events on
+    // the legacy default stream (where Decoder::new put the workspace), also while our stream
+    // is being captured. This test orders its one stream by hand instead.
+    // SAFETY: everything below runs on `stream`, synchronised explicitly where it matters.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().expect("creating a stream");
+    let p = mid_problem();
+    let dec = make_decoder(
+        &rt,
+        &p,
+        PlanOptions {
+            num_splits: Some(8),
+            disable_pdl: false,
+        },
+    );
+    assert_eq!(dec.plan().num_splits, 8);
+    // Decoder::new allocated its workspace on the legacy default stream, which our non-blocking
+    // stream does not wait for.
+    ctx.synchronize().expect("synchronising after Decoder::new");
+
+    // Every position holds real data: the lengths change between replays.
+    let full = vec![p.max_len; p.batch];
+    let x = make_inputs::<bf16>(&mut SplitMix64::new(0x6AF), &p, &full);
+    let mut dev = DeviceInputs::upload(&stream, &x, Some(&full));
+    let mut graph_out = Outputs::<bf16>::new(&stream, &p, true);
+    stream.synchronize().expect("uploads");
+
+    let tensors = raw_tensors(&stream, &dev, &mut graph_out);
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("beginning the capture");
+    // SAFETY: every pointer is a live allocation of the sizes the problem implies.
+    let captured = unsafe { dec.run(&tensors, stream.cu_stream()) };
+    // End the capture before checking `captured`, so that a failure leaves the stream usable.
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured.unwrap_or_else(|e| panic!("Decoder::run during stream capture: {e}"));
+    let graph = graph
+        .unwrap_or_else(|e| panic!("ending the capture / instantiating the graph: {e}"))
+        .expect("the capture recorded no work");
+
+    let length_sets: [[usize; 4]; 3] = [[0, 4096, 1, 2049], [4096; 4], [17, 0, 4095, 64]];
+    for lens in length_sets {
+        let what = format!("lengths {lens:?}");
+        // New lengths into the buffer the graph reads.
+        overwrite(&stream, &lens_i32(&lens), dev.seqlens.as_mut().unwrap());
+        graph_out.poison(&stream);
+        graph.launch().expect("launching the graph");
+        stream
+            .synchronize()
+            .expect("graph replay failed on the GPU");
+        let replayed = graph_out.read(&stream);
+
+        let mut fresh = Outputs::<bf16>::new(&stream, &p, true);
+        fresh.poison(&stream);
+        let t = raw_tensors(&stream, &dev, &mut fresh);
+        // SAFETY: as for the capture.
+        unsafe { dec.run(&t, stream.cu_stream()) }
+            .unwrap_or_else(|e| panic!("{what}: eager run: {e}"));
+        stream.synchronize().expect("eager run failed on the GPU");
+        let eager = fresh.read(&stream);
+
+        same_bits(
+            &replayed,
+            &eager,
+            &format!("{what}: graph replay vs eager run"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let errors = check_output(&p, &replayed, &reference(&p, &x, &lens))
+            .unwrap_or_else(|e| panic!("{what}: graph replay: {e}"));
+        println!(
+            "graph replay, {what}: max rel err {:.3e}, max lse err {:.3e}",
+            errors.rel, errors.lse
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. PDL on and off
+// ---------------------------------------------------------------------------------------------
+
+/// Expected run time: about a second.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn pdl_on_and_off_agree() {
+    let (rt, stream) = open_gpu();
+    let p = mid_problem();
+    let lens = [4096, 1, 0, 3000];
+    let x = make_inputs::<bf16>(&mut SplitMix64::new(0x9D1), &p, &lens);
+    let dev = DeviceInputs::upload(&stream, &x, Some(&lens));
+    let want = reference(&p, &x, &lens);
+    for splits in [Some(8), None] {
+        let opts = |disable_pdl| PlanOptions {
+            num_splits: splits,
+            disable_pdl,
+        };
+        let off = make_decoder(&rt, &p, opts(true));
+        let on = make_decoder(&rt, &p, opts(false));
+        assert!(!off.plan().pdl && on.plan().pdl);
+        let what = format!("{} splits", on.plan().num_splits);
+
+        let mut o = Outputs::<bf16>::new(&stream, &p, true);
+        let serial = run_poisoned(&stream, &off, &dev, &mut o).unwrap_or_else(|e| panic!("{e}"));
+        check_output(&p, &serial, &want).unwrap_or_else(|e| panic!("{what}, PDL off: {e}"));
+
+        // Four calls back to back with no synchronisation in between, so that with PDL each
+        // decode really starts while the previous combine drains (they share the workspace).
+        let mut outs: Vec<Outputs<bf16>> =
+            (0..4).map(|_| Outputs::new(&stream, &p, true)).collect();
+        for o in &mut outs {
+            o.poison(&stream);
+        }
+        for o in &mut outs {
+            on.run_slices(
+                &stream,
+                &dev.q,
+                &dev.k,
+                &dev.v,
+                &mut o.out,
+                o.lse.as_mut(),
+                dev.seqlens.as_ref(),
+            )
+            .unwrap_or_else(|e| panic!("{what}, PDL on: {e}"));
+        }
+        stream.synchronize().expect("PDL runs failed on the GPU");
+        for (i, o) in outs.iter().enumerate() {
+            same_bits(
+                &o.read(&stream),
+                &serial,
+                &format!("{what}: PDL on (call {i}) vs off"),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Argument checks
+// ---------------------------------------------------------------------------------------------
+
+/// Host memory aligned like a device allocation, so only "not device memory" can reject it.
+#[derive(Clone, Copy)]
+#[repr(C, align(256))]
+struct HostBlock([u8; 256]);
+
+/// Expected run time: under a second.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn bad_pointers_are_rejected() {
+    let (rt, stream) = open_gpu();
+    let p = DecodeProblem::new(2, 16, 2, 128, 256, DType::Bf16).expect("a valid problem");
+    let dec = make_decoder(
+        &rt,
+        &p,
+        PlanOptions {
+            num_splits: Some(4),
+            disable_pdl: false,
+        },
+    );
+    let lens = [256, 100];
+    let x = make_inputs::<bf16>(&mut SplitMix64::new(0xBAD), &p, &lens);
+    let dev = DeviceInputs::upload(&stream, &x, Some(&lens));
+    let mut o = Outputs::<bf16>::new(&stream, &p, true);
+    o.poison(&stream);
+    let good = raw_tensors(&stream, &dev, &mut o);
+    let host = vec![HostBlock([0; 256]); p.batch * p.max_len * p.hkv * p.head_dim * 2 / 256];
+
+    let bad_raw = [
+        ("q", DecodeTensors { q: 0, ..good }, "null q"),
+        (
+            "k_cache",
+            DecodeTensors {
+                k: good.k + 2,
+                ..good
+            },
+            "k + 2 bytes",
+        ),
+        (
+            "v_cache",
+            DecodeTensors {
+                v: host.as_ptr() as u64,
+                ..good
+            },
+            "host v",
+        ),
+    ];
+    for (arg, t, call) in bad_raw {
+        // SAFETY: the library must refuse these before launching anything.
+        let r = unsafe { dec.run(&t, stream.cu_stream()) };
+        assert_eq!(rejected_arg(r, call), arg, "{call}");
+    }
+
+    let kv_len = x.k.len();
+    let short_k = stream.alloc_zeros::<bf16>(kv_len - 1).expect("alloc");
+    let r = dec.run_slices(&stream, &dev.q, &short_k, &dev.v, &mut o.out, None, None);
+    assert_eq!(rejected_arg(r, "short k slice"), "k_cache");
+
+    let short_seqlens = upload(&stream, &[7i32]);
+    let r = dec.run_slices(
+        &stream,
+        &dev.q,
+        &dev.k,
+        &dev.v,
+        &mut o.out,
+        None,
+        Some(&short_seqlens),
+    );
+    assert_eq!(rejected_arg(r, "short seqlens slice"), "cache_seqlens");
+
+    let mut short_lse = stream
+        .alloc_zeros::<f32>(p.batch * p.hq - 1)
+        .expect("alloc");
+    let r = dec.run_slices(
+        &stream,
+        &dev.q,
+        &dev.k,
+        &dev.v,
+        &mut o.out,
+        Some(&mut short_lse),
+        None,
+    );
+    assert_eq!(rejected_arg(r, "short lse slice"), "lse");
+
+    // f16 slices of the right sizes for a bf16 problem.
+    let q16 = stream.alloc_zeros::<f16>(x.q.len()).expect("alloc");
+    let k16 = stream.alloc_zeros::<f16>(kv_len).expect("alloc");
+    let v16 = stream.alloc_zeros::<f16>(kv_len).expect("alloc");
+    let mut out16 = stream.alloc_zeros::<f16>(x.q.len()).expect("alloc");
+    let r = dec.run_slices(&stream, &q16, &k16, &v16, &mut out16, None, None);
+    let msg = r
+        .as_ref()
+        .map_err(|e| e.to_string())
+        .err()
+        .unwrap_or_default();
+    rejected_arg(r, "f16 slices for a bf16 problem");
+    assert!(
+        msg.contains("bf16"),
+        "dtype error should name the problem's dtype: {msg}"
+    );
+
+    // Nothing refused may have been launched: the outputs still hold the poison.
+    stream.synchronize().expect("synchronising");
+    let untouched = o.read(&stream);
+    assert!(
+        untouched.out.iter().all(|x| x.raw() == POISON),
+        "a refused call wrote out"
+    );
+    assert!(
+        untouched.lse.iter().flatten().all(|x| x.is_nan()),
+        "a refused call wrote lse"
+    );
+
+    // And the runtime is still healthy: a valid call right after gives the right answer.
+    let got = run_poisoned(&stream, &dec, &dev, &mut o).unwrap_or_else(|e| panic!("{e}"));
+    check_output(&p, &got, &reference(&p, &x, &lens))
+        .unwrap_or_else(|e| panic!("valid call after the refused ones: {e}"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. All requests empty
+// ---------------------------------------------------------------------------------------------
+
+fn zero_length_case<T: Half>(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, d: usize, splits: usize) {
+    let p = DecodeProblem::new(3, 16, 2, d, 1000, T::DTYPE).expect("a valid problem");
+    let what = format!("{} d {d}, {splits} splits", T::DTYPE.name());
+    let dec = make_decoder(
+        rt,
+        &p,
+        PlanOptions {
+            num_splits: Some(splits),
+            disable_pdl: false,
+        },
+    );
+    assert_eq!(dec.plan().num_splits, splits, "{what}");
+    let lens = [0; 3];
+    // K and V are all NaN: with every length 0 nothing may be read from them.
+    let x = make_inputs::<T>(&mut SplitMix64::new(0x0), &p, &lens);
+    let dev = DeviceInputs::upload(stream, &x, Some(&lens));
+    let mut o = Outputs::<T>::new(stream, &p, true);
+    let got = run_poisoned(stream, &dec, &dev, &mut o).unwrap_or_else(|e| panic!("{what}: {e}"));
+    if let Some(i) = got.out.iter().position(|x| x.widen() != 0.0) {
+        panic!(
+            "{what}: out[{i}] is {:#06x}, must be exactly 0",
+            got.out[i].raw()
+        );
+    }
+    let lse = got.lse.expect("lse was requested");
+    if let Some(i) = lse.iter().position(|&x| x != f32::NEG_INFINITY) {
+        panic!("{what}: lse[{i}] is {}, must be -inf", lse[i]);
+    }
+}
+
+/// Expected run time: under a second.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn zero_length_batch_gives_zeros_and_neg_inf() {
+    let (rt, stream) = open_gpu();
+    for splits in [1, 16] {
+        zero_length_case::<bf16>(&rt, &stream, 128, splits);
+        zero_length_case::<f16>(&rt, &stream, 64, splits);
+    }
+}
