@@ -31,11 +31,13 @@ if want sass; then
   done
 fi
 if want sweep; then
-  for L in 1024 4096 16384 131072; do for s in 1 4 8 16 24 32 48 64 96 128; do
-    timeout 60 $B demo --len $L --splits $s --rounds 9 | grep RESULT; done; done
-  for s in 8 16 32 64 132; do
-    timeout 60 $B demo --hq 16 --hkv 1 --head-dim 64 --len 32768 --splits $s --rounds 9 | grep RESULT
-    timeout 60 $B demo --batch 4 --hq 32 --hkv 8 --len 32768 --splits $s --rounds 9 | grep RESULT
+  # forced split counts per shape: the data behind plan.rs's heuristic
+  for shape in "--len 1024" "--len 4096" "--len 16384" "--len 131072" \
+               "--hq 16 --hkv 1 --head-dim 64 --len 4096" "--hq 16 --hkv 1 --head-dim 64 --len 32768" \
+               "--hq 16 --hkv 16 --len 32768" "--batch 4 --hq 32 --hkv 8 --len 32768"; do
+    for s in 1 2 4 8 16 24 32 48 64 96 128; do
+      timeout 60 $B demo $shape --splits $s --rounds 9 | grep RESULT | tee -a $O/sweep.txt
+    done
   done
 fi
 if want gputests; then

@@ -138,6 +138,7 @@ impl Variant for CombineVariant {
                 u8::from(self.dtype == DType::F16).to_string(),
             ),
             ("KVS_HEAD_DIM".into(), self.head_dim.to_string()),
+            ("KVS_MAX_SPLITS".into(), plan::MAX_SPLITS.to_string()),
         ]
     }
 }
