@@ -34,7 +34,8 @@ if want sweep; then
   # forced split counts per shape: the data behind plan.rs's heuristic
   for shape in "--len 1024" "--len 4096" "--len 16384" "--len 131072" \
                "--hq 16 --hkv 1 --head-dim 64 --len 4096" "--hq 16 --hkv 1 --head-dim 64 --len 32768" \
-               "--hq 16 --hkv 16 --len 32768" "--batch 4 --hq 32 --hkv 8 --len 32768"; do
+               "--hq 16 --hkv 16 --len 32768" "--batch 4 --hq 32 --hkv 8 --len 32768" "--len 65536" \
+               "--hq 16 --hkv 1 --len 1024" "--hq 16 --hkv 1 --len 131072" "--hq 16 --hkv 16 --len 4096"; do
     for s in 1 2 4 8 16 24 32 48 64 96 128; do
       timeout 60 $B demo $shape --splits $s --rounds 9 | grep RESULT | tee -a $O/sweep.txt
     done

@@ -1,16 +1,15 @@
 // Split-KV combine: merges the FP32 partials of decode_gqa.cu into the final output.
 //
-// One warp per (request, query head) row. For the splits s = 0, 1, ... :
+// One CTA per (request, query head) row. For the splits s = 0, 1, ... :
 //   M = max_s m_s                       (computed here: no global max buffer, nothing to reset)
 //   w_s = 2^(m_s - M), 0 for empty splits (m_s = -inf), whose O is then never read
 //   out = sum_s w_s O_s / sum_s w_s l_s,   LSE = (M + log2 sum_s w_s l_s) * ln 2
-// The statistics are spread over the lanes (split s on lane s % 32) and reduced with a fixed
-// butterfly; the weighted O sum runs over s in increasing order with each lane owning HEAD_DIM/32
-// consecutive elements, eight splits' loads in flight at a time. Both orders are fixed, so the
-// result is bitwise reproducible. The loop is latency-bound, not bandwidth-bound: issuing the
-// loads of several splits before using any of them is what keeps a 64-split merge short.
-// Launched with programmatic dependent launch behind the decode kernel: the index arithmetic runs
-// while decode drains, griddepcontrol.wait comes before the first load.
+// The merge is latency-bound, not bandwidth-bound (a batch-1 problem has 16 rows of a few KB per
+// split), so it is spread wide: thread t holds split t's statistics, warp w sums the O of splits
+// w, w + WARPS, ... with IN_FLIGHT of its loads issued before the first is used, and the warps'
+// sums are added in warp order. Every reduction has a fixed shape and order, so the result is
+// bitwise reproducible. Launched with programmatic dependent launch behind the decode kernel:
+// the index arithmetic runs while decode drains, griddepcontrol.wait comes before the first load.
 //
 // Compile-time configuration: KVS_IS_F16, KVS_HEAD_DIM (as in decode_gqa.cu), KVS_MAX_SPLITS.
 #include "ptx.cuh"
@@ -20,63 +19,64 @@ namespace kvs {
 constexpr bool IS_F16 = KVS_IS_F16;
 constexpr int HEAD_DIM = KVS_HEAD_DIM;
 constexpr int MAX_SPLITS = KVS_MAX_SPLITS;
+constexpr int WARPS = 8;
+constexpr int THREADS = WARPS * 32;
 constexpr int PER_LANE = HEAD_DIM / 32;  // 2 or 4 consecutive elements
-constexpr int WARPS = 4;
-constexpr int STATS_PER_LANE = (MAX_SPLITS + 31) / 32;
-constexpr int IN_FLIGHT = 8;  // splits whose O loads are issued before the first is used
+constexpr int IN_FLIGHT = 4;             // per warp: WARPS * IN_FLIGHT splits' loads in flight
+static_assert(MAX_SPLITS <= THREADS, "one thread per split for the statistics");
+
+// Reduces `x` over the CTA with `op` in a fixed shape (butterfly in each warp, then the warps'
+// results in warp order); every thread gets the result.
+template <typename Op>
+__device__ __forceinline__ float cta_reduce(float x, float* scratch, Op op) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, off));
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+    __syncthreads();
+    float r = scratch[0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) r = op(r, scratch[w]);
+    __syncthreads();  // scratch is reused by the next reduction
+    return r;
+}
 }  // namespace kvs
 
 using namespace kvs;
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(THREADS)
 kvs_combine(const __grid_constant__ DecodeParams p) {
-    __shared__ float weight_smem[WARPS][MAX_SPLITS];
-    const int lane = threadIdx.x % 32;
-    float* weight = weight_smem[threadIdx.x / 32];
-    const long long row = (long long)blockIdx.x * WARPS + threadIdx.x / 32;  // b * hq + h
+    __shared__ float weight[MAX_SPLITS];
+    __shared__ float scratch[WARPS];
+    __shared__ float warp_sum[WARPS][HEAD_DIM];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long row = blockIdx.x;  // b * hq + h
     const long long rows = (long long)p.batch * p.hq;
     const int batch = (int)(row / p.hq), head = (int)(row % p.hq);
     const int splits = p.num_splits;
+    const int s_own = threadIdx.x;  // the split whose statistics this thread holds
 
     pdl_wait_for_producer();
-    if (row >= rows) return;  // whole warps only: nothing below synchronises across warps
 
-    float m_split[STATS_PER_LANE];
-    float m_max = neg_inf();
-#pragma unroll
-    for (int i = 0; i < STATS_PER_LANE; ++i) {
-        const int s = lane + 32 * i;
-        m_split[i] = s < splits ? p.m_partial[s * rows + row] : neg_inf();
-        m_max = fmaxf(m_max, m_split[i]);
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) m_max = fmaxf(m_max, __shfl_xor_sync(0xffffffffu, m_max, off));
-
-    float l_sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < STATS_PER_LANE; ++i) {
-        const int s = lane + 32 * i;
-        if (s < splits) {
-            const float w = m_split[i] == neg_inf() ? 0.f : exp2_approx(m_split[i] - m_max);
-            weight[s] = w;
-            if (w != 0.f) l_sum += w * p.l_partial[s * rows + row];
-        }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) l_sum += __shfl_xor_sync(0xffffffffu, l_sum, off);
-    __syncwarp();
+    const float m_own = s_own < splits ? p.m_partial[s_own * rows + row] : neg_inf();
+    const float m_max = cta_reduce(m_own, scratch, [](float a, float b) { return fmaxf(a, b); });
+    const float w_own = m_own == neg_inf() ? 0.f : exp2_approx(m_own - m_max);
+    if (s_own < splits) weight[s_own] = w_own;
+    const float l_own = w_own != 0.f ? w_own * p.l_partial[s_own * rows + row] : 0.f;
+    // (cta_reduce's barrier also publishes `weight`)
+    const float l_sum = cta_reduce(l_own, scratch, [](float a, float b) { return a + b; });
 
     float acc[PER_LANE];
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) acc[i] = 0.f;
-    for (int s0 = 0; s0 < splits; s0 += IN_FLIGHT) {
+    for (int s0 = warp; s0 < splits; s0 += WARPS * IN_FLIGHT) {
         float2 x[IN_FLIGHT][PER_LANE / 2];
         float w[IN_FLIGHT];
 #pragma unroll
         for (int j = 0; j < IN_FLIGHT; ++j) {
-            const int s = s0 + j;
+            const int s = s0 + j * WARPS;
             w[j] = s < splits ? weight[s] : 0.f;
-            const float2* o = reinterpret_cast<const float2*>(p.o_partial + (s * rows + row) * HEAD_DIM) + lane * (PER_LANE / 2);
+            const float2* o = reinterpret_cast<const float2*>(p.o_partial + (s * rows + row) * HEAD_DIM) +
+                              lane * (PER_LANE / 2);
 #pragma unroll
             for (int i = 0; i < PER_LANE / 2; ++i) x[j][i] = w[j] != 0.f ? o[i] : make_float2(0.f, 0.f);
         }
@@ -88,14 +88,25 @@ kvs_combine(const __grid_constant__ DecodeParams p) {
                 acc[2 * i + 1] += w[j] * x[j][i].y;
             }
     }
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) warp_sum[warp][lane * PER_LANE + i] = acc[i];
+    __syncthreads();
     pdl_release_dependents();
 
     const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
-    u32* out = reinterpret_cast<u32*>(reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride +
-                                      head * p.o_head_stride + lane * PER_LANE);
+    if (threadIdx.x < HEAD_DIM / 2) {
+        const int d = threadIdx.x * 2;
+        float o0 = 0.f, o1 = 0.f;
 #pragma unroll
-    for (int i = 0; i < PER_LANE / 2; ++i) out[i] = pack_half2<IS_F16>(acc[2 * i] * inv, acc[2 * i + 1] * inv);
-    if (p.lse && lane == 0) {
+        for (int w = 0; w < WARPS; ++w) {
+            o0 += warp_sum[w][d];
+            o1 += warp_sum[w][d + 1];
+        }
+        u32* out = reinterpret_cast<u32*>(reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride +
+                                          head * p.o_head_stride + d);
+        *out = pack_half2<IS_F16>(o0 * inv, o1 * inv);
+    }
+    if (p.lse && threadIdx.x == 0) {
         p.lse[row] = l_sum > 0.f ? (m_max + __log2f(l_sum)) * 0.69314718055994531f : neg_inf();
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::error::{Error, Result};
-use crate::kernels::{AnyVariant, COMBINE_ROWS_PER_CTA, COMBINE_THREADS, DECODE_THREADS};
+use crate::kernels::{AnyVariant, COMBINE_THREADS, DECODE_THREADS};
 use crate::launch::{kv_tensor_map, launch, LaunchConfig};
 use crate::params::DecodeParams;
 use crate::plan::{plan, DecodePlan, PlanOptions};
@@ -216,7 +216,7 @@ impl Decoder {
         if let Some(combine) = &self.combine {
             let rows = (p.batch * p.hq) as u32;
             let cfg = LaunchConfig {
-                grid: [rows.div_ceil(COMBINE_ROWS_PER_CTA), 1, 1],
+                grid: [rows, 1, 1],
                 block: [COMBINE_THREADS, 1, 1],
                 shared_bytes: 0,
                 pdl: self.plan.pdl,

@@ -21,10 +21,8 @@ const COMBINE_SRC: &str = include_str!("../../../kernels/sm90/combine.cu");
 
 /// Threads per decode CTA: four consumer warps and one producer warp (decode_gqa.cu).
 pub const DECODE_THREADS: u32 = 160;
-/// Threads per combine CTA: one warp per output row, four rows per CTA (combine.cu).
-pub const COMBINE_THREADS: u32 = 128;
-/// Output rows per combine CTA.
-pub const COMBINE_ROWS_PER_CTA: u32 = 4;
+/// Threads per combine CTA: eight warps on one output row (combine.cu).
+pub const COMBINE_THREADS: u32 = 256;
 
 /// A compiled-at-run-time kernel: where its source is and how to specialise it.
 pub trait Variant {
