@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The test command of the README. Works on a fresh machine with Rust and Python 3:
+# The test command of the README. Works on a fresh machine with Rust and Python 3 (and PyPI):
 # installs NVRTC 13.0 (the nvidia-cuda-nvrtc wheel) into the git-ignored .nvrtc/ folder if it
-# is not there yet, puts it on the library path, and runs every test of the workspace. Every
-# kernel variant is compiled to sm_90a by the tests, so a missing NVRTC or a kernel that does
-# not compile fails the run. GPU tests are marked ignored; on an H100/H200 run them with
+# is not there yet, puts it on the library path, runs every Rust test of the workspace, then
+# builds the Python wheel and runs the Python tests (scripts/test-python.sh). Every kernel
+# variant is compiled to sm_90a by the tests, so a missing NVRTC or a kernel that does not
+# compile fails the run. GPU tests are marked ignored (Rust) or skipped without a GPU (Python);
+# on an H100/H200 run them with
 #   cargo test -p kvstream --release --test gpu -- --ignored --test-threads=1
+#   KVSTREAM_PY_SYSTEM_SITE=1 bash scripts/test-python.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,4 +20,5 @@ if [ ! -f "$NVRTC_LIB/libnvrtc.so.13" ]; then
 fi
 export LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-cargo test --workspace --release "$@"
+cargo test --workspace --release
+bash scripts/test-python.sh

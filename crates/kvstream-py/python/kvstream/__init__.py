@@ -1,0 +1,378 @@
+"""kvstream: decode attention for LLM inference on NVIDIA Hopper (H100 / H200), from PyTorch.
+
+One new query token per request attends to a long KV cache, in the layouts of FlashAttention-3's
+``flash_attn_with_kvcache``::
+
+    import torch, kvstream
+
+    b, L, hq, hkv, d = 4, 8192, 32, 8, 128
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(b, L, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(b, L, hkv, d, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([8192, 100, 0, 4000], device="cuda", dtype=torch.int32)
+    out, lse = kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, return_lse=True)
+    # out: [b, 1, hq, d] bf16; lse: [b, hq] float32 (natural log)
+
+There is one entry point, :func:`decode`. It launches on PyTorch's current stream and never
+synchronises with the host. The first call for a shape creates a decoder (plans, compiles or
+loads the kernels, allocates the split workspace; this may take seconds on a cold kernel cache
+and synchronises the device once); later calls with the same shape reuse it and allocate
+nothing when ``out`` is given (and ``return_lse`` is False).
+
+CUDA graphs: call :func:`decode` once with the same shapes, dtype, ``softmax_scale`` and
+``num_splits`` before capturing (the usual warm-up), then capture; replays may change the
+contents of ``cache_seqlens``, ``q`` and the caches but not their addresses::
+
+    out = torch.empty_like(q)
+    kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, out=out)   # warm-up
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, out=out)
+    lens.copy_(new_lens); g.replay()
+
+Importing this package needs neither PyTorch nor a GPU; arguments are checked by their
+attributes (``shape``, ``dtype``, ``is_cuda``, ``device``, ``stride``, ``is_contiguous``,
+``data_ptr``), so errors are reported before anything touches the GPU: ``TypeError`` for a wrong
+type or dtype, ``ValueError`` for a wrong shape, layout or device, each naming the argument, the
+value and what is allowed. Errors from the library itself are ``ValueError`` (invalid argument)
+or ``RuntimeError`` (driver, compiler, no suitable GPU).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+from . import _native
+
+__all__ = ["decode", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "MAX_GROUP", "MAX_SPLITS"]
+__version__ = _native.__version__
+
+#: ``str(tensor.dtype)`` of the element types the kernels take, and their native names.
+SUPPORTED_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "f16"}
+#: Head dimensions the kernels are built for.
+SUPPORTED_HEAD_DIMS = (64, 128)
+#: Largest number of query heads per KV head.
+MAX_GROUP = 32
+#: Largest forced split count.
+MAX_SPLITS = 128
+
+_INT32 = "torch.int32"
+_TENSOR_ATTRS = ("shape", "dtype", "is_cuda", "device", "stride", "is_contiguous", "data_ptr")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _tensor(name: str, x: Any) -> Tuple[int, ...]:
+    """Checks that ``x`` is a CUDA tensor; returns its shape as a tuple of ints."""
+    missing = [a for a in _TENSOR_ATTRS if not hasattr(x, a)]
+    if missing:
+        raise TypeError(
+            f"kvstream.decode: {name} must be a CUDA torch.Tensor, got {type(x).__name__} "
+            f"(no attribute {missing[0]!r})"
+        )
+    if not x.is_cuda:
+        raise ValueError(
+            f"kvstream.decode: {name} must be on a CUDA device, got a tensor on {x.device}"
+        )
+    return tuple(int(s) for s in x.shape)
+
+
+def _rank(name: str, shape: Tuple[int, ...], rank: int, layout: str) -> None:
+    if len(shape) != rank:
+        raise ValueError(
+            f"kvstream.decode: {name} must have {rank} dimensions {layout}, "
+            f"got shape {list(shape)}"
+        )
+
+
+def _dtype(name: str, x: Any, allowed: Tuple[str, ...]) -> str:
+    d = str(x.dtype)
+    if d not in allowed:
+        raise TypeError(
+            f"kvstream.decode: {name} has dtype {d}, allowed: {', '.join(allowed)}"
+        )
+    return d
+
+
+def _device_key(x: Any) -> Tuple[str, Optional[int]]:
+    dev = x.device
+    return (str(getattr(dev, "type", dev)), getattr(dev, "index", None))
+
+
+def _aligned(name: str, x: Any) -> None:
+    ptr = int(x.data_ptr())
+    if ptr % 16 != 0:
+        raise ValueError(
+            f"kvstream.decode: {name} starts at address {ptr:#x}, allowed: 16-byte aligned "
+            f"(a tensor view with a storage offset that is not a multiple of 8 elements)"
+        )
+
+
+def _contiguous(name: str, x: Any, shape: Tuple[int, ...]) -> None:
+    if not x.is_contiguous():
+        raise ValueError(
+            f"kvstream.decode: {name} must be contiguous, got shape {list(shape)} with strides "
+            f"{list(x.stride())} (call .contiguous() first)"
+        )
+
+
+def _cache_strides(name: str, x: Any, shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
+    """None for a contiguous cache; else its (batch, token, head) element strides, checked."""
+    if x.is_contiguous():
+        return None
+    b, L, hkv, d = shape
+    st = [int(s) for s in x.stride()]
+    natural = [L * hkv * d, hkv * d, d, 1]
+    # Strides of size-1 dimensions are meaningless: use the contiguous ones.
+    st = [n if size == 1 else s for s, n, size in zip(st, natural, shape)]
+    ok = st[3] == 1 and all(s > 0 and s % 8 == 0 for s in st[:3])
+    if not ok:
+        raise ValueError(
+            f"kvstream.decode: {name} has strides {list(x.stride())} for shape {list(shape)}, "
+            f"allowed: a contiguous last dimension and positive batch, token and head strides "
+            f"that are multiples of 8 elements (16 bytes) (call .contiguous() first)"
+        )
+    return (st[0], st[1], st[2])
+
+
+class _Cached:
+    __slots__ = ("decoder", "stream")
+
+    def __init__(self, decoder: Any) -> None:
+        self.decoder = decoder
+        self.stream: Any = None  # torch stream of the last eager call
+
+
+_decoders: Dict[tuple, _Cached] = {}
+_lock = threading.Lock()
+
+
+def _decoder_for(key: tuple, make: Any, capturing: bool) -> _Cached:
+    with _lock:
+        c = _decoders.get(key)
+    if c is not None:
+        return c
+    if capturing:
+        raise RuntimeError(
+            "kvstream.decode: no decoder for these shapes yet and the current stream is being "
+            "captured into a CUDA graph; creating one compiles kernels and allocates memory, "
+            "which capture forbids. Call kvstream.decode once with the same shapes, dtype, "
+            "softmax_scale and num_splits before capturing (warm-up)."
+        )
+    d = make()
+    with _lock:
+        return _decoders.setdefault(key, _Cached(d))
+
+
+def decode(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    *,
+    cache_seqlens: Any = None,
+    softmax_scale: Optional[float] = None,
+    num_splits: Optional[int] = None,
+    return_lse: bool = False,
+    out: Any = None,
+) -> Any:
+    """Decode attention of one query token per request over a KV cache (grouped-query).
+
+    Args:
+        q: ``[batch, 1, hq, d]`` bf16 or fp16 CUDA tensor, contiguous (one new token per
+            request; ``seqlen_q`` must be 1).
+        k_cache, v_cache: ``[batch, L, hkv, d]`` tensors of q's dtype on q's device; the last
+            dimension contiguous, other strides multiples of 8 elements (a slice of a larger
+            cache along ``batch`` or ``L`` is fine). ``hq`` must be a multiple of ``hkv`` with
+            at most 32 query heads per KV head; ``d`` is 64 or 128.
+        cache_seqlens: optional int32 ``[batch]`` CUDA tensor: request ``i`` attends to
+            positions ``0 .. cache_seqlens[i]`` of its cache (values in ``0..=L``; a length of
+            0 gives an output of zeros and an LSE of ``-inf``). Default: every request uses all
+            ``L`` positions. Its values are read on the device only (no host sync).
+        softmax_scale: scale of ``q @ k^T`` before the softmax; default ``1 / sqrt(d)``.
+        num_splits: force this many KV splits per (request, KV head), 1..128; default: chosen
+            for the GPU (enough splits to fill every SM).
+        return_lse: also return the log-sum-exp (natural log) of the scaled scores,
+            ``[batch, hq]`` float32.
+        out: optional ``[batch, 1, hq, d]`` contiguous output tensor of q's dtype.
+
+    Returns:
+        ``out`` (``[batch, 1, hq, d]``, q's dtype), or ``(out, lse)`` if ``return_lse``.
+
+    Example::
+
+        >>> import torch, kvstream                                   # doctest: +SKIP
+        >>> q = torch.randn(2, 1, 16, 128, device="cuda", dtype=torch.float16)
+        >>> k = torch.randn(2, 4096, 2, 128, device="cuda", dtype=torch.float16)
+        >>> v = torch.randn_like(k)
+        >>> lens = torch.tensor([4096, 17], device="cuda", dtype=torch.int32)
+        >>> out = kvstream.decode(q, k, v, cache_seqlens=lens)
+        >>> out.shape
+        torch.Size([2, 1, 16, 128])
+
+    The call is asynchronous on ``torch.cuda.current_stream()``. Decoders are cached per
+    (shapes, dtype, softmax_scale, num_splits, device); a cached decoder owns one workspace, so
+    when the same shapes are used from a different stream than the previous call, the new
+    stream first waits (on the device, through an event) for the previous stream. See the
+    package docs for CUDA graph capture (warm up once before capturing).
+    """
+    # ---- validation: everything before touching the GPU or importing torch ----
+    qs = _tensor("q", q)
+    ks = _tensor("k_cache", k_cache)
+    vs = _tensor("v_cache", v_cache)
+    _rank("q", qs, 4, "[batch, 1, hq, head_dim]")
+    _rank("k_cache", ks, 4, "[batch, L, hkv, head_dim]")
+    _rank("v_cache", vs, 4, "[batch, L, hkv, head_dim]")
+    allowed = tuple(SUPPORTED_DTYPES)
+    qd = _dtype("q", q, allowed)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if str(t.dtype) != qd:
+            raise TypeError(
+                f"kvstream.decode: {name} has dtype {t.dtype}, allowed: {qd} (the dtype of q)"
+            )
+    b, sq, hq, d = qs
+    if sq != 1:
+        raise ValueError(
+            f"kvstream.decode: q must have seqlen_q = 1 (shape [batch, 1, hq, head_dim]), got "
+            f"shape {list(qs)} with seqlen_q = {sq}"
+        )
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"kvstream.decode: q has head_dim {d}, allowed: {' or '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+        )
+    if b < 1 or hq < 1:
+        raise ValueError(f"kvstream.decode: q has shape {list(qs)}, allowed: batch >= 1, hq >= 1")
+    if ks != vs:
+        raise ValueError(
+            f"kvstream.decode: v_cache has shape {list(vs)}, allowed: the shape of k_cache "
+            f"{list(ks)}"
+        )
+    kb, L, hkv, kd = ks
+    if kb != b:
+        raise ValueError(
+            f"kvstream.decode: k_cache has batch {kb}, allowed: {b} (the batch of q)"
+        )
+    if kd != d:
+        raise ValueError(
+            f"kvstream.decode: k_cache has head_dim {kd}, allowed: {d} (the head_dim of q)"
+        )
+    if L < 1:
+        raise ValueError(f"kvstream.decode: k_cache has L = {L}, allowed: L >= 1")
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(
+            f"kvstream.decode: q has hq = {hq} heads and k_cache hkv = {hkv}, allowed: hq a "
+            f"multiple of hkv"
+        )
+    if hq // hkv > MAX_GROUP:
+        raise ValueError(
+            f"kvstream.decode: hq / hkv = {hq // hkv} query heads per KV head (q, k_cache), "
+            f"allowed: 1..{MAX_GROUP}"
+        )
+    dev = _device_key(q)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if _device_key(t) != dev:
+            raise ValueError(
+                f"kvstream.decode: {name} is on {t.device}, allowed: {q.device} (the device of q)"
+            )
+    _contiguous("q", q, qs)
+    _aligned("q", q)
+    k_strides = _cache_strides("k_cache", k_cache, ks)
+    v_strides = _cache_strides("v_cache", v_cache, vs)
+    _aligned("k_cache", k_cache)
+    _aligned("v_cache", v_cache)
+    if cache_seqlens is not None:
+        ss = _tensor("cache_seqlens", cache_seqlens)
+        _dtype("cache_seqlens", cache_seqlens, (_INT32,))
+        if ss != (b,):
+            raise ValueError(
+                f"kvstream.decode: cache_seqlens has shape {list(ss)}, allowed: [{b}] (one "
+                f"length per request)"
+            )
+        if _device_key(cache_seqlens) != dev:
+            raise ValueError(
+                f"kvstream.decode: cache_seqlens is on {cache_seqlens.device}, allowed: "
+                f"{q.device} (the device of q)"
+            )
+        _contiguous("cache_seqlens", cache_seqlens, ss)
+    if out is not None:
+        os_ = _tensor("out", out)
+        if str(out.dtype) != qd:
+            raise TypeError(
+                f"kvstream.decode: out has dtype {out.dtype}, allowed: {qd} (the dtype of q)"
+            )
+        if os_ != qs:
+            raise ValueError(
+                f"kvstream.decode: out has shape {list(os_)}, allowed: {list(qs)} (the shape of q)"
+            )
+        if _device_key(out) != dev:
+            raise ValueError(
+                f"kvstream.decode: out is on {out.device}, allowed: {q.device} (the device of q)"
+            )
+        _contiguous("out", out, os_)
+        _aligned("out", out)
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(
+                f"kvstream.decode: softmax_scale must be a float or None, got "
+                f"{type(softmax_scale).__name__}"
+            )
+        softmax_scale = float(softmax_scale)
+        if not (softmax_scale > 0.0 and softmax_scale != float("inf")):
+            raise ValueError(
+                f"kvstream.decode: softmax_scale is {softmax_scale}, allowed: a finite positive "
+                f"number"
+            )
+    if num_splits is not None:
+        if not _is_int(num_splits):
+            raise TypeError(
+                f"kvstream.decode: num_splits must be an int or None, got "
+                f"{type(num_splits).__name__}"
+            )
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(
+                f"kvstream.decode: num_splits is {num_splits}, allowed: 1..{MAX_SPLITS} or None"
+            )
+    if not isinstance(return_lse, bool):
+        raise TypeError(
+            f"kvstream.decode: return_lse must be a bool, got {type(return_lse).__name__}"
+        )
+
+    # ---- launch ----
+    import torch  # the tensors are torch tensors: torch is importable here
+
+    index = dev[1] if dev[1] is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    capturing = torch.cuda.is_current_stream_capturing()
+    dtype_name = SUPPORTED_DTYPES[qd]
+    key = (b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits, index, k_strides, v_strides)
+
+    def make() -> Any:
+        return _native.Decoder(
+            b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits, index,
+            k_strides=k_strides, v_strides=v_strides,
+        )
+
+    cached = _decoder_for(key, make, capturing)
+    if not capturing:
+        prev = cached.stream
+        if prev is not None and prev != stream:
+            # The decoder's workspace may still be in use by work on the previous stream.
+            ev = torch.cuda.Event()
+            ev.record(prev)
+            stream.wait_event(ev)
+        cached.stream = stream
+    if out is None:
+        out = torch.empty(qs, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq), dtype=torch.float32, device=q.device) if return_lse else None
+    cached.decoder.run(
+        int(q.data_ptr()),
+        int(k_cache.data_ptr()),
+        int(v_cache.data_ptr()),
+        int(out.data_ptr()),
+        None if lse is None else int(lse.data_ptr()),
+        None if cache_seqlens is None else int(cache_seqlens.data_ptr()),
+        int(stream.cuda_stream),
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,32 @@
+from typing import Any, Dict, Literal, Optional, Tuple, overload
+
+__version__: str
+SUPPORTED_DTYPES: Dict[str, str]
+SUPPORTED_HEAD_DIMS: Tuple[int, ...]
+MAX_GROUP: int
+MAX_SPLITS: int
+
+@overload
+def decode(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    *,
+    cache_seqlens: Optional[Any] = ...,
+    softmax_scale: Optional[float] = ...,
+    num_splits: Optional[int] = ...,
+    return_lse: Literal[False] = ...,
+    out: Optional[Any] = ...,
+) -> Any: ...
+@overload
+def decode(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    *,
+    cache_seqlens: Optional[Any] = ...,
+    softmax_scale: Optional[float] = ...,
+    num_splits: Optional[int] = ...,
+    return_lse: Literal[True],
+    out: Optional[Any] = ...,
+) -> Tuple[Any, Any]: ...

@@ -1,0 +1,48 @@
+from typing import Optional, Tuple
+
+__version__: str
+
+def validate(
+    batch: int,
+    hq: int,
+    hkv: int,
+    head_dim: int,
+    max_len: int,
+    dtype: str,
+    softmax_scale: Optional[float] = None,
+    num_splits: Optional[int] = None,
+    k_strides: Optional[Tuple[int, int, int]] = None,
+    v_strides: Optional[Tuple[int, int, int]] = None,
+) -> str: ...
+
+class Decoder:
+    def __init__(
+        self,
+        batch: int,
+        hq: int,
+        hkv: int,
+        head_dim: int,
+        max_len: int,
+        dtype: str,
+        softmax_scale: Optional[float] = None,
+        num_splits: Optional[int] = None,
+        device: int = 0,
+        k_strides: Optional[Tuple[int, int, int]] = None,
+        v_strides: Optional[Tuple[int, int, int]] = None,
+    ) -> None: ...
+    def run(
+        self,
+        q_ptr: int,
+        k_ptr: int,
+        v_ptr: int,
+        out_ptr: int,
+        lse_ptr: Optional[int] = None,
+        seqlens_ptr: Optional[int] = None,
+        stream: int = 0,
+    ) -> None: ...
+    @property
+    def num_splits(self) -> int: ...
+    @property
+    def plan(self) -> str: ...
+    @property
+    def device(self) -> int: ...

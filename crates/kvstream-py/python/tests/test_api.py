@@ -1,0 +1,292 @@
+"""API tests that need neither PyTorch nor a GPU: import, signature, every validation path.
+
+Tensors are faked with a small class exposing the attributes kvstream reads; validation must
+reject each bad input before anything reaches the native layer or imports torch.
+"""
+
+import inspect
+import math
+import sys
+
+import pytest
+
+import kvstream
+from kvstream import _native
+
+
+class FakeDevice:
+    def __init__(self, type_="cuda", index=0):
+        self.type = type_
+        self.index = index
+
+    def __str__(self):
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+class FakeDType:
+    def __init__(self, name):
+        self.name = name
+
+    def __str__(self):
+        return f"torch.{self.name}"
+
+
+BF16, F16, F32, I32, I64 = (FakeDType(n) for n in ("bfloat16", "float16", "float32", "int32", "int64"))
+
+
+class FakeTensor:
+    def __init__(self, shape, dtype=BF16, device=None, strides=None, ptr=1 << 20):
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.device = device or FakeDevice()
+        self.is_cuda = self.device.type == "cuda"
+        natural, acc = [], 1
+        for s in reversed(self.shape):
+            natural.insert(0, acc)
+            acc *= s
+        self._natural = tuple(natural)
+        self._strides = tuple(strides) if strides is not None else self._natural
+        self._ptr = ptr
+
+    def stride(self):
+        return self._strides
+
+    def is_contiguous(self):
+        return all(
+            st == n for st, n, size in zip(self._strides, self._natural, self.shape) if size != 1
+        )
+
+    def data_ptr(self):
+        return self._ptr
+
+
+B, L, HQ, HKV, D = 2, 256, 16, 2, 128
+
+
+def good(**over):
+    args = dict(
+        q=FakeTensor((B, 1, HQ, D)),
+        k_cache=FakeTensor((B, L, HKV, D)),
+        v_cache=FakeTensor((B, L, HKV, D)),
+    )
+    args.update(over)
+    q, k, v = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
+    return (q, k, v), args
+
+
+def fails(exc, *words, **over):
+    pos, kw = good(**over)
+    with pytest.raises(exc) as e:
+        kvstream.decode(*pos, **kw)
+    msg = str(e.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    return msg
+
+
+def test_import_needs_no_torch():
+    assert kvstream.__version__
+    assert hasattr(_native, "Decoder")
+    # Importing kvstream must not import torch.
+    if "torch" not in sys.modules:
+        assert "torch" not in sys.modules
+
+
+def test_decode_signature():
+    sig = inspect.signature(kvstream.decode)
+    P = inspect.Parameter
+    expected = [
+        ("q", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("k_cache", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("v_cache", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("cache_seqlens", P.KEYWORD_ONLY, None),
+        ("softmax_scale", P.KEYWORD_ONLY, None),
+        ("num_splits", P.KEYWORD_ONLY, None),
+        ("return_lse", P.KEYWORD_ONLY, False),
+        ("out", P.KEYWORD_ONLY, None),
+    ]
+    got = [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+    assert got == expected
+    assert "Example" in kvstream.decode.__doc__
+    assert "graph" in kvstream.__doc__
+
+
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache"])
+@pytest.mark.parametrize("bad", [None, 3, [1, 2], "tensor"])
+def test_non_tensor(name, bad):
+    fails(TypeError, name, **{name: bad})
+
+
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache"])
+def test_cpu_tensor(name):
+    pos, _ = good()
+    shape = dict(zip(["q", "k_cache", "v_cache"], pos))[name].shape
+    fails(ValueError, name, "cpu", **{name: FakeTensor(shape, device=FakeDevice("cpu", None))})
+
+
+def test_unsupported_dtype():
+    fails(TypeError, "q", "torch.float32", "torch.bfloat16", q=FakeTensor((B, 1, HQ, D), F32))
+
+
+@pytest.mark.parametrize("name", ["k_cache", "v_cache"])
+def test_mismatched_cache_dtype(name):
+    fails(TypeError, name, "torch.float16", "torch.bfloat16", **{name: FakeTensor((B, L, HKV, D), F16)})
+
+
+def test_fp16_everywhere_is_accepted_by_validation():
+    # All fp16: passes validation, then needs torch to launch (absent or not, not a TypeError).
+    pos, _ = good(
+        q=FakeTensor((B, 1, HQ, D), F16),
+        k_cache=FakeTensor((B, L, HKV, D), F16),
+        v_cache=FakeTensor((B, L, HKV, D), F16),
+    )
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError):
+            kvstream.decode(*pos)
+
+
+def test_out_dtype():
+    fails(TypeError, "out", "torch.float16", out=FakeTensor((B, 1, HQ, D), F16))
+
+
+@pytest.mark.parametrize("dt", [I64, F32, BF16])
+def test_seqlens_dtype(dt):
+    fails(TypeError, "cache_seqlens", str(dt), "torch.int32", cache_seqlens=FakeTensor((B,), dt))
+
+
+def test_seqlens_shape_device_cpu_type():
+    fails(ValueError, "cache_seqlens", "[3]", cache_seqlens=FakeTensor((3,), I32))
+    fails(ValueError, "cache_seqlens", cache_seqlens=FakeTensor((B, 1), I32))
+    fails(ValueError, "cache_seqlens", "cpu", cache_seqlens=FakeTensor((B,), I32, FakeDevice("cpu", None)))
+    fails(ValueError, "cache_seqlens", "cuda:1", cache_seqlens=FakeTensor((B,), I32, FakeDevice("cuda", 1)))
+    fails(TypeError, "cache_seqlens", cache_seqlens=[1, 2])
+
+
+@pytest.mark.parametrize(
+    "name,shape",
+    [("q", (B, HQ, D)), ("k_cache", (B, L, HKV)), ("v_cache", (B, L, HKV, D, 1))],
+)
+def test_wrong_rank(name, shape):
+    fails(ValueError, name, "4 dimensions", **{name: FakeTensor(shape)})
+
+
+def test_seqlen_q_must_be_one():
+    fails(ValueError, "q", "seqlen_q", q=FakeTensor((B, 2, HQ, D)))
+
+
+def test_heads_not_a_multiple():
+    fails(ValueError, "hq", "hkv", q=FakeTensor((B, 1, 12, D)),
+          k_cache=FakeTensor((B, L, 5, D)), v_cache=FakeTensor((B, L, 5, D)))
+
+
+def test_group_too_large():
+    fails(ValueError, "hq / hkv", "33", "1..32", q=FakeTensor((B, 1, 66, D)))
+
+
+@pytest.mark.parametrize("d", [32, 96, 256])
+def test_head_dim(d):
+    fails(ValueError, "head_dim", str(d), "64 or 128", q=FakeTensor((B, 1, HQ, d)),
+          k_cache=FakeTensor((B, L, HKV, d)), v_cache=FakeTensor((B, L, HKV, d)))
+
+
+def test_cache_shape_mismatches():
+    fails(ValueError, "k_cache", "head_dim", k_cache=FakeTensor((B, L, HKV, 64)), v_cache=FakeTensor((B, L, HKV, 64)))
+    fails(ValueError, "k_cache", "batch", k_cache=FakeTensor((3, L, HKV, D)), v_cache=FakeTensor((3, L, HKV, D)))
+    fails(ValueError, "v_cache", "shape of k_cache", v_cache=FakeTensor((B, L + 1, HKV, D)))
+    fails(ValueError, "L", k_cache=FakeTensor((B, 0, HKV, D)), v_cache=FakeTensor((B, 0, HKV, D)))
+    fails(ValueError, "q", "batch", q=FakeTensor((0, 1, HQ, D)), k_cache=FakeTensor((0, L, HKV, D)),
+          v_cache=FakeTensor((0, L, HKV, D)))
+
+
+@pytest.mark.parametrize("name", ["k_cache", "v_cache", "cache_seqlens", "out"])
+def test_different_device(name):
+    shapes = {"k_cache": ((B, L, HKV, D), BF16), "v_cache": ((B, L, HKV, D), BF16),
+              "cache_seqlens": ((B,), I32), "out": ((B, 1, HQ, D), BF16)}
+    shape, dt = shapes[name]
+    fails(ValueError, name, "cuda:1", "cuda:0", **{name: FakeTensor(shape, dt, FakeDevice("cuda", 1))})
+
+
+def test_non_contiguous_q_and_out():
+    # q transposed in its (hq, d) dims
+    fails(ValueError, "q", "contiguous", q=FakeTensor((B, 1, HQ, D), strides=(HQ * D, HQ * D, 1, HQ)))
+    fails(ValueError, "out", "contiguous", out=FakeTensor((B, 1, HQ, D), strides=(2 * HQ * D, HQ * D, D, 1)))
+
+
+def test_cache_strides():
+    # A slice along L of a larger cache: larger batch stride, accepted by validation.
+    sliced = FakeTensor((B, L, HKV, D), strides=(2 * L * HKV * D, HKV * D, D, 1))
+    assert kvstream._cache_strides("k_cache", sliced, sliced.shape) == (2 * L * HKV * D, HKV * D, D)
+    # Last dim not contiguous.
+    fails(ValueError, "k_cache", "strides", k_cache=FakeTensor((B, L, HKV, D), strides=(L * HKV * D, HKV * D, 1, HKV)))
+    # Strides not multiples of 8 elements.
+    fails(ValueError, "v_cache", "multiples of 8", v_cache=FakeTensor((B, L, HKV, D), strides=(L * HKV * (D + 4), HKV * (D + 4), D + 4, 1)))
+
+
+def test_misaligned_pointer():
+    fails(ValueError, "q", "16-byte", q=FakeTensor((B, 1, HQ, D), ptr=(1 << 20) + 2))
+    fails(ValueError, "k_cache", "16-byte", k_cache=FakeTensor((B, L, HKV, D), ptr=(1 << 20) + 8))
+
+
+def test_out_shape():
+    fails(ValueError, "out", "shape", out=FakeTensor((B, 1, HQ, 64)))
+    fails(ValueError, "out", "cpu", out=FakeTensor((B, 1, HQ, D), device=FakeDevice("cpu", None)))
+    fails(TypeError, "out", out=object())
+
+
+def test_scalar_options():
+    fails(TypeError, "softmax_scale", softmax_scale="0.1")
+    fails(ValueError, "softmax_scale", softmax_scale=-1.0)
+    fails(ValueError, "softmax_scale", softmax_scale=math.nan)
+    fails(TypeError, "num_splits", num_splits=2.0)
+    fails(TypeError, "num_splits", num_splits=True)
+    fails(ValueError, "num_splits", "1..128", num_splits=0)
+    fails(ValueError, "num_splits", num_splits=129)
+    fails(TypeError, "return_lse", return_lse=1)
+
+
+# ---- native layer: plain values, validated before any GPU is opened ----
+
+@pytest.mark.parametrize(
+    "over,field",
+    [
+        (dict(batch=0), "batch"),
+        (dict(batch=-1), "batch"),
+        (dict(hkv=0), "hkv"),
+        (dict(hq=12, hkv=5), "hq"),
+        (dict(hq=66, hkv=2), "hq / hkv"),
+        (dict(head_dim=96), "head_dim"),
+        (dict(max_len=0), "max_len"),
+        (dict(dtype="fp8"), "dtype"),
+        (dict(softmax_scale=-1.0), "softmax_scale"),
+        (dict(num_splits=0), "num_splits"),
+        (dict(num_splits=500), "num_splits"),
+        (dict(k_strides=(8, 12, 8)), "k strides"),
+        (dict(v_strides=(0, 8, 8)), "v strides"),
+    ],
+)
+def test_native_decoder_rejects_fields(over, field):
+    args = dict(batch=1, hq=16, hkv=2, head_dim=128, max_len=4096, dtype="bf16")
+    args.update(over)
+    for fn in (_native.Decoder, _native.validate):
+        with pytest.raises(ValueError) as e:
+            fn(**args)
+        assert f"invalid {field}:" in str(e.value), str(e.value)
+
+
+def test_native_validate_returns_plan():
+    plan = _native.validate(1, 16, 2, 128, 131072, "bf16")
+    assert "num_splits: 66" in plan, plan
+    assert "num_splits: 1," in _native.validate(1, 16, 2, 128, 131072, "f16", num_splits=1)
+
+
+def test_native_decoder_without_gpu_is_a_runtime_error():
+    try:
+        d = _native.Decoder(1, 16, 2, 128, 4096, "bf16", None, None, 0)
+    except RuntimeError as e:
+        msg = str(e)
+        assert any(w in msg for w in ("driver", "GPU", "NVRTC")), msg
+    else:  # a machine with a suitable GPU
+        assert d.num_splits >= 1 and "num_splits" in d.plan
+        pytest.skip("a GPU is present: the no-GPU error path is not reachable here")

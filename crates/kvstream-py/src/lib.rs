@@ -1,0 +1,286 @@
+//! Python binding of kvstream: the native module `kvstream._native`.
+//!
+//! This layer takes only plain Python values (ints, floats, strings): shapes, a dtype name,
+//! device pointers as integers and a raw `CUstream` as an integer. The user API on PyTorch
+//! tensors, with its validation, lives in the pure-Python package `kvstream` next to it.
+//!
+//! Every problem is validated before the GPU is opened, so invalid shapes raise `ValueError`
+//! on any machine; `kvstream::Error::InvalidArgument` maps to `ValueError`, every other error to
+//! `RuntimeError`, each with the library's message. Nothing here panics across the FFI boundary:
+//! the one call that may panic on a broken CUDA installation (opening the runtime) is caught.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys;
+use kvstream::plan::plan;
+use kvstream::{
+    DType, DecodeProblem, DecodeTensors, DeviceFacts, Error, KvStrides, PlanOptions, Runtime,
+};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+/// kvstream's error as the Python exception the binding documents.
+fn to_py(e: Error) -> PyErr {
+    match e {
+        Error::InvalidArgument { .. } => PyValueError::new_err(e.to_string()),
+        other => PyRuntimeError::new_err(other.to_string()),
+    }
+}
+
+/// A size argument: a non-negative Python int (negative values name the field).
+fn size(arg: &'static str, v: i64) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| to_py(Error::invalid(arg, v, "a non-negative integer")))
+}
+
+/// Cache strides from an optional `(batch, token, head)` tuple of element strides.
+fn strides(
+    arg: &'static str,
+    given: Option<(i64, i64, i64)>,
+    default: KvStrides,
+) -> PyResult<KvStrides> {
+    match given {
+        None => Ok(default),
+        Some((batch, token, head)) if batch > 0 && token > 0 && head > 0 => {
+            Ok(KvStrides { batch, token, head })
+        }
+        Some(s) => Err(to_py(Error::invalid(
+            arg,
+            format!("{s:?}"),
+            "positive element strides (batch, token, head)",
+        ))),
+    }
+}
+
+/// One runtime per device, opened on first use and kept for the life of the process (it holds
+/// the loaded kernels, shared by every decoder of that device).
+fn runtime(device: usize) -> PyResult<Arc<Runtime>> {
+    static RUNTIMES: OnceLock<Mutex<HashMap<usize, Arc<Runtime>>>> = OnceLock::new();
+    let map = RUNTIMES.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(rt) = map.get(&device) {
+        return Ok(rt.clone());
+    }
+    let rt = catch_unwind(|| Runtime::new(device))
+        .map_err(|_| {
+            PyRuntimeError::new_err(format!(
+                "kvstream: opening GPU {device} failed inside the CUDA driver bindings \
+                 (is the NVIDIA driver installed and working?)"
+            ))
+        })?
+        .map_err(to_py)?;
+    map.insert(device, rt.clone());
+    Ok(rt)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build_problem(
+    batch: i64,
+    hq: i64,
+    hkv: i64,
+    head_dim: i64,
+    max_len: i64,
+    dtype: &str,
+    softmax_scale: Option<f64>,
+    k_strides: Option<(i64, i64, i64)>,
+    v_strides: Option<(i64, i64, i64)>,
+) -> PyResult<DecodeProblem> {
+    let dtype: DType = dtype.parse().map_err(to_py)?;
+    let mut p = DecodeProblem::new(
+        size("batch", batch)?,
+        size("hq", hq)?,
+        size("hkv", hkv)?,
+        size("head_dim", head_dim)?,
+        size("max_len", max_len)?,
+        dtype,
+    )
+    .map_err(to_py)?;
+    if let Some(s) = softmax_scale {
+        p = p.with_softmax_scale(s as f32).map_err(to_py)?;
+    }
+    if k_strides.is_some() || v_strides.is_some() {
+        let c = p.k_strides;
+        let k = strides("k strides", k_strides, c)?;
+        let v = strides("v strides", v_strides, c)?;
+        p = p.with_kv_strides(k, v).map_err(to_py)?;
+    }
+    Ok(p)
+}
+
+fn options(num_splits: Option<i64>) -> PyResult<PlanOptions> {
+    Ok(PlanOptions {
+        num_splits: num_splits.map(|n| size("num_splits", n)).transpose()?,
+        disable_pdl: false,
+    })
+}
+
+/// Checks a problem without opening a GPU (planned for an H200) and returns its plan as a
+/// string. Raises ValueError naming the field that is out of range.
+#[pyfunction]
+#[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, k_strides=None, v_strides=None))]
+#[allow(clippy::too_many_arguments)]
+fn validate(
+    batch: i64,
+    hq: i64,
+    hkv: i64,
+    head_dim: i64,
+    max_len: i64,
+    dtype: &str,
+    softmax_scale: Option<f64>,
+    num_splits: Option<i64>,
+    k_strides: Option<(i64, i64, i64)>,
+    v_strides: Option<(i64, i64, i64)>,
+) -> PyResult<String> {
+    let p = build_problem(
+        batch,
+        hq,
+        hkv,
+        head_dim,
+        max_len,
+        dtype,
+        softmax_scale,
+        k_strides,
+        v_strides,
+    )?;
+    let plan = plan(&p, DeviceFacts::H200, options(num_splits)?).map_err(to_py)?;
+    Ok(format!("{plan:?}"))
+}
+
+/// A decode problem planned, compiled and allocated on one GPU (`kvstream::Decoder`).
+///
+/// The constructor does everything slow (plan for the given maxima, compile or load the
+/// kernels, allocate the split workspace); `run` only enqueues kernels on the given stream, so
+/// it may be captured into a CUDA graph. One decoder must not be in flight on two streams at
+/// once (it owns one workspace).
+#[pyclass(module = "kvstream._native", frozen)]
+struct Decoder {
+    inner: kvstream::Decoder,
+    device: usize,
+}
+
+#[pymethods]
+impl Decoder {
+    #[new]
+    #[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, device=0, k_strides=None, v_strides=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        batch: i64,
+        hq: i64,
+        hkv: i64,
+        head_dim: i64,
+        max_len: i64,
+        dtype: &str,
+        softmax_scale: Option<f64>,
+        num_splits: Option<i64>,
+        device: i64,
+        k_strides: Option<(i64, i64, i64)>,
+        v_strides: Option<(i64, i64, i64)>,
+    ) -> PyResult<Self> {
+        // Everything that can be checked without a GPU is checked first.
+        let problem = build_problem(
+            batch,
+            hq,
+            hkv,
+            head_dim,
+            max_len,
+            dtype,
+            softmax_scale,
+            k_strides,
+            v_strides,
+        )?;
+        let opts = options(num_splits)?;
+        plan(&problem, DeviceFacts::H200, opts).map_err(to_py)?;
+        let device = size("device", device)?;
+        // Compiling kernels may take seconds on a cold cache: let other threads run.
+        let inner = py.detach(|| -> PyResult<kvstream::Decoder> {
+            let rt = runtime(device)?;
+            catch_unwind(AssertUnwindSafe(|| {
+                kvstream::Decoder::new(&rt, problem, opts)
+            }))
+            .map_err(|_| PyRuntimeError::new_err("kvstream: creating the decoder panicked"))?
+            .map_err(to_py)
+        })?;
+        Ok(Decoder { inner, device })
+    }
+
+    /// Enqueues one decode on `stream` (a raw `CUstream` as an int, e.g.
+    /// `torch.cuda.current_stream().cuda_stream`). Pointers are device addresses as ints.
+    ///
+    /// Unsafe in spirit: the caller (the `kvstream` package) guarantees that the pointers
+    /// reference tensors of the decoder's shapes on its device that stay alive until the work
+    /// completes.
+    #[pyo3(signature = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr=None, seqlens_ptr=None, stream=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        py: Python<'_>,
+        q_ptr: u64,
+        k_ptr: u64,
+        v_ptr: u64,
+        out_ptr: u64,
+        lse_ptr: Option<u64>,
+        seqlens_ptr: Option<u64>,
+        stream: usize,
+    ) -> PyResult<()> {
+        let tensors = DecodeTensors {
+            q: q_ptr,
+            k: k_ptr,
+            v: v_ptr,
+            out: out_ptr,
+            lse: lse_ptr,
+            seqlens: seqlens_ptr,
+        };
+        let decoder = &self.inner;
+        py.detach(move || {
+            let stream = stream as sys::CUstream;
+            // SAFETY: the pointers are checked by the library against the driver (device
+            // memory of this GPU, aligned); their sizes are guaranteed by the Python layer,
+            // which checks every tensor's shape against this decoder's problem.
+            unsafe { decoder.run(&tensors, stream) }
+        })
+        .map_err(to_py)
+    }
+
+    /// KV splits per (request, KV head) of the plan.
+    #[getter]
+    fn num_splits(&self) -> usize {
+        self.inner.plan().num_splits
+    }
+
+    /// The plan, as a string (kernel variant, splits, grid, workspace).
+    #[getter]
+    fn plan(&self) -> String {
+        format!("{:?}", self.inner.plan())
+    }
+
+    /// The device ordinal.
+    #[getter]
+    fn device(&self) -> usize {
+        self.device
+    }
+
+    fn __repr__(&self) -> String {
+        let p = self.inner.problem();
+        format!(
+            "Decoder(batch={}, hq={}, hkv={}, head_dim={}, max_len={}, dtype='{}', num_splits={})",
+            p.batch,
+            p.hq,
+            p.hkv,
+            p.head_dim,
+            p.max_len,
+            p.dtype.name(),
+            self.inner.plan().num_splits
+        )
+    }
+}
+
+/// Native layer of kvstream; use the `kvstream` package instead.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Decoder>()?;
+    m.add_function(wrap_pyfunction!(validate, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Python binding tests: builds the kvstream wheel with maturin, installs it into a fresh venv
+# (target/pyvenv) with pytest, and runs crates/kvstream-py/python/tests. Works on a fresh machine
+# with Rust, Python >= 3.9 and network access to PyPI; without torch or a GPU the GPU tests are
+# skipped. Fails (non-zero) if the build or any test fails.
+# Extra arguments go to pytest, e.g. `bash scripts/test-python.sh -k gpu -v`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+TOOLS=target/pytools   # maturin lives here, apart from the test venv
+if [ ! -x "$TOOLS/bin/maturin" ]; then
+    echo "installing maturin into $TOOLS ..."
+    "$PYTHON" -m venv "$TOOLS"
+    "$TOOLS/bin/python" -m pip install --quiet --disable-pip-version-check "maturin==1.*"
+fi
+
+rm -rf target/wheels
+# abi3 wheel (cp39-abi3) with the plain linux_x86_64 tag: built on the host glibc (not in a
+# manylinux container) it uses symbols newer than manylinux allows, so it is for this machine.
+"$TOOLS/bin/maturin" build --release -m crates/kvstream-py/Cargo.toml -o target/wheels \
+    --compatibility linux --interpreter "$PYTHON"
+
+rm -rf target/pyvenv
+# KVSTREAM_PY_SYSTEM_SITE=1 lets the test venv see the base interpreter's packages (torch on a
+# GPU machine, to run test_gpu.py); by default it is isolated and the GPU tests are skipped.
+VENV_FLAGS=()
+[ "${KVSTREAM_PY_SYSTEM_SITE:-0}" = 1 ] && VENV_FLAGS+=(--system-site-packages)
+"$PYTHON" -m venv "${VENV_FLAGS[@]}" target/pyvenv
+target/pyvenv/bin/python -m pip install --quiet --disable-pip-version-check pytest target/wheels/kvstream-*.whl
+
+# Run from outside the source tree so that the installed package (with _native) is imported,
+# not crates/kvstream-py/python/kvstream.
+TESTS="$PWD/crates/kvstream-py/python/tests"
+cd target && pyvenv/bin/python -m pytest "$TESTS" -q -p no:cacheprovider --rootdir "$TESTS" "$@"
