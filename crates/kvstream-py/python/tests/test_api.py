@@ -276,8 +276,9 @@ def test_native_decoder_rejects_fields(over, field):
 
 
 def test_native_validate_returns_plan():
+    # the worked example of plan.rs: 16/2 heads, L 131072 -> 33 splits on 132 SMs
     plan = _native.validate(1, 16, 2, 128, 131072, "bf16")
-    assert "num_splits: 66" in plan, plan
+    assert "num_splits: 33" in plan and "grid: [33, 2, 1]" in plan, plan
     assert "num_splits: 1," in _native.validate(1, 16, 2, 128, 131072, "f16", num_splits=1)
 
 

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# First look on the GPU machine: demos over several shapes, sanitizers, SASS facts, a split sweep
-# and the SDPA peers. Expects the release binary in .carry/bin and the compiled kernels in
-# .carry/cache and .carry/cubins. PARTS selects: demo sanitize sass sweep peers (default: all).
+# Everything that needs the GPU, in one command that builds nothing: demos over several shapes,
+# the Rust GPU test suite and its summary, compute-sanitizer, SASS facts, the Python GPU tests, a
+# split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
+# the release binary and the GPU test executable in .carry/bin, the compiled kernels in
+# .carry/cache and .carry/cubins, the Python wheel in .carry/wheels.
+# PARTS selects: demo sanitize sass gputests pytests sweep peers (default: all but sweep).
 set -u
 B=.carry/bin/kvstream
 export KVSTREAM_CACHE_DIR=$PWD/.carry/cache
 O=${OUT:-/tmp/out}; mkdir -p "$O"
-PARTS=${PARTS:-demo sanitize sass gputests sweep peers}
+PARTS=${PARTS:-demo sanitize sass gputests pytests peers}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 run() { echo "== $*"; timeout 120 "$@"; echo "rc=$?"; }
 nvidia-smi -L
@@ -49,6 +52,11 @@ if want gputests; then
     KVSTREAM_GPU_CASES=12 timeout 400 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
       random_cases graph_capture zero_length 2>&1 | tail -6
   done
+fi
+if want pytests; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvs-site .carry/wheels/*.whl
+  KVSTREAM_PY_GPU_SUMMARY=$O/py-gpu-summary.json PYTHONPATH=/tmp/kvs-site timeout 300 \
+    python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests 2>&1 | tail -8
 fi
 if want peers; then
   timeout 300 python3 bench/peer_sdpa.py --shape 1,16,2,128,4096 --shape 1,16,2,128,131072
