@@ -8,18 +8,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python3}"
-TOOLS=target/pytools   # maturin lives here, apart from the test venv
-if [ ! -x "$TOOLS/bin/maturin" ]; then
-    echo "installing maturin into $TOOLS ..."
+TOOLS=target/pytools   # maturin and zig live here, apart from the test venv
+if [ ! -x "$TOOLS/bin/maturin" ] || ! "$TOOLS/bin/python" -c "import ziglang" 2>/dev/null; then
+    echo "installing maturin and zig into $TOOLS ..."
     "$PYTHON" -m venv "$TOOLS"
-    "$TOOLS/bin/python" -m pip install --quiet --disable-pip-version-check "maturin==1.*"
+    "$TOOLS/bin/python" -m pip install --quiet --disable-pip-version-check "maturin==1.*" "ziglang==0.13.*"
 fi
 
 rm -rf target/wheels
-# abi3 wheel (cp39-abi3) with the plain linux_x86_64 tag: built on the host glibc (not in a
-# manylinux container) it uses symbols newer than manylinux allows, so it is for this machine.
-"$TOOLS/bin/maturin" build --release -m crates/kvstream-py/Cargo.toml -o target/wheels \
-    --compatibility linux --interpreter "$PYTHON"
+# abi3 wheel (cp39-abi3), manylinux2014: zig links against an old glibc, so the wheel installs on
+# any x86-64 Linux with Python >= 3.9 without a manylinux container.
+PATH="$PWD/$TOOLS/bin:$PATH" "$TOOLS/bin/maturin" build --release -m crates/kvstream-py/Cargo.toml \
+    -o target/wheels --zig --compatibility manylinux2014 --interpreter "$TOOLS/bin/python"
 
 rm -rf target/pyvenv
 # KVSTREAM_PY_SYSTEM_SITE=1 lets the test venv see the base interpreter's packages (torch on a
