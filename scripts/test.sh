@@ -20,5 +20,16 @@ if [ ! -f "$NVRTC_LIB/libnvrtc.so.13" ]; then
 fi
 export LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
+# cuobjdump + nvdisasm read the SASS of the compiled kernels (crates/kvstream/tests/sass.rs).
+SASS_TOOLS_VERSION=13.5.37
+SASS_BIN="$PWD/.nvrtc/sass-tools/nvidia/cu13/bin"
+if [ ! -x "$SASS_BIN/cuobjdump" ] || [ ! -x "$SASS_BIN/nvdisasm" ]; then
+    echo "installing cuobjdump and nvdisasm $SASS_TOOLS_VERSION into .nvrtc/sass-tools/ ..."
+    python3 -m pip install --quiet --disable-pip-version-check --no-deps --target .nvrtc/sass-tools \
+        "nvidia-cuda-cuobjdump==$SASS_TOOLS_VERSION" "nvidia-cuda-nvdisasm==$SASS_TOOLS_VERSION"
+    chmod +x "$SASS_BIN"/*
+fi
+export PATH="$SASS_BIN:$PATH"
+
 cargo test --workspace --release
 bash scripts/test-python.sh

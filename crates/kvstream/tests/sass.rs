@@ -1,0 +1,59 @@
+//! Machine-code facts of every decode variant, read from the SASS of the NVRTC CUBINs: tensor
+//! cores are used (HMMA), K/V arrive by TMA (UTMALDG), P^T is transposed in registers (MOVM), and
+//! nothing lives in local memory (no LDL/STL). Needs NVRTC and `cuobjdump` + `nvdisasm` on the
+//! PATH (the README's test command installs both); a missing tool fails here, it does not skip.
+
+use std::process::Command;
+
+use kvstream::jit::compile;
+use kvstream::kernels::{all_variants, AnyVariant, Variant};
+
+fn sass_of(name: &str, cubin: &[u8]) -> String {
+    let path =
+        std::env::temp_dir().join(format!("kvstream-sass-{}-{name}.cubin", std::process::id()));
+    std::fs::write(&path, cubin).unwrap();
+    let out = Command::new("cuobjdump")
+        .arg("-sass")
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| panic!("cuobjdump must be on the PATH for this test: {e}"));
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        out.status.success(),
+        "cuobjdump failed on {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn count(sass: &str, opcode: &str) -> usize {
+    sass.lines()
+        .filter(|l| l.split_whitespace().any(|w| w.starts_with(opcode)))
+        .count()
+}
+
+#[test]
+fn decode_variants_use_tensor_cores_and_tma_and_no_local_memory() {
+    for v in all_variants() {
+        let AnyVariant::Decode(d) = v else { continue };
+        let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
+        let sass = sass_of(&d.name(), &c.cubin);
+        // per m16 slice and n8 tile of heads: d/16 HMMA for S^T and d/16 for O^T
+        let hmma = count(&sass, "HMMA");
+        assert_eq!(hmma, 16 * d.n_tiles, "{}: {hmma} HMMA", d.name());
+        assert!(count(&sass, "UTMALDG") > 0, "{}: no TMA loads", d.name());
+        assert!(
+            count(&sass, "MOVM") > 0,
+            "{}: no in-register transpose",
+            d.name()
+        );
+        for local in ["LDL", "STL"] {
+            assert_eq!(
+                count(&sass, local),
+                0,
+                "{}: local memory ({local})",
+                d.name()
+            );
+        }
+    }
+}
