@@ -7,18 +7,23 @@
 // 8 fills an n8 tile instead of padding a 64-row tile. One CTA handles one (request, kv head,
 // split); the split's tiles stream through a ring of shared-memory stages filled by bulk copies.
 //
-// Warp roles (CTA of CONSUMER_WARPS + 1 warps):
-//   warps 0..3   consumers: each owns ROWS_PER_WARP rows of every tile and keeps a private
-//                online softmax (running max m, denominator l, O^T accumulators) over them, so
-//                the four warps never wait for each other inside the KV loop. They merge once,
-//                at the end of the split, through shared memory.
-//   warp 4       producer (one lane): per stage, TMA box loads of the K and V tiles (64 head
+// Warp roles (CTA of 4 * CONSUMER_GROUPS + 1 warps):
+//   warps 0..4G-1 consumers, in CONSUMER_GROUPS groups of four; group g takes the tiles
+//                t = g, g + G, ... (two groups work on two tiles at once, so the softmax and MMA
+//                latency of one tile hides behind the other's). Inside a group each warp owns
+//                ROWS_PER_WARP rows of the tile. Every warp keeps a private online softmax
+//                (running max m, denominator l, O^T accumulators) over its rows, so no warp
+//                waits for another inside the KV loop; they merge once, at the end of the split,
+//                through shared memory.
+//   warp 4G      producer (one lane): per stage, TMA box loads of the K and V tiles (64 head
 //                dims x TILE_TOKENS positions each, 128-byte swizzle) completing on the stage's
 //                `full` barrier; waits on the stage's `empty` barrier before reusing it.
 //
 // Ring protocol, stage s = tile % STAGES, parity = (tile / STAGES) & 1:
 //   producer: wait empty[s] (from the second lap), arrive.expect_tx(full[s], bytes), TMA
 //   consumer: wait full[s] with parity, compute, __syncwarp, lane 0 arrives on empty[s]
+//   (STAGES is a multiple of CONSUMER_GROUPS, so each stage is always read by the same group
+//   and its `empty` barrier counts that group's four warps)
 //
 // Output: with one split the CTA normalises and writes `out` (and LSE) itself. With several it
 // writes its unnormalised O, max and denominator to the FP32 workspace for combine.cu. Every
@@ -29,8 +34,9 @@
 //   KVS_IS_F16       0: bf16, 1: f16 (Q, K, V and out share it)
 //   KVS_HEAD_DIM     64 or 128
 //   KVS_N_TILES      ceil(group / 8): n8 tiles of query heads
-//   KVS_TILE_TOKENS  KV positions per ring stage (multiple of 16 * CONSUMER_WARPS)
+//   KVS_TILE_TOKENS  KV positions per ring stage (multiple of 16 * 4)
 //   KVS_STAGES       ring depth
+//   KVS_CONSUMER_GROUPS  1 or 2 groups of four consumer warps
 #include "ptx.cuh"
 #include "params.cuh"
 
@@ -42,11 +48,13 @@ constexpr int N_TILES = KVS_N_TILES;
 constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
 constexpr int STAGES = KVS_STAGES;
 
-constexpr int CONSUMER_WARPS = 4;
+constexpr int CONSUMER_GROUPS = KVS_CONSUMER_GROUPS;
+constexpr int GROUP_WARPS = 4;
+constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
 constexpr int THREADS = CONSUMER_THREADS + 32;
 constexpr int PRODUCER_WARP = CONSUMER_WARPS;
-constexpr int ROWS_PER_WARP = TILE_TOKENS / CONSUMER_WARPS;
+constexpr int ROWS_PER_WARP = TILE_TOKENS / GROUP_WARPS;
 constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
 constexpr int GROUP_PAD = N_TILES * 8;
 constexpr int D_TILES = HEAD_DIM / 16;
@@ -84,7 +92,8 @@ struct SharedPlan {
     static constexpr int bytes = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;
 };
 
-static_assert(TILE_TOKENS % (16 * CONSUMER_WARPS) == 0, "tile must split into m16 slices");
+static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
+static_assert(STAGES % CONSUMER_GROUPS == 0, "a stage must always feed the same group");
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim");
 static_assert(N_TILES >= 1 && N_TILES <= 4, "group up to 32");
 static_assert(CONSUMER_WARPS * MERGE_WARP_FLOATS * 4 <= RING_BYTES, "merge scratch fits in ring");
@@ -123,7 +132,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], CONSUMER_WARPS);
+            mbarrier_init(&empty[s], GROUP_WARPS);
         }
         fence_mbarrier_init();
     }
@@ -209,7 +218,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         named_barrier_sync(1, CONSUMER_THREADS);
     }
 
-    const int row0 = warp * ROWS_PER_WARP;  // first row of this warp inside each tile
+    const int group = warp / GROUP_WARPS;
+    const int row0 = (warp % GROUP_WARPS) * ROWS_PER_WARP;  // first row of this warp in a tile
     const u32 q_base = smem_addr(q_smem);
     const u32 ring_base = smem_addr(ring);
 
@@ -235,7 +245,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     const int v_row = (lane / 16) * 8 + lane % 8, v_col = ((lane / 8) % 2) * 8;  // V^T
     const int q_row = lane % 8, q_col = (lane / 8) * 8;                          // Q, 2 k-steps
 
-    for (int tile = 0; tile < num_tiles; ++tile) {
+    for (int tile = group; tile < num_tiles; tile += CONSUMER_GROUPS) {
         const int stage = tile % STAGES;
         mbarrier_wait(&full[stage], (tile / STAGES) & 1);
         const u32 k_tile = ring_base + stage * STAGE_BYTES;

@@ -46,6 +46,9 @@ pub struct ShapeArgs {
     /// Force the number of KV splits.
     #[arg(long)]
     pub splits: Option<usize>,
+    /// Force 1 or 2 groups of consumer warps per CTA (tuning knob).
+    #[arg(long)]
+    pub consumer_groups: Option<usize>,
 }
 
 impl ShapeArgs {
@@ -62,6 +65,7 @@ impl ShapeArgs {
         )?;
         let opts = PlanOptions {
             num_splits: self.splits,
+            consumer_groups: self.consumer_groups,
             ..Default::default()
         };
         Ok((p, opts))

@@ -111,7 +111,7 @@ fn build_problem(
 fn options(num_splits: Option<i64>) -> PyResult<PlanOptions> {
     Ok(PlanOptions {
         num_splits: num_splits.map(|n| size("num_splits", n)).transpose()?,
-        disable_pdl: false,
+        ..Default::default()
     })
 }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::error::{Error, Result};
-use crate::kernels::{AnyVariant, COMBINE_THREADS, DECODE_THREADS};
+use crate::kernels::{AnyVariant, COMBINE_THREADS};
 use crate::launch::{kv_tensor_map, launch, LaunchConfig};
 use crate::params::DecodeParams;
 use crate::plan::{plan, DecodePlan, PlanOptions};
@@ -201,7 +201,7 @@ impl Decoder {
         };
         let decode_cfg = LaunchConfig {
             grid: self.plan.grid,
-            block: [DECODE_THREADS, 1, 1],
+            block: [self.plan.decode.threads(), 1, 1],
             shared_bytes: self.plan.decode.shared_bytes() as u32,
             pdl: self.plan.pdl,
             cluster: None,

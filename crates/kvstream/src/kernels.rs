@@ -19,8 +19,6 @@ pub const HEADERS: [(&str, &str); 2] = [
 const DECODE_GQA_SRC: &str = include_str!("../../../kernels/sm90/decode_gqa.cu");
 const COMBINE_SRC: &str = include_str!("../../../kernels/sm90/combine.cu");
 
-/// Threads per decode CTA: four consumer warps and one producer warp (decode_gqa.cu).
-pub const DECODE_THREADS: u32 = 160;
 /// Threads per combine CTA: eight warps on one output row (combine.cu).
 pub const COMBINE_THREADS: u32 = 256;
 
@@ -49,6 +47,8 @@ pub struct DecodeVariant {
     pub tile_tokens: usize,
     /// Ring depth.
     pub stages: usize,
+    /// Groups of four consumer warps working on alternate tiles (1 or 2).
+    pub consumer_groups: usize,
 }
 
 impl DecodeVariant {
@@ -60,7 +60,20 @@ impl DecodeVariant {
             n_tiles: problem.group().div_ceil(8),
             tile_tokens: plan::tile_tokens(problem.head_dim),
             stages: plan::STAGES,
+            consumer_groups: 1,
         }
+    }
+
+    /// Threads per CTA: the consumer warps and one producer warp (decode_gqa.cu).
+    pub fn threads(&self) -> u32 {
+        (self.consumer_groups * 4 * 32 + 32) as u32
+    }
+
+    /// Whether `consumer_groups` groups fit the register file with this group size: every
+    /// thread of the one CTA per SM holds its O^T accumulators (32 registers per n8 tile at
+    /// d128); with 288 threads ptxas caps a thread at 168 registers, and three tiles spill.
+    pub fn groups_fit(n_tiles: usize, consumer_groups: usize) -> bool {
+        consumer_groups == 1 || (consumer_groups == 2 && n_tiles <= 2)
     }
 
     /// Dynamic shared memory of one CTA; mirrors `SharedPlan` in decode_gqa.cu (plus the slack
@@ -69,7 +82,7 @@ impl DecodeVariant {
         let ring = self.stages * 2 * self.tile_tokens * self.head_dim * 2;
         let q = self.n_tiles * 8 * (self.head_dim * 2 + 16);
         let barriers = 2 * 8 * self.stages;
-        let stats = 2 * 4 * 4 * self.n_tiles * 8;
+        let stats = 2 * 4 * (4 * self.consumer_groups) * self.n_tiles * 8;
         1024 + ring + q + barriers + stats
     }
 
@@ -82,12 +95,13 @@ impl DecodeVariant {
 impl Variant for DecodeVariant {
     fn name(&self) -> String {
         format!(
-            "decode_gqa.{}.d{}.n{}.t{}.s{}",
+            "decode_gqa.{}.d{}.n{}.t{}.s{}.g{}",
             self.dtype.name(),
             self.head_dim,
             self.n_tiles,
             self.tile_tokens,
-            self.stages
+            self.stages,
+            self.consumer_groups
         )
     }
     fn source(&self) -> &'static str {
@@ -106,6 +120,10 @@ impl Variant for DecodeVariant {
             ("KVS_N_TILES".into(), self.n_tiles.to_string()),
             ("KVS_TILE_TOKENS".into(), self.tile_tokens.to_string()),
             ("KVS_STAGES".into(), self.stages.to_string()),
+            (
+                "KVS_CONSUMER_GROUPS".into(),
+                self.consumer_groups.to_string(),
+            ),
         ]
     }
 }
@@ -166,13 +184,18 @@ pub fn all_variants() -> Vec<AnyVariant> {
     for dtype in [DType::Bf16, DType::F16] {
         for head_dim in SUPPORTED_HEAD_DIMS {
             for n_tiles in 1..=MAX_GROUP / 8 {
-                out.push(AnyVariant::Decode(DecodeVariant {
-                    dtype,
-                    head_dim,
-                    n_tiles,
-                    tile_tokens: plan::tile_tokens(head_dim),
-                    stages: plan::STAGES,
-                }));
+                for consumer_groups in [1, 2] {
+                    if DecodeVariant::groups_fit(n_tiles, consumer_groups) {
+                        out.push(AnyVariant::Decode(DecodeVariant {
+                            dtype,
+                            head_dim,
+                            n_tiles,
+                            tile_tokens: plan::tile_tokens(head_dim),
+                            stages: plan::STAGES,
+                            consumer_groups,
+                        }));
+                    }
+                }
             }
             out.push(AnyVariant::Combine(CombineVariant { dtype, head_dim }));
         }
@@ -191,7 +214,12 @@ mod tests {
             for d in SUPPORTED_HEAD_DIMS {
                 for dt in [DType::Bf16, DType::F16] {
                     let p = DecodeProblem::new(1, g, 1, d, 8, dt).unwrap();
-                    assert!(all.contains(&AnyVariant::Decode(DecodeVariant::for_problem(&p))));
+                    let mut v = DecodeVariant::for_problem(&p);
+                    for groups in [1, 2] {
+                        v.consumer_groups = groups;
+                        let fits = DecodeVariant::groups_fit(v.n_tiles, groups);
+                        assert_eq!(all.contains(&AnyVariant::Decode(v)), fits, "{}", v.name());
+                    }
                 }
             }
         }

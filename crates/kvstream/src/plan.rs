@@ -67,7 +67,13 @@ pub struct PlanOptions {
     pub num_splits: Option<usize>,
     /// Launch with programmatic dependent launch (default on).
     pub disable_pdl: bool,
+    /// Force 1 or 2 groups of consumer warps (2: two tiles in flight per CTA; only for groups
+    /// of up to 16 query heads, see [`DecodeVariant::groups_fit`]). `None`: [`CONSUMER_GROUPS`].
+    pub consumer_groups: Option<usize>,
 }
+
+/// Default groups of consumer warps per CTA.
+pub const CONSUMER_GROUPS: usize = 1;
 
 /// Sizes of the FP32 split workspace, in elements. Derived from the problem's maxima only, so a
 /// captured graph replays safely whatever the lengths are.
@@ -150,7 +156,19 @@ pub fn plan(
         Some(n) => return Err(Error::invalid("num_splits", n, format!("1..={MAX_SPLITS}"))),
         None => heuristic_splits(problem, device),
     };
-    let decode = DecodeVariant::for_problem(problem);
+    let mut decode = DecodeVariant::for_problem(problem);
+    decode.consumer_groups = match options.consumer_groups {
+        Some(g) if DecodeVariant::groups_fit(decode.n_tiles, g) => g,
+        Some(g) => {
+            return Err(Error::invalid(
+                "consumer_groups",
+                format!("{g} with {} query heads per KV head", problem.group()),
+                "1, or 2 when the group has at most 16 query heads",
+            ))
+        }
+        None if DecodeVariant::groups_fit(decode.n_tiles, CONSUMER_GROUPS) => CONSUMER_GROUPS,
+        None => 1,
+    };
     let combine = (num_splits > 1).then_some(CombineVariant {
         dtype: problem.dtype,
         head_dim: problem.head_dim,
@@ -228,6 +246,30 @@ mod tests {
         assert_eq!(plan.num_splits, 1);
         assert!(plan.combine.is_none());
         assert_eq!(plan.workspace.bytes(), 0);
+    }
+
+    #[test]
+    fn consumer_groups_are_checked() {
+        let p = DecodeProblem::new(1, 32, 1, 128, 4096, DType::Bf16).unwrap();
+        let two = PlanOptions {
+            consumer_groups: Some(2),
+            ..Default::default()
+        };
+        let msg = plan(&p, DeviceFacts::H200, two).unwrap_err().to_string();
+        assert!(msg.contains("consumer_groups"), "{msg}");
+        let p = DecodeProblem::new(1, 16, 2, 128, 4096, DType::Bf16).unwrap();
+        assert_eq!(
+            plan(&p, DeviceFacts::H200, two)
+                .unwrap()
+                .decode
+                .consumer_groups,
+            2
+        );
+        let three = PlanOptions {
+            consumer_groups: Some(3),
+            ..Default::default()
+        };
+        assert!(plan(&p, DeviceFacts::H200, three).is_err());
     }
 
     #[test]

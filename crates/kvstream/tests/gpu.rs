@@ -575,9 +575,11 @@ fn run_case_as<T: Half>(
     case: &Case,
 ) -> Result<CaseResult, String> {
     let p = case.problem()?;
+    // Alternate the consumer-warp layouts over the cases where both exist.
     let opts = PlanOptions {
         num_splits: case.splits,
-        disable_pdl: false,
+        consumer_groups: (p.group() <= 16).then_some(1 + case.index % 2),
+        ..Default::default()
     };
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
     let lens = case.lens();
@@ -801,6 +803,7 @@ fn graph_capture_replays_with_new_lengths() {
         PlanOptions {
             num_splits: Some(8),
             disable_pdl: false,
+            ..Default::default()
         },
     );
     assert_eq!(dec.plan().num_splits, 8);
@@ -882,6 +885,7 @@ fn pdl_on_and_off_agree() {
         let opts = |disable_pdl| PlanOptions {
             num_splits: splits,
             disable_pdl,
+            ..Default::default()
         };
         let off = make_decoder(&rt, &p, opts(true));
         let on = make_decoder(&rt, &p, opts(false));
@@ -944,6 +948,7 @@ fn bad_pointers_are_rejected() {
         PlanOptions {
             num_splits: Some(4),
             disable_pdl: false,
+            ..Default::default()
         },
     );
     let lens = [256, 100];
@@ -1058,6 +1063,7 @@ fn zero_length_case<T: Half>(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, d: usi
         PlanOptions {
             num_splits: Some(splits),
             disable_pdl: false,
+            ..Default::default()
         },
     );
     assert_eq!(dec.plan().num_splits, splits, "{what}");
