@@ -2,12 +2,12 @@
 //
 // One CTA per (request, query head) row. For the splits s = 0, 1, ... :
 //   M = max_s m_s                       (computed here: no global max buffer, nothing to reset)
-//   w_s = 2^(m_s - M), 0 for empty splits (m_s = -inf), whose O is then never read
+//   w_s = 2^(m_s - M), 0 for empty splits (m_s = -inf; their O is written as zeros)
 //   out = sum_s w_s O_s / sum_s w_s l_s,   LSE = (M + log2 sum_s w_s l_s) * ln 2
 // The merge is latency-bound, not bandwidth-bound (a batch-1 problem has 16 rows of a few KB per
-// split), so it is spread wide: thread t holds split t's statistics, warp w sums the O of splits
-// w, w + WARPS, ... with IN_FLIGHT of its loads issued before the first is used, and the warps'
-// sums are added in warp order. Every reduction has a fixed shape and order, so the result is
+// split), so it is spread wide and issued at once: thread t loads split t's statistics while
+// warp w loads the O of splits w, w + WARPS, ... (IN_FLIGHT per round trip, 64 splits per CTA),
+// and the warps' sums are added in warp order. Every reduction has a fixed shape and order, so the result is
 // bitwise reproducible. Launched with programmatic dependent launch behind the decode kernel:
 // the index arithmetic runs while decode drains, griddepcontrol.wait comes before the first load.
 //
@@ -22,7 +22,7 @@ constexpr int MAX_SPLITS = KVS_MAX_SPLITS;
 constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
 constexpr int PER_LANE = HEAD_DIM / 32;  // 2 or 4 consecutive elements
-constexpr int IN_FLIGHT = 4;             // per warp: WARPS * IN_FLIGHT splits' loads in flight
+constexpr int IN_FLIGHT = 8;             // per warp: WARPS * IN_FLIGHT splits' loads in flight
 static_assert(MAX_SPLITS <= THREADS, "one thread per split for the statistics");
 
 // Reduces `x` over the CTA with `op` in a fixed shape (butterfly in each warp, then the warps'
@@ -57,36 +57,45 @@ kvs_combine(const __grid_constant__ DecodeParams p) {
 
     pdl_wait_for_producer();
 
+    // Everything the merge reads is issued in one go, before any of it is used: this thread's
+    // split statistics and this warp's first IN_FLIGHT partial outputs (decode writes every
+    // split's statistics and, for empty splits, a zero O, so no load depends on another).
     const float m_own = s_own < splits ? p.m_partial[s_own * rows + row] : neg_inf();
+    const float l_own = s_own < splits ? p.l_partial[s_own * rows + row] : 0.f;
+    float2 x[IN_FLIGHT][PER_LANE / 2];
+    auto load_round = [&](int s0) {
+#pragma unroll
+        for (int j = 0; j < IN_FLIGHT; ++j) {
+            const int s = s0 + j * WARPS;
+            const float2* o = reinterpret_cast<const float2*>(p.o_partial + (s * rows + row) * HEAD_DIM) +
+                              lane * (PER_LANE / 2);
+#pragma unroll
+            for (int i = 0; i < PER_LANE / 2; ++i) x[j][i] = s < splits ? o[i] : make_float2(0.f, 0.f);
+        }
+    };
+    load_round(warp);
+
     const float m_max = cta_reduce(m_own, scratch, [](float a, float b) { return fmaxf(a, b); });
     const float w_own = m_own == neg_inf() ? 0.f : exp2_approx(m_own - m_max);
     if (s_own < splits) weight[s_own] = w_own;
-    const float l_own = w_own != 0.f ? w_own * p.l_partial[s_own * rows + row] : 0.f;
     // (cta_reduce's barrier also publishes `weight`)
-    const float l_sum = cta_reduce(l_own, scratch, [](float a, float b) { return a + b; });
+    const float l_sum = cta_reduce(w_own * l_own, scratch, [](float a, float b) { return a + b; });
 
     float acc[PER_LANE];
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) acc[i] = 0.f;
     for (int s0 = warp; s0 < splits; s0 += WARPS * IN_FLIGHT) {
-        float2 x[IN_FLIGHT][PER_LANE / 2];
-        float w[IN_FLIGHT];
+        if (s0 != warp) load_round(s0);
 #pragma unroll
         for (int j = 0; j < IN_FLIGHT; ++j) {
             const int s = s0 + j * WARPS;
-            w[j] = s < splits ? weight[s] : 0.f;
-            const float2* o = reinterpret_cast<const float2*>(p.o_partial + (s * rows + row) * HEAD_DIM) +
-                              lane * (PER_LANE / 2);
-#pragma unroll
-            for (int i = 0; i < PER_LANE / 2; ++i) x[j][i] = w[j] != 0.f ? o[i] : make_float2(0.f, 0.f);
-        }
-#pragma unroll
-        for (int j = 0; j < IN_FLIGHT; ++j)
+            const float w = s < splits ? weight[s] : 0.f;
 #pragma unroll
             for (int i = 0; i < PER_LANE / 2; ++i) {
-                acc[2 * i] += w[j] * x[j][i].x;
-                acc[2 * i + 1] += w[j] * x[j][i].y;
+                acc[2 * i] += w * x[j][i].x;
+                acc[2 * i + 1] += w * x[j][i].y;
             }
+        }
     }
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) warp_sum[warp][lane * PER_LANE + i] = acc[i];

@@ -27,7 +27,7 @@
 //
 // Output: with one split the CTA normalises and writes `out` (and LSE) itself. With several it
 // writes its unnormalised O, max and denominator to the FP32 workspace for combine.cu. Every
-// split writes its max and denominator, empty ones included (-inf and 0), so the combine reads
+// split writes all three, empty ones included (O = 0, m = -inf, l = 0), so the combine reads
 // nothing this call did not write.
 //
 // Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
@@ -154,9 +154,14 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     if (num_tiles == 0) {
         // ---------------- empty split: publish neutral statistics and leave ----------------
         if (p.num_splits > 1) {
+            // Neutral partials, O included: the combine then loads every split unconditionally,
+            // all in one round trip, and still reads only what this call wrote.
             for (int g = threadIdx.x; g < p.group; g += THREADS) {
                 p.m_partial[stat_base + g] = neg_inf();
                 p.l_partial[stat_base + g] = 0.f;
+            }
+            for (int i = threadIdx.x; i < p.group * HEAD_DIM / 4; i += THREADS) {
+                reinterpret_cast<float4*>(p.o_partial + stat_base * HEAD_DIM)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
             }
         } else {
             // zero-length request: out = 0, LSE = -inf
