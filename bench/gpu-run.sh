@@ -4,7 +4,10 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: demo sanitize sass gputests pytests sweep peers (default: all but sweep).
+# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare (default: demo
+# sanitize sass gputests pytests peers). `bench` runs `kvstream bench` over bench/matrix.json,
+# `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
+# FA3 wheel travels in .whl/); both pack their outputs into $OUT/<part>-results.tar.gz.
 set -u
 B=.carry/bin/kvstream
 export KVSTREAM_CACHE_DIR=$PWD/.carry/cache
@@ -54,9 +57,21 @@ if want gputests; then
   done
 fi
 if want pytests; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvs-site .carry/wheels/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
   KVSTREAM_PY_GPU_SUMMARY=$O/py-gpu-summary.json PYTHONPATH=/tmp/kvs-site timeout 300 \
     python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests 2>&1 | tail -8
+fi
+if want bench; then
+  timeout 400 $B bench --consumer-groups 2 --json bench/results/kvstream-bench-latest.json \
+    --plots bench/results 2>&1 | tee $O/kvstream-bench.txt | tail -70
+  tar czf $O/bench-results.tar.gz bench/results/kvstream-bench-latest.json bench/results/*.svg bench/results/*.png 2>/dev/null
+fi
+if want compare; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout 560 \
+    python3 bench/compare.py --matrix bench/matrix.json --commit "${COMMIT:-unknown}" ${COMPARE_ARGS:-} \
+    2>&1 | tee $O/compare.txt | tail -80
+  tar czf $O/compare-results.tar.gz bench/results bench/RESULTS.md 2>/dev/null
 fi
 if want peers; then
   timeout 300 python3 bench/peer_sdpa.py --shape 1,16,2,128,4096 --shape 1,16,2,128,131072

@@ -1,0 +1,976 @@
+"""Times kvstream against its decode-attention peers on the benchmark matrix, in one process.
+
+Method (../shared bench METHOD.md, kept here so the file stands alone):
+
+* Implementations: ``kvstream`` (the Python binding, default plan), ``cudnn`` and ``sdpa_flash``
+  (``F.scaled_dot_product_attention(..., enable_gqa=True)`` under ``sdpa_kernel`` with the cuDNN
+  or FlashAttention-2 backend, layout [b, h, s, d]) and ``fa3`` (``flash_attn_with_kvcache`` from
+  the ``fa3-fwd`` wheel, ``num_splits=0``, layout [b, s, h, d]). A peer that cannot be imported or
+  fails on a shape gets ``{"error": ...}``; the run goes on.
+* Inputs: random bf16 values, identical for every implementation, each in its own contiguous
+  layout (the SDPA copies are made from the [b, L, hkv, d] pool, outside the timing). A rotating
+  pool of ``sets = clamp(ceil(512 MiB / kv_bytes_per_set), 2, 256)`` input sets keeps the KV read
+  per cycle above the 60 MB L2.
+* Timer: one CUDA graph per implementation holding one call per set (every set is called once
+  eagerly on a side stream first: the kvstream binding plans and compiles on its first call, the
+  peers pick their kernels). 2 warm-up replays, then ``--rounds`` rounds; each round replays every
+  implementation's graph once, in alternating order (A B C D, D C B A, ...). Per-call latency =
+  replay time (CUDA events) / sets; median and minimum over rounds.
+* Correctness next to every timing: after the timed replays, the graph's output for set 0 is
+  compared with an fp32 reference (``||o - ref|| / ||ref||``); the outputs are poisoned with NaN
+  after capture, so a graph that wrote nothing fails. Above 2e-2 (or NaN) the timing is recorded
+  as ``{"error": "wrong result ..."}`` and counts nowhere.
+* Byte floor per shape: a streaming-read kernel (cupy.RawKernel, 16-byte loads, grid-stride loop,
+  one value written per block) over exactly ``io_bytes`` per set, with its own rotating pool of the
+  same number of sets and the same graph timer; best of a few grid sizes. Read ceiling: the same
+  kernel over 4 GiB. ``io_bytes`` = Q + K + V + O bytes, each once; GB/s are decimal.
+
+Outputs: ``bench/results/h200-latest.json`` (METHOD.md's format plus ``summary``, ``notes`` and a
+few extra keys), a dated copy ``bench/results/h200-YYYY-MM-DD.json``, ``bench/RESULTS.md`` and
+``bench/results/plot-<group>.png/.svg``. While running, ``bench/results/h200-partial.json`` is
+rewritten after every shape, so a crash (a sticky CUDA error ends the process's GPU use) keeps
+what was measured.
+
+Run on the GPU machine, from the repository root (kvstream and the FA3 wheel on PYTHONPATH)::
+
+    KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site:/tmp/site \\
+        python3 bench/compare.py --matrix bench/matrix.json
+    python3 bench/compare.py --quick                      # smoke test: 6 shapes, 5 rounds
+    python3 bench/compare.py --ids gqa-d128-L4096,batch-b4-L4096 --impls kvstream,cudnn
+
+Without a GPU (needs only matplotlib)::
+
+    python3 bench/compare.py --plot-only bench/results/h200-latest.json     # plots again
+    python3 bench/compare.py --report-only bench/results/h200-latest.json   # RESULTS.md + plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+IMPLS = ("kvstream", "cudnn", "sdpa_flash", "fa3")
+PEERS = ("cudnn", "sdpa_flash", "fa3")
+GROUPS = ("mqa", "gqa", "mha", "batch")
+DTYPE_BYTES = {"bf16": 2}
+
+POOL_BYTES = 512 << 20  # KV per pool cycle: well above the H200's 60 MB L2
+MIN_SETS, MAX_SETS = 2, 256
+WARMUP_REPLAYS = 2
+MIN_ROUNDS = 7
+QUICK_SHAPES, QUICK_ROUNDS = 6, 5
+MAX_REL_ERR = 2e-2
+CEILING_BYTES = 4 << 30
+READ_THREADS = 512
+READ_GRID_PER_SM = (1, 2, 4, 8, 16)  # grid sizes tried for the floor and ceiling, x SM count
+BIG_KV_BYTES = 64 << 20  # "large" shapes for the within-1.05x-of-floor count
+NEAR_FLOOR = 1.05
+SHORT_L, SHORT_US = 4096, 4.0  # batch-1 L <= 4096 shapes should take <= 4 us
+ERROR_CHARS = 300
+BUSY_CYCLES = 100_000  # ~50 us at the H200's ~2 GHz
+
+READ_KERNEL_SRC = r"""
+// Streams n 16-byte words through the SMs; the XOR of everything read is written once per block
+// so the loads cannot be optimised away. Four independent loads per thread per iteration keep
+// enough bytes in flight to reach the HBM ceiling.
+extern "C" __global__ void stream_read(const uint4* __restrict__ src, unsigned long long n,
+                                       unsigned int* __restrict__ sink) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned int acc = 0;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        const uint4 a = __ldg(src + i);
+        const uint4 b = __ldg(src + i + stride);
+        const uint4 c = __ldg(src + i + 2 * stride);
+        const uint4 d = __ldg(src + i + 3 * stride);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+        acc ^= c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+    }
+    for (; i < n; i += stride) {
+        const uint4 a = __ldg(src + i);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w;
+    }
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    __shared__ unsigned int warp_acc[32];
+    if ((threadIdx.x & 31) == 0) warp_acc[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int t = 0;
+        for (unsigned int w = 0; w < (blockDim.x + 31) / 32; ++w) t ^= warp_acc[w];
+        sink[blockIdx.x] = t;
+    }
+}
+"""
+
+
+# ------------------------------------------------------------------------------------------------
+# Shapes and byte counts (pure Python: tested without a GPU)
+# ------------------------------------------------------------------------------------------------
+
+
+def load_matrix(path, ids=None, quick=False):
+    """The matrix's shapes, filtered by ``ids`` (in matrix order), the first few if ``quick``."""
+    shapes = json.loads(Path(path).read_text())["shapes"]
+    if ids:
+        wanted = set(ids)
+        unknown = wanted - {s["id"] for s in shapes}
+        if unknown:
+            raise SystemExit(f"compare.py: unknown shape ids: {', '.join(sorted(unknown))}")
+        shapes = [s for s in shapes if s["id"] in wanted]
+    for s in shapes:
+        if s["dtype"] not in DTYPE_BYTES:
+            raise SystemExit(f"compare.py: shape {s['id']}: dtype {s['dtype']} not supported")
+    return shapes[:QUICK_SHAPES] if quick else shapes
+
+
+def group_of(row):
+    return row.get("group") or row["id"].split("-")[0]
+
+
+def kv_bytes(shape):
+    """K + V bytes of one input set."""
+    s = shape
+    return 2 * s["batch"] * s["L"] * s["hkv"] * s["d"] * DTYPE_BYTES[s["dtype"]]
+
+
+def io_bytes(shape):
+    """Q + K + V + O bytes, each counted once."""
+    s = shape
+    q_or_o = s["batch"] * s["q_len"] * s["hq"] * s["d"] * DTYPE_BYTES[s["dtype"]]
+    return 2 * q_or_o + kv_bytes(shape)
+
+
+def pool_sets(shape):
+    return min(max(math.ceil(POOL_BYTES / kv_bytes(shape)), MIN_SETS), MAX_SETS)
+
+
+def parse_plan(plan):
+    """(splits, mode) from a kvstream plan string (``format!("{plan:?}")`` of ``DecodePlan``)."""
+    m = re.search(r"\bnum_splits:\s*(\d+)", plan)
+    if not m:
+        raise ValueError(f"no num_splits in plan {plan[:200]!r}")
+    splits = int(m.group(1))
+    pdl = re.findall(r"\bpdl:\s*(true|false)", plan)
+    # `pdl` is DecodePlan's last field: the last match is the plan's own.
+    with_pdl = not pdl or pdl[-1] == "true"
+    if splits <= 1:
+        return splits, "single"
+    return splits, "kernel+pdl" if with_pdl else "kernel"
+
+
+def short_error(e):
+    text = f"{type(e).__name__}: {e}" if isinstance(e, BaseException) else str(e)
+    text = " ".join(text.split())
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
+
+
+def timing_entry(times_us, io, rel_err):
+    """Results entry of one implementation on one shape from its per-call round times."""
+    med = statistics.median(times_us)
+    entry = {
+        "us": round(med, 3),
+        "min_us": round(min(times_us), 3),
+        "GBps": round(io / med / 1e3, 1),
+        "rel_err": float(f"{rel_err:.3g}") if math.isfinite(rel_err) else None,
+    }
+    if not (math.isfinite(rel_err) and rel_err <= MAX_REL_ERR):
+        # A wrong output's timing must not be read as a result: no "us" key.
+        return {
+            "error": f"wrong result: rel_err {rel_err:.3g} > {MAX_REL_ERR:g} "
+            f"(timing {med:.2f} us not counted)",
+            "rel_err": entry["rel_err"],
+            "unverified_us": entry["us"],
+        }
+    return entry
+
+
+# ------------------------------------------------------------------------------------------------
+# Summary, markdown and plots (pure Python: tested on a fake results dict)
+# ------------------------------------------------------------------------------------------------
+
+
+def ok_us(entry):
+    """Latency of a valid entry, else None."""
+    if not entry or "error" in entry or entry.get("us") is None:
+        return None
+    return entry["us"]
+
+
+def best_peer(row):
+    """(name, us) of the fastest valid peer, or (None, None)."""
+    valid = [(ok_us(row["results"].get(p)), p) for p in PEERS]
+    valid = [(us, p) for us, p in valid if us is not None]
+    if not valid:
+        return None, None
+    us, name = min(valid)
+    return name, us
+
+
+def row_kv_bytes(row):
+    return 2 * row["batch"] * row["L"] * row["hkv"] * row["d"] * DTYPE_BYTES.get(row["dtype"], 2)
+
+
+def summarize(rows):
+    """Headline figures: speedups (peer us / kvstream us) and distances to the floor."""
+    vs_best, vs_fa3 = [], []
+    near_floor, big = 0, 0
+    fast_short, short = 0, 0
+    for row in rows:
+        k = ok_us(row["results"].get("kvstream"))
+        name, peer_us = best_peer(row)
+        if k is not None and peer_us is not None:
+            vs_best.append((peer_us / k, row["id"]))
+        fa3 = ok_us(row["results"].get("fa3"))
+        if k is not None and fa3 is not None:
+            vs_fa3.append(fa3 / k)
+        if row_kv_bytes(row) >= BIG_KV_BYTES:
+            big += 1
+            floor = row.get("floor_us")
+            if k is not None and floor and k <= NEAR_FLOOR * floor:
+                near_floor += 1
+        if row["batch"] == 1 and row["L"] <= SHORT_L:
+            short += 1
+            if k is not None and k <= SHORT_US:
+                fast_short += 1
+    out = {
+        "shapes": len(rows),
+        "shapes_compared": len(vs_best),
+        "median_speedup_vs_best_peer": None,
+        "min_speedup_vs_best_peer": None,
+        "min_speedup_shape": None,
+        "kvstream_fastest_shapes": sum(1 for s, _ in vs_best if s > 1.0),
+        "median_speedup_vs_fa3": round(statistics.median(vs_fa3), 3) if vs_fa3 else None,
+        "shapes_compared_fa3": len(vs_fa3),
+        "big_kv_within_1.05x_floor": near_floor,
+        "big_kv_shapes": big,
+        "b1_short_within_4us": fast_short,
+        "b1_short_shapes": short,
+    }
+    if vs_best:
+        out["median_speedup_vs_best_peer"] = round(statistics.median(s for s, _ in vs_best), 3)
+        low, low_id = min(vs_best)
+        out["min_speedup_vs_best_peer"] = round(low, 3)
+        out["min_speedup_shape"] = low_id
+    return out
+
+
+def summary_lines(summary):
+    s = summary
+
+    def x(v):
+        return "n/a" if v is None else f"{v:.2f}x"
+
+    return [
+        f"median speedup vs best peer: {x(s['median_speedup_vs_best_peer'])} over "
+        f"{s['shapes_compared']} of {s['shapes']} shapes "
+        f"(kvstream fastest on {s['kvstream_fastest_shapes']})",
+        f"min speedup vs best peer: {x(s['min_speedup_vs_best_peer'])} "
+        f"({s['min_speedup_shape'] or 'n/a'})",
+        f"median speedup vs fa3: {x(s['median_speedup_vs_fa3'])} over "
+        f"{s['shapes_compared_fa3']} shapes",
+        f"shapes with >= 64 MiB of KV within {NEAR_FLOOR}x of the byte floor: "
+        f"{s['big_kv_within_1.05x_floor']} of {s['big_kv_shapes']}",
+        f"batch-1 shapes with L <= {SHORT_L} at <= {SHORT_US:g} us: "
+        f"{s['b1_short_within_4us']} of {s['b1_short_shapes']}",
+    ]
+
+
+def fmt_us(entry):
+    if not entry:
+        return "-"
+    if "error" in entry:
+        return "wrong" if entry["error"].startswith("wrong result") else "error"
+    return f"{entry['us']:.2f}"
+
+
+def group_heading(group, rows):
+    heads = sorted({(r["hq"], r["hkv"]) for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    hs = ", ".join(f"{a}/{b}" for a, b in heads)
+    bs = "batch 1" if batches == [1] else f"batch {batches[0]}..{batches[-1]}"
+    return f"## {group.upper()} ({bs}, hq/hkv {hs}, bf16)"
+
+
+def markdown(doc):
+    """bench/RESULTS.md from a results document."""
+    ceiling = doc.get("read_ceiling_GBps")
+    lines = [
+        f"# kvstream vs peers: {doc.get('gpu', '?')}",
+        "",
+        f"Date {doc.get('date')}, commit `{doc.get('commit')}`, GPU {doc.get('gpu')}, read "
+        f"ceiling {ceiling if ceiling is not None else 'n/a'} GB/s. Produced by "
+        f"`bench/compare.py` (method in its docstring and the shared METHOD.md); raw numbers in "
+        f"`bench/results/h200-latest.json`.",
+        "",
+        "Latencies are medians of graph-replay rounds, per call, in us. Speedup = best peer "
+        "latency / kvstream latency (> 1: kvstream faster). floor = streaming read of the same "
+        "bytes (Q + K + V + O) with the same timer; kvstream / floor >= 1 always, 1.00 is the "
+        "physical limit. `wrong` = output failed the fp32 check, `error` = the peer did not run.",
+        "",
+        "## Summary",
+        "",
+    ]
+    lines += [f"- {ln}" for ln in summary_lines(doc.get("summary") or summarize(doc["rows"]))]
+    for note in doc.get("notes", []):
+        lines.append(f"- note: {note}")
+    for group in ordered_groups(doc["rows"]):
+        rows = [r for r in doc["rows"] if group_of(r) == group]
+        lines += ["", group_heading(group, rows), ""]
+        header = ["shape", "kvstream us", "GB/s (% ceil)", "splits"] + [f"{p} us" for p in PEERS]
+        header += ["best peer", "speedup", "kvstream / floor", "floor us"]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "---|" * len(header))
+        errors = []
+        for row in rows:
+            res = row["results"]
+            kv = res.get("kvstream") or {}
+            k_us = ok_us(kv)
+            name, peer_us = best_peer(row)
+            floor = row.get("floor_us")
+            if k_us is not None and ceiling:
+                bw = f"{kv['GBps']:.0f} ({100 * kv['GBps'] / ceiling:.0f}%)"
+            else:
+                bw = "-" if k_us is None else f"{kv['GBps']:.0f}"
+            cells = [row["id"], fmt_us(kv), bw, str(kv.get("splits", "-"))]
+            cells += [fmt_us(res.get(p)) for p in PEERS]
+            cells.append(name or "-")
+            cells.append(f"{peer_us / k_us:.2f}x" if k_us and peer_us else "-")
+            cells.append(f"{k_us / floor:.2f}" if k_us and floor else "-")
+            cells.append(f"{floor:.2f}" if floor else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+            for impl in IMPLS:
+                e = res.get(impl) or {}
+                if "error" in e:
+                    errors.append(f"{row['id']} {impl}: {e['error']}")
+        if errors:
+            lines += ["", "Errors:", ""] + [f"- {e}" for e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def ordered_groups(rows):
+    present = []
+    for r in rows:
+        g = group_of(r)
+        if g not in present:
+            present.append(g)
+    return [g for g in GROUPS if g in present] + [g for g in present if g not in GROUPS]
+
+
+def x_param(group):
+    """The parameter that varies along a group's x axis."""
+    return "batch" if group == "batch" else "L"
+
+
+def tick_label(param, value):
+    if param == "batch":
+        return f"b{value}"
+    return f"{value // 1024}K" if value % 1024 == 0 else str(value)
+
+
+def plot_results(doc, out_dir):
+    """plot-<group>.png/.svg: effective TB/s per shape for every implementation and the floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on the GPU machine or in CI
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ceiling = doc.get("read_ceiling_GBps")
+    written = []
+    styles = {"kvstream": ("C3", "o"), "cudnn": ("C0", "s"), "sdpa_flash": ("C2", "^"),
+              "fa3": ("C1", "D")}
+    for group in ordered_groups(doc["rows"]):
+        rows = [r for r in doc["rows"] if group_of(r) == group]
+        param = x_param(group)
+        # One panel per combination of the parameters that do not vary along x (d, heads, L).
+        panels = {}
+        for r in rows:
+            key = tuple((k, r[k]) for k in ("hq", "hkv", "d", "L", "batch") if k != param)
+            panels.setdefault(key, []).append(r)
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+        for ax, (key, prs) in zip(axes[0], panels.items()):
+            prs = sorted(prs, key=lambda r: r[param])
+            xs = list(range(len(prs)))  # equally spaced samples, not a linear scale
+            for impl in IMPLS:
+                ys = [tbps(r["results"].get(impl)) for r in prs]
+                if any(y is not None for y in ys):
+                    color, marker = styles[impl]
+                    ax.plot(xs, [float("nan") if y is None else y for y in ys], marker=marker,
+                            color=color, label=impl, linewidth=2 if impl == "kvstream" else 1.2)
+            floor = [r["io_bytes"] / r["floor_us"] / 1e6 if r.get("floor_us") else float("nan")
+                     for r in prs]
+            ax.plot(xs, floor, linestyle="--", color="k", label="byte floor")
+            if ceiling:
+                ax.axhline(ceiling / 1e3, linestyle=":", color="0.5", label="read ceiling")
+            ax.set_xticks(xs, [tick_label(param, r[param]) for r in prs])
+            ax.set_xlabel("batch" if param == "batch" else "L (KV length)")
+            ax.set_ylabel("effective TB/s (Q+K+V+O / latency)")
+            ax.set_ylim(bottom=0)
+            d = dict(key)
+            parts = [f"hq/hkv {d['hq']}/{d['hkv']}", f"d {d['d']}"]
+            parts.append(f"L {d['L']}" if "L" in d else f"batch {d['batch']}")
+            ax.set_title(f"{group.upper()}: " + ", ".join(parts))
+            ax.grid(True, alpha=0.3)
+        axes[0][0].legend(loc="best", fontsize=8)
+        fig.suptitle(f"{doc.get('gpu', '')} {doc.get('date', '')} {doc.get('commit', '')}",
+                     fontsize=9)
+        fig.tight_layout()
+        for ext in ("png", "svg"):
+            path = out_dir / f"plot-{group}.{ext}"
+            fig.savefig(path, dpi=150)
+            written.append(path)
+        plt.close(fig)
+    return written
+
+
+def tbps(entry):
+    return entry["GBps"] / 1e3 if ok_us(entry) is not None and entry.get("GBps") else None
+
+
+# ------------------------------------------------------------------------------------------------
+# Files
+# ------------------------------------------------------------------------------------------------
+
+
+def git_commit():
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_json(path, doc):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)  # atomic: a reader never sees half a file
+
+
+def write_outputs(doc, results_dir, md_path):
+    """Latest and dated JSON, RESULTS.md and the plots; returns the paths written."""
+    results_dir = Path(results_dir)
+    latest = results_dir / "h200-latest.json"
+    dated = results_dir / f"h200-{doc['date']}.json"
+    write_json(latest, doc)
+    write_json(dated, doc)
+    Path(md_path).write_text(markdown(doc))
+    paths = [latest, dated, Path(md_path)]
+    try:
+        paths += plot_results(doc, results_dir)
+    except Exception as e:  # plots are a convenience: the numbers are already written
+        print(f"plotting failed: {short_error(e)}", file=sys.stderr)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: inputs, reference, implementations, graph timer
+# ------------------------------------------------------------------------------------------------
+
+
+def make_pool(shape, sets, seed=1):
+    """Input sets: q [sets,b,1,hq,d] and k, v [sets,b,L,hkv,d] bf16, random (never zeros)."""
+    import torch
+
+    s = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.empty(sets, s["batch"], s["q_len"], s["hq"], s["d"], **kw)
+    k = torch.empty(sets, s["batch"], s["L"], s["hkv"], s["d"], **kw)
+    v = torch.empty_like(k)
+    for i in range(sets):  # one set at a time: no fp32 temporaries the size of the pool
+        q[i].normal_(generator=gen)
+        k[i].normal_(generator=gen)
+        v[i].normal_(generator=gen)
+    return {"q": q, "k": k, "v": v}
+
+
+def sdpa_layout(pool):
+    """[b, h, s, d] copies of the pool for torch SDPA (made once, outside any timing)."""
+    return {
+        "q": pool["q"].transpose(2, 3).contiguous(),  # [sets, b, hq, 1, d]
+        "k": pool["k"].transpose(2, 3).contiguous(),  # [sets, b, hkv, L, d]
+        "v": pool["v"].transpose(2, 3).contiguous(),
+    }
+
+
+def reference(q, k, v):
+    """fp32 attention of q [b,1,hq,d] over k, v [b,L,hkv,d]: [b, hq, d].
+
+    One request at a time, so the fp32 upcast of the largest shape (batch 128, 16 GiB of bf16 KV)
+    needs only one request's worth of memory."""
+    import torch
+
+    b, _, hq, d = q.shape
+    group = hq // k.shape[2]
+    out = torch.empty(b, hq, d, device=q.device, dtype=torch.float32)
+    for i in range(b):
+        qi = q[i, 0].float().unsqueeze(1)  # [hq, 1, d]
+        ki = k[i].float().transpose(0, 1).repeat_interleave(group, dim=0)  # [hq, L, d]
+        vi = v[i].float().transpose(0, 1).repeat_interleave(group, dim=0)
+        p = torch.softmax(qi @ ki.transpose(1, 2) / math.sqrt(d), dim=-1)
+        out[i] = (p @ vi).squeeze(1)
+        del ki, vi, p
+    return out
+
+
+def rel_err(out, ref):
+    import torch
+
+    o = out.float().reshape(ref.shape)
+    r = ((o - ref).norm() / ref.norm()).item()
+    return r if not torch.isnan(o).any().item() else float("nan")
+
+
+def load_impls(names):
+    """name -> (module-ish handle, None) or (None, error string) for every wanted implementation."""
+    handles = {}
+    for name in names:
+        try:
+            if name == "kvstream":
+                import kvstream
+
+                handles[name] = (kvstream, None)
+            elif name == "fa3":
+                from fa3_fwd_interface import flash_attn_with_kvcache
+
+                handles[name] = (flash_attn_with_kvcache, None)
+            else:
+                from torch.nn.attention import SDPBackend
+
+                backend = {"cudnn": SDPBackend.CUDNN_ATTENTION,
+                           "sdpa_flash": SDPBackend.FLASH_ATTENTION}[name]
+                handles[name] = (backend, None)
+        except Exception as e:  # a missing peer is reported on every shape, not fatal
+            handles[name] = (None, f"import failed: {short_error(e)}")
+    return handles
+
+
+def make_call(name, handle, pool, sdpa):
+    """call(s) -> output tensor of set s, for one implementation in its native layout."""
+    import torch
+    import torch.nn.functional as F
+
+    if name == "kvstream":
+        outs = torch.empty_like(pool["q"])  # preallocated: the binding then allocates nothing
+
+        def call(s):
+            return handle.decode(pool["q"][s], pool["k"][s], pool["v"][s], out=outs[s])
+
+    elif name == "fa3":
+
+        def call(s):
+            # cache_seqlens not passed: every request uses all L positions (uniform matrix).
+            return handle(pool["q"][s], pool["k"][s], pool["v"][s], num_splits=0)
+
+    else:
+        from torch.nn.attention import sdpa_kernel
+
+        def call(s):
+            with sdpa_kernel([handle]):
+                return F.scaled_dot_product_attention(sdpa["q"][s], sdpa["k"][s], sdpa["v"][s],
+                                                      enable_gqa=True)
+
+    return call
+
+
+def capture(call, sets):
+    """A CUDA graph of call(0..sets-1) and the outputs it writes.
+
+    Every set is called eagerly first on a side stream (as torch.cuda.graph's docs advise): the
+    kvstream binding creates its decoder on the first call, cuDNN builds its plan, and lazy
+    allocations happen outside capture."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for s in range(sets):
+            call(s)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [call(s) for s in range(sets)]
+    torch.cuda.synchronize()
+    return graph, outs
+
+
+def time_graphs(graphs, rounds):
+    """name -> per-call us of each round; graphs is name -> (graph, calls per replay).
+
+    Rounds replay every graph once in alternating order, so slow drifts of a shared machine
+    (clocks, neighbours) hit every implementation alike."""
+    import torch
+
+    names = list(graphs)
+    for name in names:
+        for _ in range(WARMUP_REPLAYS):
+            graphs[name][0].replay()
+    torch.cuda.synchronize()
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        events = []
+        busy_gpu()
+        for name in order:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name][0].replay()
+            end.record()
+            events.append((name, start, end))
+        torch.cuda.synchronize()
+        for name, start, end in events:
+            times[name].append(start.elapsed_time(end) * 1e3 / graphs[name][1])
+    return times
+
+
+def busy_gpu():
+    """Keeps the GPU busy (~50 us) while the host enqueues a round, so the first replay's start
+    event does not also time the host's graph launch on an idle GPU."""
+    import torch
+
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        sleep(BUSY_CYCLES)
+
+
+def kvstream_plan(kvstream, shape):
+    """(splits, mode) of the binding's default plan for the shape."""
+    s = shape
+    plan = kvstream._native.validate(s["batch"], s["hq"], s["hkv"], s["d"], s["L"], s["dtype"])
+    return parse_plan(plan)
+
+
+def measure_attention(shape, handles, rounds):
+    """results dict (implementation -> entry) for one shape."""
+    import torch
+
+    results = {name: {"error": err} for name, (h, err) in handles.items() if err}
+    live = [name for name, (h, err) in handles.items() if not err]
+    if not live:
+        return results
+    sets = pool_sets(shape)
+    io = io_bytes(shape)
+    pool = sdpa = ref = None
+    graphs, outs = {}, {}
+    call = graph = out = None
+    try:
+        pool = make_pool(shape, sets)
+        if any(n in ("cudnn", "sdpa_flash") for n in live):
+            sdpa = sdpa_layout(pool)
+        ref = reference(pool["q"][0], pool["k"][0], pool["v"][0])
+        for name in live:
+            try:
+                call = make_call(name, handles[name][0], pool, sdpa)
+                graph, out = capture(call, sets)
+                for o in out:  # a graph that writes nothing must fail the check
+                    o.fill_(float("nan"))
+                graphs[name], outs[name] = (graph, sets), out
+            except Exception as e:
+                results[name] = {"error": f"capture: {short_error(e)}"}
+                torch.cuda.synchronize()
+        times = time_graphs(graphs, rounds) if graphs else {}
+        for name in graphs:
+            try:
+                results[name] = timing_entry(times[name], io, rel_err(outs[name][0], ref))
+            except Exception as e:
+                results[name] = {"error": f"check: {short_error(e)}"}
+    except Exception as e:  # pool, reference or replay (out of memory, ...): the rest fail
+        for name in live:
+            results.setdefault(name, {"error": f"shape setup: {short_error(e)}"})
+    finally:
+        # The closures and graphs hold the pool: drop every reference before emptying the cache.
+        call = graph = out = None
+        del graphs, outs, pool, sdpa, ref, call, graph, out
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "kvstream" in results and "error" not in results["kvstream"]:
+        try:
+            splits, mode = kvstream_plan(handles["kvstream"][0], shape)
+            results["kvstream"].update(mode=mode, splits=splits)
+        except Exception as e:
+            results["kvstream"]["plan_error"] = short_error(e)
+    return {name: results[name] for name in handles if name in results}
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: streaming-read floor and ceiling
+# ------------------------------------------------------------------------------------------------
+
+
+class StreamRead:
+    """The streaming-read kernel, launched on torch's current stream (graph-capturable)."""
+
+    def __init__(self, sm_count):
+        import torch
+
+        self.grids = [sm_count * k for k in READ_GRID_PER_SM]
+        self.sink = torch.empty(max(self.grids), dtype=torch.int32, device="cuda")
+        self.cupy_error = None
+        try:
+            import cupy
+            import numpy
+
+            self.cupy, self.np = cupy, numpy
+            self.kernel = cupy.RawKernel(READ_KERNEL_SRC, "stream_read")
+            if hasattr(self.kernel, "compile"):  # cupy >= 10: compile now, not at first launch
+                self.kernel.compile()
+        except Exception as e:
+            # Without cupy the floor falls back to a torch reduction (a note says so).
+            self.kernel = None
+            self.cupy_error = short_error(e)
+
+    def variants(self):
+        return self.grids if self.kernel is not None else ["torch.amax"]
+
+    def launcher(self, variant, buf, stride, nbytes):
+        """call(s) reading nbytes at buf + s * stride with one grid size."""
+        import torch
+
+        if self.kernel is None:
+            words = buf.view(torch.int32)
+            sink = self.sink[:1]
+
+            def call(s):
+                lo = s * stride // 4
+                torch.amax(words[lo: lo + nbytes // 4], dim=0, keepdim=True, out=sink)
+                return sink
+
+            return call
+        base = buf.data_ptr()
+        n16 = self.np.uint64(nbytes // 16)
+        sink = self.np.uint64(self.sink.data_ptr())
+
+        def call(s):
+            stream = self.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            with stream:
+                self.kernel((variant,), (READ_THREADS,),
+                            (self.np.uint64(base + s * stride), n16, sink))
+            return self.sink
+
+        return call
+
+    def time_pool(self, nbytes, sets, rounds, notes):
+        """Best over variants of the median per-call us reading nbytes from each of `sets`
+        buffers; the graph timer, or back-to-back launches if capturing cupy launches fails."""
+        import torch
+
+        stride = (nbytes + 255) // 256 * 256  # every set 256-byte aligned
+        buf = torch.empty(sets * stride, dtype=torch.uint8, device="cuda")
+        buf.view(torch.bfloat16).normal_()  # real data: no chance of a compressed/zero page path
+        graphs, best = {}, None
+        try:
+            calls = {v: self.launcher(v, buf, stride, nbytes) for v in self.variants()}
+            try:
+                for v, call in calls.items():
+                    graphs[v] = (capture(call, sets)[0], sets)
+                times = time_graphs(graphs, rounds)
+            except Exception as e:
+                note = f"read kernel not graph-captured ({short_error(e)}): floor and ceiling " \
+                       f"from back-to-back launches of the whole pool"
+                if note not in notes:
+                    notes.append(note)
+                torch.cuda.synchronize()
+                graphs.clear()
+                times = {v: time_eager(call, sets, rounds) for v, call in calls.items()}
+            best = min(statistics.median(t) for t in times.values())
+        finally:
+            del graphs, buf
+            gc.collect()
+            torch.cuda.empty_cache()
+        return best
+
+
+def time_eager(call, sets, rounds):
+    """Per-call us of rounds of back-to-back eager calls over the pool (fallback timer)."""
+    import torch
+
+    for s in range(sets):
+        call(s)
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for s in range(sets):
+            call(s)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / sets)
+    return times
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver
+# ------------------------------------------------------------------------------------------------
+
+
+def versions(handles):
+    import torch
+
+    v = {"python": sys.version.split()[0], "torch": torch.__version__,
+         "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+    for mod in ("kvstream", "cupy", "fa3_fwd_interface"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            v[mod] = getattr(m, "__version__", "?")
+    return v
+
+
+def progress_line(i, n, row, elapsed):
+    res = row["results"]
+    k = ok_us(res.get("kvstream"))
+    name, peer_us = best_peer(row)
+    ks = f"{k:8.2f} us" if k is not None else f"{fmt_us(res.get('kvstream')):>8}   "
+    ps = f"{name:<10} {peer_us:8.2f} us" if name else f"{'-':<10} {'-':>8}   "
+    sp = f"x{peer_us / k:5.2f}" if k and peer_us else "  -   "
+    fl = f"floor {row['floor_us']:7.2f} us" if row.get("floor_us") else "floor    -"
+    return f"[{i:2d}/{n}] {row['id']:<22} kvstream {ks} | best peer {ps} | {sp} | {fl} | " \
+           f"{elapsed:5.0f} s"
+
+
+def final_table(doc):
+    lines = [f"{'shape':<22} {'kvstream':>9} " + " ".join(f"{p:>10}" for p in PEERS)
+             + f" {'speedup':>8} {'/floor':>7}"]
+    for row in doc["rows"]:
+        res = row["results"]
+        k = ok_us(res.get("kvstream"))
+        _, peer_us = best_peer(row)
+        sp = f"{peer_us / k:.2f}x" if k and peer_us else "-"
+        fl = f"{k / row['floor_us']:.2f}" if k and row.get("floor_us") else "-"
+        lines.append(f"{row['id']:<22} {fmt_us(res.get('kvstream')):>9} "
+                     + " ".join(f"{fmt_us(res.get(p)):>10}" for p in PEERS)
+                     + f" {sp:>8} {fl:>7}")
+    return "\n".join(lines)
+
+
+def run_gpu(args, shapes, impls, rounds):
+    import torch
+
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(0)
+    notes = []
+    handles = load_impls(impls)
+    for name, (h, err) in handles.items():
+        if err:
+            print(f"{name}: {err}")
+    reader = StreamRead(props.multi_processor_count)
+    if reader.cupy_error:
+        notes.append(f"cupy unavailable ({reader.cupy_error}): floor and ceiling from "
+                     f"torch.amax over the same bytes (a reduction, slower than a pure read)")
+    ceiling_us = reader.time_pool(CEILING_BYTES, 1, rounds, notes)
+    doc = {
+        "date": datetime.date.today().isoformat(),
+        "commit": args.commit or git_commit(),
+        "gpu": torch.cuda.get_device_name(0),
+        "read_ceiling_GBps": round(CEILING_BYTES / ceiling_us / 1e3, 1),
+        "rows": [],
+        "notes": notes,
+        "method": {"rounds": rounds, "warmup_replays": WARMUP_REPLAYS, "pool_bytes": POOL_BYTES,
+                   "read_grids": reader.variants(), "read_threads": READ_THREADS,
+                   "max_rel_err": MAX_REL_ERR, "sm_count": props.multi_processor_count},
+        "versions": versions(handles),
+    }
+    print(f"{doc['gpu']}: read ceiling {doc['read_ceiling_GBps']:.0f} GB/s "
+          f"({time.time() - t0:.1f} s)")
+    partial = Path(args.results_dir) / "h200-partial.json"
+    for i, shape in enumerate(shapes, 1):
+        sets = pool_sets(shape)
+        row = {k: shape[k] for k in ("id", "group", "batch", "q_len", "hq", "hkv", "d", "L",
+                                     "dtype")}
+        row["io_bytes"] = io_bytes(shape)
+        row["sets"] = sets
+        try:
+            row["floor_us"] = round(reader.time_pool(row["io_bytes"], sets, rounds, notes), 3)
+        except Exception as e:
+            row["floor_us"] = None
+            row["floor_error"] = short_error(e)
+        row["results"] = measure_attention(shape, handles, rounds)
+        doc["rows"].append(row)
+        print(progress_line(i, len(shapes), row, time.time() - t0), flush=True)
+        write_json(partial, doc)
+    doc["summary"] = summarize(doc["rows"])
+    doc["elapsed_s"] = round(time.time() - t0, 1)
+    return doc
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="See the module docstring for the method.")
+    ap.add_argument("--matrix", default=str(REPO / "bench" / "matrix.json"),
+                    help="matrix JSON (default: bench/matrix.json)")
+    ap.add_argument("--ids", type=lambda s: [x for x in s.split(",") if x],
+                    help="comma-separated shape ids to run (default: all)")
+    ap.add_argument("--impls", type=lambda s: [x for x in s.split(",") if x],
+                    default=list(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke test: first {QUICK_SHAPES} shapes, {QUICK_ROUNDS} rounds")
+    ap.add_argument("--rounds", type=int, default=9, help=f"timed rounds (>= {MIN_ROUNDS})")
+    ap.add_argument("--commit", help="commit of the measured code (default: git rev-parse)")
+    ap.add_argument("--results-dir", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--md", default=str(REPO / "bench" / "RESULTS.md"),
+                    help="markdown report path (default: bench/RESULTS.md)")
+    ap.add_argument("--plot-only", metavar="JSON",
+                    help="only draw the plots of an existing results file (next to it)")
+    ap.add_argument("--report-only", metavar="JSON",
+                    help="only rewrite --md and the plots from an existing results file")
+    args = ap.parse_args(argv)
+    bad = [x for x in args.impls if x not in IMPLS]
+    if bad:
+        ap.error(f"unknown --impls {','.join(bad)}; allowed: {','.join(IMPLS)}")
+    if "kvstream" not in args.impls:
+        ap.error("--impls must include kvstream (speedups are relative to it)")
+    if not args.quick and args.rounds < MIN_ROUNDS:
+        ap.error(f"--rounds must be >= {MIN_ROUNDS} (METHOD.md); use --quick for a smoke test")
+    if args.plot_only and args.report_only:
+        ap.error("--plot-only and --report-only exclude each other")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.plot_only or args.report_only:
+        path = Path(args.plot_only or args.report_only)
+        doc = json.loads(path.read_text())
+        if args.report_only:
+            doc.setdefault("summary", summarize(doc["rows"]))
+            Path(args.md).write_text(markdown(doc))
+            print(f"wrote {args.md}")
+        for p in plot_results(doc, path.parent):
+            print(f"wrote {p}")
+        return 0
+    shapes = load_matrix(args.matrix, args.ids, args.quick)
+    rounds = QUICK_ROUNDS if args.quick else args.rounds
+    impls = [i for i in IMPLS if i in args.impls]
+    doc = run_gpu(args, shapes, impls, rounds)
+    if args.quick:
+        doc["notes"].append(f"--quick smoke run: {len(shapes)} shapes, {rounds} rounds")
+    print()
+    print(final_table(doc))
+    print()
+    for line in summary_lines(doc["summary"]):
+        print(line)
+    for p in write_outputs(doc, args.results_dir, args.md):
+        print(f"wrote {p}")
+    print(f"total {doc['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
