@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use kvstream::plan::{plan, split_range, tile_tokens};
 use kvstream::reference::{
     combine_partials, decode_reference, random_bf16, random_f16, relative_error, split_partial,
@@ -15,10 +15,9 @@ use kvstream::{
     DType, DecodeProblem, DecodeTensors, Decoder, DeviceFacts, Element, Error, Runtime,
 };
 
+use crate::timing::{self, alloc, driver};
 use crate::ShapeArgs;
 
-/// Bytes of KV the timing pool cycles through, so the cache cannot hold it (L2 is 60 MB).
-const POOL_BYTES: usize = 512 << 20;
 /// Relative error a bf16/f16 decode must stay under.
 const TOLERANCE: f64 = 1e-2;
 
@@ -103,25 +102,6 @@ fn cpu_demo() -> kvstream::Result<()> {
 
 type RandomFn<T> = fn(&mut SplitMix64, usize, f32) -> (Vec<T>, Vec<f32>);
 
-fn alloc<T: cudarc::driver::DeviceRepr>(
-    stream: &Arc<CudaStream>,
-    n: usize,
-    what: &str,
-) -> kvstream::Result<CudaSlice<T>> {
-    // SAFETY: every buffer is written (upload or kernel) before it is read.
-    unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::Driver {
-        context: format!("allocating {n} elements for {what}"),
-        code: format!("{e:?}"),
-    })
-}
-
-fn driver<T>(what: &str, r: Result<T, cudarc::driver::DriverError>) -> kvstream::Result<T> {
-    r.map_err(|e| Error::Driver {
-        context: what.to_string(),
-        code: format!("{e:?}"),
-    })
-}
-
 fn gpu_demo<T: Element + Copy>(
     rt: &Arc<Runtime>,
     problem: DecodeProblem,
@@ -142,7 +122,7 @@ fn gpu_demo<T: Element + Copy>(
     let q_elems = p.batch * p.hq * p.head_dim;
     let kv_elems = p.batch * p.max_len * p.hkv * p.head_dim;
     let kv_set_bytes = 2 * kv_elems * p.dtype.size();
-    let sets = POOL_BYTES.div_ceil(kv_set_bytes).clamp(2, 256);
+    let sets = timing::pool_sets(kv_set_bytes);
 
     let mut rng = SplitMix64::new(2024);
     let (q_h, q_f) = random(&mut rng, q_elems, 1.0);
@@ -255,7 +235,7 @@ fn gpu_demo<T: Element + Copy>(
     Ok(())
 }
 
-/// Captures one call per pool set into a CUDA graph and times its replays:
+/// Captures one call per pool set into a CUDA graph and times its replays (bench/METHOD.md):
 /// (median, min) microseconds per call and the number of rounds.
 fn time_graph(
     decoder: &Decoder,
@@ -264,49 +244,12 @@ fn time_graph(
     rounds: usize,
     tensors: &dyn Fn(usize, bool) -> DecodeTensors,
 ) -> kvstream::Result<(f64, f64, usize)> {
-    let ctx = stream.context();
-    driver(
-        "beginning capture",
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-    )?;
-    for s in 0..sets {
+    let graph = timing::capture(stream, sets, &mut |s| {
         // SAFETY: the caller's pointers cover every pool set.
-        unsafe { decoder.run(&tensors(s, false), stream.cu_stream())? };
-    }
-    let graph = driver(
-        "instantiating the graph",
-        stream.end_capture(sys::CUgraphInstantiate_flags(0)),
-    )?
-    .ok_or_else(|| Error::Driver {
-        context: "capturing the decode".into(),
-        code: "empty graph".into(),
+        unsafe { decoder.run(&tensors(s, false), stream.cu_stream()) }
     })?;
-    let start = driver(
-        "creating an event",
-        ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)),
-    )?;
-    let stop = driver(
-        "creating an event",
-        ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)),
-    )?;
-    for _ in 0..2 {
-        driver("warm-up replay", graph.launch())?;
-    }
-    let mut per_call_us = Vec::with_capacity(rounds);
-    for _ in 0..rounds.max(7) {
-        driver("recording", start.record(stream))?;
-        driver("replaying", graph.launch())?;
-        driver("recording", stop.record(stream))?;
-        driver("waiting for the replay", stop.synchronize())?;
-        let ms = driver("timing", start.elapsed_ms(&stop))?;
-        per_call_us.push(ms as f64 * 1e3 / sets as f64);
-    }
-    per_call_us.sort_by(|a, b| a.total_cmp(b));
-    Ok((
-        per_call_us[per_call_us.len() / 2],
-        per_call_us[0],
-        per_call_us.len(),
-    ))
+    let t = timing::time_graphs(stream, &[(&graph, sets)], rounds)?[0];
+    Ok((t.median_us, t.min_us, t.rounds))
 }
 
 /// |a - b|, 0 when both are the same infinity, +inf when either is NaN (so NaN never passes).

@@ -1,4 +1,4 @@
-//! `kvstream`: run and check a decode on the GPU, inspect kernels and plans.
+//! `kvstream`: run and check a decode on the GPU, benchmark it, inspect kernels and plans.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -9,7 +9,11 @@ use kvstream::kernels::all_variants;
 use kvstream::plan::{plan, PlanOptions};
 use kvstream::{DType, DecodeProblem, DeviceFacts};
 
+mod bench;
 mod demo;
+mod plot;
+mod results;
+mod timing;
 
 #[derive(Parser)]
 #[command(
@@ -95,14 +99,28 @@ enum Command {
         #[command(flatten)]
         shape: ShapeArgs,
     },
+    /// Benchmark kvstream over the shape matrix (bench/METHOD.md): latency, GB/s, byte floor
+    /// and read ceiling; writes the results JSON, a table and plots. Needs an H100/H200.
+    Bench(bench::BenchArgs),
+    /// Re-plot a results file (one SVG + PNG per shape group). No GPU needed.
+    Plot {
+        /// Results file in bench/METHOD.md's format.
+        results: std::path::PathBuf,
+        /// Output directory (default: the results file's directory).
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let lib = |r: kvstream::Result<()>| r.map_err(|e| e.to_string());
     let result = match cli.command {
-        Command::Demo { shape, rounds } => demo::run(&shape, rounds),
-        Command::Kernels { dump } => kernels(dump.as_deref()),
-        Command::Plan { shape } => print_plan(&shape),
+        Command::Demo { shape, rounds } => lib(demo::run(&shape, rounds)),
+        Command::Kernels { dump } => lib(kernels(dump.as_deref())),
+        Command::Plan { shape } => lib(print_plan(&shape)),
+        Command::Bench(args) => bench::run(&args),
+        Command::Plot { results, out } => replot(&results, out.as_deref()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -141,7 +159,8 @@ fn kernels(dump: Option<&std::path::Path>) -> kvstream::Result<()> {
                 }
                 let dyn_smem = match v {
                     kvstream::kernels::AnyVariant::Decode(d) => d.shared_bytes(),
-                    kvstream::kernels::AnyVariant::Combine(_) => 0,
+                    kvstream::kernels::AnyVariant::Combine(_)
+                    | kvstream::kernels::AnyVariant::StreamRead(_) => 0,
                 };
                 println!(
                     "{:<36} {:>6} {:>6} {:>8} {:>8} {:>9}  {:?} {:.1}s",
@@ -167,6 +186,20 @@ fn kernels(dump: Option<&std::path::Path>) -> kvstream::Result<()> {
             options: vec![],
             log: "see above".into(),
         });
+    }
+    Ok(())
+}
+
+fn replot(path: &std::path::Path, out: Option<&std::path::Path>) -> Result<(), String> {
+    let r = results::BenchResults::load(path)?;
+    let dir = out
+        .map(std::path::Path::to_path_buf)
+        .or_else(|| path.parent().map(std::path::Path::to_path_buf))
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or_else(|| ".".into());
+    let w = plot::plot_results(&r, &dir, &bench::plot_prefix(path))?;
+    for f in &w.files {
+        println!("{}", f.display());
     }
     Ok(())
 }

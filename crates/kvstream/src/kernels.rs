@@ -18,6 +18,7 @@ pub const HEADERS: [(&str, &str); 2] = [
 
 const DECODE_GQA_SRC: &str = include_str!("../../../kernels/sm90/decode_gqa.cu");
 const COMBINE_SRC: &str = include_str!("../../../kernels/sm90/combine.cu");
+const STREAM_READ_SRC: &str = include_str!("../../../kernels/sm90/stream_read.cu");
 
 /// Threads per combine CTA: eight warps on one output row (combine.cu).
 pub const COMBINE_THREADS: u32 = 256;
@@ -159,6 +160,56 @@ impl Variant for CombineVariant {
     }
 }
 
+/// The streaming-read kernel of `stream_read.cu`: the byte floor and read ceiling that
+/// `kvstream bench` measures next to the decode (bench/METHOD.md). Not used by decode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamReadVariant;
+
+impl StreamReadVariant {
+    /// Largest block it may be launched with (any multiple of 32 up to this).
+    pub const MAX_THREADS: u32 = 512;
+    /// Independent 16-byte loads in flight per thread.
+    pub const UNROLL: u32 = 8;
+}
+
+impl Variant for StreamReadVariant {
+    fn name(&self) -> String {
+        format!("stream_read.t{}.u{}", Self::MAX_THREADS, Self::UNROLL)
+    }
+    fn source(&self) -> &'static str {
+        STREAM_READ_SRC
+    }
+    fn entry(&self) -> &'static str {
+        "kvs_stream_read"
+    }
+    fn defines(&self) -> Vec<(String, String)> {
+        vec![
+            ("KVS_MAX_THREADS".into(), Self::MAX_THREADS.to_string()),
+            ("KVS_UNROLL".into(), Self::UNROLL.to_string()),
+        ]
+    }
+}
+
+/// Launch parameters of the streaming-read kernel, mirrored field for field from
+/// `StreamReadParams` in `stream_read.cu` (both sides assert the size).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamReadParams {
+    /// Device address of the data: `n_vec` 16-byte vectors, 16-byte aligned.
+    pub src: u64,
+    /// Device address of `sink_mask + 1` u32 words; each CTA writes one.
+    pub sink: u64,
+    /// 16-byte vectors to read.
+    pub n_vec: u64,
+    /// Words in the sink minus one (a power of two minus one).
+    pub sink_mask: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+// Same number as the static_assert in stream_read.cu.
+const _: () = assert!(std::mem::size_of::<StreamReadParams>() == 32);
+
 /// Any kernel variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum AnyVariant {
@@ -166,6 +217,8 @@ pub enum AnyVariant {
     Decode(DecodeVariant),
     /// A combine kernel.
     Combine(CombineVariant),
+    /// The streaming-read kernel (benchmark floor).
+    StreamRead(StreamReadVariant),
 }
 
 impl AnyVariant {
@@ -174,11 +227,13 @@ impl AnyVariant {
         match self {
             AnyVariant::Decode(v) => v,
             AnyVariant::Combine(v) => v,
+            AnyVariant::StreamRead(v) => v,
         }
     }
 }
 
-/// Every variant the planner can choose: all dtypes x head dims x group tiles, and the combines.
+/// Every variant the planner can choose: all dtypes x head dims x group tiles, and the combines;
+/// then the streaming-read kernel of the benchmark.
 pub fn all_variants() -> Vec<AnyVariant> {
     let mut out = Vec::new();
     for dtype in [DType::Bf16, DType::F16] {
@@ -200,6 +255,7 @@ pub fn all_variants() -> Vec<AnyVariant> {
             out.push(AnyVariant::Combine(CombineVariant { dtype, head_dim }));
         }
     }
+    out.push(AnyVariant::StreamRead(StreamReadVariant));
     out
 }
 

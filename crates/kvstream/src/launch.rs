@@ -7,7 +7,6 @@
 use cudarc::driver::sys;
 
 use crate::error::{Error, Result};
-use crate::params::DecodeParams;
 use crate::problem::{DType, KvStrides};
 
 /// Geometry and attributes of one launch.
@@ -26,16 +25,19 @@ pub struct LaunchConfig {
     pub cluster: Option<[u32; 3]>,
 }
 
-/// Launches `func(params)` on `stream`.
+/// Launches `func(params)` on `stream`; `P` is the kernel's one by-value parameter struct
+/// ([`crate::params::DecodeParams`] for decode and combine, [`crate::kernels::StreamReadParams`] for the
+/// streaming read).
 ///
 /// # Safety
-/// `func` must be a live kernel taking a single `DecodeParams` by value, and every pointer in
-/// `params` must be valid for what that kernel reads and writes with this configuration.
-pub unsafe fn launch(
+/// `func` must be a live kernel taking a single `P` (with the same `#[repr(C)]` layout) by
+/// value, and every pointer in `params` must be valid for what that kernel reads and writes with
+/// this configuration.
+pub unsafe fn launch<P: Copy>(
     func: sys::CUfunction,
     cfg: &LaunchConfig,
     stream: sys::CUstream,
-    params: &DecodeParams,
+    params: &P,
     what: &str,
 ) -> Result<()> {
     let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
@@ -65,7 +67,7 @@ pub unsafe fn launch(
         attrs: attrs.as_mut_ptr(),
         numAttrs: attrs.len() as u32,
     };
-    let mut arg = params as *const DecodeParams as *mut std::ffi::c_void;
+    let mut arg = params as *const P as *mut std::ffi::c_void;
     sys::cuLaunchKernelEx(&config, func, &mut arg, std::ptr::null_mut())
         .result()
         .map_err(|e| Error::driver(format!("launching {what}"), e))

@@ -1,0 +1,897 @@
+//! `kvstream bench`: kvstream over the shape matrix with the timer of bench/METHOD.md, next to
+//! each shape's byte floor (a streaming read of the same bytes, same pool and timer) and the
+//! card's read ceiling; results as JSON in METHOD.md's format, a table, and plots.
+//!
+//! Per shape: one device arena holds the rotating pool (K, V, Q, out for every set); set 0 is
+//! generated on the host and copied device-to-device to the other sets; every kvstream variant
+//! is checked on set 0 against the f64 CPU reference, then timed in one CUDA graph per variant
+//! holding one call per set, interleaved (A B C, C B A, ...) with the floor's graphs, which read
+//! io_bytes per set from the same arena with a few grid sizes.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{result as cu, CudaGraph, CudaSlice, CudaStream, DevicePtr};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvstream::kernels::{AnyVariant, StreamReadParams, StreamReadVariant};
+use kvstream::launch::{launch, LaunchConfig};
+use kvstream::reference::{decode_reference, random_bf16, relative_error, RefShape, SplitMix64};
+use kvstream::runtime::LoadedKernel;
+use kvstream::{DType, DecodeProblem, DecodeTensors, Decoder, Error, PlanOptions, Runtime};
+
+use crate::plot;
+use crate::results::{self, BenchResults, ImplResult, Matrix, Row, Shape};
+use crate::timing::{self, alloc, capture, driver, pool_sets, time_graphs};
+
+/// Relative error a bf16 decode must stay under.
+pub const TOLERANCE: f64 = 1e-2;
+/// Bytes the read ceiling streams.
+pub const CEILING_BYTES: usize = 4 << 30;
+/// CTAs per SM the floor and ceiling try, each with every block size of [`BLOCKS`].
+pub const CTAS_PER_SM: [u32; 4] = [1, 2, 4, 8];
+/// Block sizes the floor and ceiling try.
+pub const BLOCKS: [u32; 2] = [256, 512];
+/// Words in the streaming read's sink (a power of two).
+const SINK_WORDS: u32 = 4096;
+/// Most K (and V) elements generated on the host per shape: larger batches repeat the
+/// generated requests (device-to-device), so a b128 x 32K shape does not need 50 GB of host
+/// memory and minutes of random numbers. At least one whole request is always generated.
+const HOST_KV_ELEMS: usize = 64 << 20;
+
+/// Arguments of `kvstream bench`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Shape matrix (bench/METHOD.md).
+    #[arg(long, default_value = "bench/matrix.json")]
+    pub matrix: PathBuf,
+    /// Only these matrix shapes (comma-separated ids).
+    #[arg(long, value_delimiter = ',')]
+    pub ids: Vec<String>,
+    /// A bf16 shape `batch,hq,hkv,d,L` instead of the matrix (repeatable; with --ids, both).
+    #[arg(long = "shape", value_name = "BATCH,HQ,HKV,D,L", value_parser = Shape::parse_cli)]
+    pub shapes: Vec<Shape>,
+    /// Timed rounds (each replays every implementation's graph once).
+    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(7..))]
+    pub rounds: u32,
+    /// Also time kvstream with these forced consumer-group counts (`kvstream/g1`, ...).
+    #[arg(long, value_delimiter = ',')]
+    pub consumer_groups: Vec<usize>,
+    /// Results file (METHOD.md format); rewritten after every shape.
+    #[arg(long, default_value = "bench/results/kvstream-bench-latest.json")]
+    pub json: PathBuf,
+    /// Directory for the plots (`<json stem>-<group>.svg|png`).
+    #[arg(long, default_value = "bench/results")]
+    pub plots: PathBuf,
+    /// Skip the plots.
+    #[arg(long)]
+    pub no_plots: bool,
+}
+
+/// The shapes to run: `--shape`s alone, or the matrix (all, or `--ids`) plus any `--shape`s;
+/// each checked to be a bf16 single-token problem kvstream accepts.
+pub fn select_shapes(args: &BenchArgs) -> Result<Vec<Shape>, String> {
+    let mut shapes = if !args.shapes.is_empty() && args.ids.is_empty() {
+        Vec::new()
+    } else {
+        let m = Matrix::load(&args.matrix)?;
+        if args.ids.is_empty() {
+            m.shapes
+        } else {
+            m.select(&args.ids)?
+        }
+    };
+    for s in &args.shapes {
+        if shapes.iter().any(|x| x.id == s.id) {
+            return Err(format!("shape {} given twice", s.id));
+        }
+        shapes.push(s.clone());
+    }
+    for s in &shapes {
+        problem_of(s).map_err(|e| format!("shape {}: {e}", s.id))?;
+    }
+    if shapes.is_empty() {
+        return Err("no shapes to run".into());
+    }
+    Ok(shapes)
+}
+
+fn problem_of(s: &Shape) -> kvstream::Result<DecodeProblem> {
+    if s.dtype != "bf16" {
+        return Err(Error::invalid("dtype", &s.dtype, "bf16"));
+    }
+    if s.q_len != 1 {
+        return Err(Error::invalid("q_len", s.q_len, "1"));
+    }
+    DecodeProblem::new(s.batch, s.hq, s.hkv, s.d, s.len, DType::Bf16)
+}
+
+/// The kvstream implementations timed per shape: the default plan, then one per forced
+/// consumer-group count.
+pub fn implementations(consumer_groups: &[usize]) -> Vec<(String, PlanOptions)> {
+    let mut out = vec![("kvstream".to_string(), PlanOptions::default())];
+    for &g in consumer_groups {
+        let key = format!("kvstream/g{g}");
+        if !out.iter().any(|(k, _)| *k == key) {
+            out.push((
+                key,
+                PlanOptions {
+                    consumer_groups: Some(g),
+                    ..Default::default()
+                },
+            ));
+        }
+    }
+    out
+}
+
+/// `kvstream bench`.
+pub fn run(args: &BenchArgs) -> Result<(), String> {
+    let shapes = select_shapes(args)?;
+    let rt = match Runtime::new(0) {
+        Ok(rt) => rt,
+        Err(e @ (Error::DriverUnavailable(_) | Error::NoSuitableDevice(_))) => {
+            return Err(format!(
+                "kvstream bench needs an NVIDIA H100/H200 (sm_90) and found none: {e}. \
+                 (`kvstream plot RESULTS.json` re-plots an existing results file without a GPU.)"
+            ))
+        }
+        Err(e) => return Err(e.to_string()),
+    };
+    let impls = implementations(&args.consumer_groups);
+    let rounds = args.rounds as usize;
+    let ctx = rt.context().clone();
+    // One stream, raw pointers inside the captured graphs: no cross-stream event tracking.
+    // SAFETY: everything below runs on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = driver("creating a stream", ctx.new_stream()).map_err(|e| e.to_string())?;
+    let reader = StreamReader::new(&rt, &stream).map_err(|e| e.to_string())?;
+
+    let gpu = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+    eprintln!(
+        "kvstream bench on {gpu}: {} shape(s), {} implementation(s), {rounds} rounds",
+        shapes.len(),
+        impls.len()
+    );
+    let t = Instant::now();
+    let ceiling = reader
+        .read_ceiling(&stream, rounds)
+        .map_err(|e| format!("measuring the read ceiling: {e}"))?;
+    eprintln!(
+        "read ceiling: {:.0} GB/s ({} CTAs x {} threads over {} GiB; {:.1} s)",
+        ceiling.gbps,
+        ceiling.grid,
+        ceiling.threads,
+        CEILING_BYTES >> 30,
+        t.elapsed().as_secs_f64()
+    );
+
+    let mut out = BenchResults {
+        date: results::today(),
+        commit: results::current_commit(),
+        gpu,
+        read_ceiling_gbps: Some(ceiling.gbps),
+        rows: Vec::new(),
+        extra: Default::default(),
+    };
+    out.extra.insert(
+        "read_ceiling_config".into(),
+        serde_json::json!({"grid": ceiling.grid, "threads": ceiling.threads, "bytes": CEILING_BYTES}),
+    );
+    out.extra.insert(
+        "rounds".into(),
+        serde_json::json!(rounds.max(timing::MIN_ROUNDS)),
+    );
+
+    let tty = std::io::stderr().is_terminal();
+    let bar = if tty {
+        ProgressBar::new(shapes.len() as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40.cyan/blue} {pos}/{len} [{elapsed_precise}] {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    for (i, shape) in shapes.iter().enumerate() {
+        bar.set_message(shape.id.clone());
+        let t = Instant::now();
+        let row = bench_shape(&rt, &stream, &reader, shape, &impls, rounds);
+        let line = format!(
+            "[{}/{}] {} ({:.1} s): {}",
+            i + 1,
+            shapes.len(),
+            shape.id,
+            t.elapsed().as_secs_f64(),
+            summary(&row)
+        );
+        if tty {
+            bar.println(line);
+        } else {
+            eprintln!("{line}");
+        }
+        out.rows.push(row);
+        if let Err(e) = out.save(&args.json) {
+            bar.println(format!("warning: {e}"));
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+
+    print_table(&out, &impls);
+    out.save(&args.json)?;
+    println!("results: {}", args.json.display());
+    if !args.no_plots {
+        let prefix = plot_prefix(&args.json);
+        match plot::plot_results(&out, &args.plots, &prefix) {
+            Ok(w) => println!(
+                "plots: {} file(s) in {}{}",
+                w.files.len(),
+                args.plots.display(),
+                if w.with_text {
+                    ""
+                } else {
+                    " (no text: no font)"
+                }
+            ),
+            Err(e) => eprintln!("warning: plotting failed: {e}"),
+        }
+    }
+    let failed: Vec<String> = out
+        .rows
+        .iter()
+        .flat_map(|r| {
+            r.results.iter().filter_map(move |(k, v)| {
+                // a variant the planner refuses for a shape is not a failure; a wrong output,
+                // or the default plan failing, is
+                let wrong = v.rel_err.is_some() && v.error.is_some();
+                (wrong || (k == "kvstream" && v.error.is_some())).then(|| format!("{} {k}", r.id))
+            })
+        })
+        .collect();
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} result(s) failed (see the JSON): {}",
+            failed.len(),
+            failed.join(", ")
+        ))
+    }
+}
+
+/// Plot file prefix from the results path: its stem.
+pub fn plot_prefix(json: &std::path::Path) -> String {
+    json.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "kvstream-bench".into())
+}
+
+fn summary(row: &Row) -> String {
+    let k = row.results.get("kvstream");
+    match (
+        k.and_then(|r| r.us),
+        row.floor_us,
+        k.and_then(|r| r.error.clone()),
+    ) {
+        (_, _, Some(e)) => format!("ERROR {e}"),
+        (Some(us), Some(f), None) => format!(
+            "{us:.2} us, {:.0} GB/s, floor {f:.2} us ({:.2}x)",
+            row.io_bytes as f64 / us / 1e3,
+            us / f
+        ),
+        (Some(us), None, None) => format!("{us:.2} us"),
+        _ => "no result".into(),
+    }
+}
+
+fn print_table(out: &BenchResults, impls: &[(String, PlanOptions)]) {
+    let extra: Vec<&str> = impls.iter().skip(1).map(|(k, _)| k.as_str()).collect();
+    print!(
+        "{:<22} {:>10} {:>7} {:>9} {:>8} {:>10} {:>6}",
+        "id", "kvstream us", "GB/s", "floor us", "lat/flr", "mode", "splits"
+    );
+    for k in &extra {
+        print!(" {:>13}", format!("{k} us"));
+    }
+    println!();
+    let num = |x: Option<f64>, prec: usize| {
+        x.map(|v| format!("{v:.prec$}"))
+            .unwrap_or_else(|| "-".into())
+    };
+    for r in &out.rows {
+        let k = r.results.get("kvstream").cloned().unwrap_or_default();
+        let bad = k.error.is_some();
+        let us = if bad { None } else { k.us };
+        print!(
+            "{:<22} {:>11} {:>7} {:>9} {:>8} {:>10} {:>6}",
+            r.id,
+            if bad { "ERROR".into() } else { num(us, 2) },
+            num(k.gbps.filter(|_| !bad), 0),
+            num(r.floor_us, 2),
+            num(us.zip(r.floor_us).map(|(a, b)| a / b), 2),
+            k.mode.unwrap_or_else(|| "-".into()),
+            k.splits.map_or("-".into(), |s| s.to_string()),
+        );
+        for key in &extra {
+            let cell = match r.results.get(*key) {
+                Some(v) if v.error.is_some() => "ERROR".into(),
+                Some(v) => num(v.us, 2),
+                None => "-".into(),
+            };
+            print!(" {cell:>13}");
+        }
+        println!();
+    }
+    if let Some(c) = out.read_ceiling_gbps {
+        println!("read ceiling {c:.0} GB/s; lat/flr = kvstream latency / byte floor");
+    }
+}
+
+/// The streaming-read kernel, ready to enqueue.
+struct StreamReader {
+    kernel: LoadedKernel,
+    sink: u64,
+    _sink_buf: CudaSlice<u32>,
+    sm_count: u32,
+}
+
+/// Best configuration of a streaming read.
+struct Best {
+    us: f64,
+    grid: u32,
+    threads: u32,
+}
+
+struct Ceiling {
+    gbps: f64,
+    grid: u32,
+    threads: u32,
+}
+
+impl StreamReader {
+    fn new(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> kvstream::Result<Self> {
+        let kernel = rt.kernel(AnyVariant::StreamRead(StreamReadVariant), 0)?;
+        let buf = alloc::<u32>(stream, SINK_WORDS as usize, "the stream-read sink")?;
+        let sink = buf.device_ptr(stream).0;
+        driver("allocating the sink", stream.synchronize())?;
+        Ok(StreamReader {
+            kernel,
+            sink,
+            _sink_buf: buf,
+            sm_count: rt.facts().sm_count as u32,
+        })
+    }
+
+    /// (CTAs, threads) configurations to try.
+    fn configs(&self) -> Vec<(u32, u32)> {
+        let mut v = Vec::new();
+        for m in CTAS_PER_SM {
+            for t in BLOCKS {
+                v.push((self.sm_count * m, t));
+            }
+        }
+        v
+    }
+
+    /// Enqueues a read of `bytes` (a multiple of 16) at `src`.
+    ///
+    /// # Safety
+    /// `src..src + bytes` must be device memory of this context, 16-byte aligned.
+    unsafe fn enqueue(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: u64,
+        bytes: usize,
+        grid: u32,
+        threads: u32,
+    ) -> kvstream::Result<()> {
+        debug_assert!(bytes % 16 == 0 && src % 16 == 0);
+        let params = StreamReadParams {
+            src,
+            sink: self.sink,
+            n_vec: (bytes / 16) as u64,
+            sink_mask: SINK_WORDS - 1,
+            reserved: 0,
+        };
+        let cfg = LaunchConfig {
+            grid: [grid, 1, 1],
+            block: [threads, 1, 1],
+            shared_bytes: 0,
+            pdl: false,
+            cluster: None,
+        };
+        launch(
+            self.kernel.func,
+            &cfg,
+            stream.cu_stream(),
+            &params,
+            "the stream-read kernel",
+        )
+    }
+
+    /// One graph per configuration reading `sets` consecutive chunks of `bytes` from `base`.
+    ///
+    /// # Safety
+    /// `base..base + sets * bytes` must be device memory of this context, 16-byte aligned.
+    unsafe fn graphs(
+        &self,
+        stream: &Arc<CudaStream>,
+        base: u64,
+        bytes: usize,
+        sets: usize,
+    ) -> kvstream::Result<Vec<((u32, u32), CudaGraph)>> {
+        let mut out = Vec::new();
+        for (grid, threads) in self.configs() {
+            let g = capture(stream, sets, &mut |s| {
+                self.enqueue(stream, base + (s * bytes) as u64, bytes, grid, threads)
+            })?;
+            out.push(((grid, threads), g));
+        }
+        Ok(out)
+    }
+
+    /// The best median over the configurations whose timings are given in `configs` order.
+    fn best(configs: &[(u32, u32)], timings: &[timing::Timing]) -> Best {
+        let (i, t) = timings
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1.median_us.total_cmp(&b.1.median_us))
+            .expect("at least one configuration");
+        Best {
+            us: t.median_us,
+            grid: configs[i].0,
+            threads: configs[i].1,
+        }
+    }
+
+    /// Streaming read over [`CEILING_BYTES`] (filled with a non-zero pattern), best grid.
+    fn read_ceiling(&self, stream: &Arc<CudaStream>, rounds: usize) -> kvstream::Result<Ceiling> {
+        let buf = alloc::<u8>(stream, CEILING_BYTES, "the read-ceiling buffer")?;
+        let base = buf.device_ptr(stream).0;
+        // SAFETY: the buffer holds CEILING_BYTES bytes.
+        driver("filling the read-ceiling buffer", unsafe {
+            cu::memset_d8_async(base, 0xA5, CEILING_BYTES, stream.cu_stream())
+        })?;
+        // SAFETY: one set of CEILING_BYTES from the buffer's start.
+        let graphs = unsafe { self.graphs(stream, base, CEILING_BYTES, 1)? };
+        let list: Vec<(&CudaGraph, usize)> = graphs.iter().map(|(_, g)| (g, 1)).collect();
+        let timings = time_graphs(stream, &list, rounds)?;
+        let configs: Vec<(u32, u32)> = graphs.iter().map(|(c, _)| *c).collect();
+        let best = Self::best(&configs, &timings);
+        drop(graphs);
+        driver("after the read ceiling", stream.synchronize())?;
+        drop(buf);
+        Ok(Ceiling {
+            gbps: CEILING_BYTES as f64 / best.us / 1e3,
+            grid: best.grid,
+            threads: best.threads,
+        })
+    }
+}
+
+fn align256(bytes: usize) -> usize {
+    bytes.div_ceil(256) * 256
+}
+
+/// Device layout of one shape's pool: `[K sets][V sets][Q sets][out sets]`, each region
+/// 256-byte aligned; set s of a region starts at `region + s * per_set`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Arena {
+    /// Input sets.
+    pub sets: usize,
+    /// Bytes of one set of K (V is the same).
+    pub kv_set: usize,
+    /// Bytes of one set of Q (out is the same).
+    pub q_set: usize,
+}
+
+impl Arena {
+    /// The pool of `problem` (sets from K + V bytes per set, bench/METHOD.md).
+    pub fn of(problem: &DecodeProblem) -> Self {
+        let e = problem.dtype.size();
+        let kv_set = problem.batch * problem.max_len * problem.hkv * problem.head_dim * e;
+        let q_set = problem.batch * problem.hq * problem.head_dim * e;
+        Arena {
+            sets: pool_sets(2 * kv_set),
+            kv_set,
+            q_set,
+        }
+    }
+    /// Byte offsets of the K, V, Q and out regions.
+    pub fn offsets(&self) -> [usize; 4] {
+        let kv = align256(self.sets * self.kv_set);
+        let q = align256(self.sets * self.q_set);
+        [0, kv, 2 * kv, 2 * kv + q]
+    }
+    /// Total bytes.
+    pub fn bytes(&self) -> usize {
+        self.offsets()[3] + align256(self.sets * self.q_set)
+    }
+}
+
+/// Requests whose K/V are generated on the host (the rest repeat them).
+pub fn generated_requests(batch: usize, request_elems: usize) -> usize {
+    (HOST_KV_ELEMS / request_elems.max(1)).clamp(1, batch.max(1))
+}
+
+/// Copies `[0, filled)` of the region at `base` over `[filled, total)` by doubling.
+///
+/// # Safety
+/// `base..base + total` must be device memory of this context.
+unsafe fn replicate(
+    stream: &Arc<CudaStream>,
+    base: u64,
+    mut filled: usize,
+    total: usize,
+) -> kvstream::Result<()> {
+    while filled < total {
+        let n = filled.min(total - filled);
+        driver(
+            "replicating inputs",
+            cu::memcpy_dtod_async(base + filled as u64, base, n, stream.cu_stream()),
+        )?;
+        filled += n;
+    }
+    Ok(())
+}
+
+/// Host copy of set 0: Q for every request, K and V for the generated requests.
+struct HostSet {
+    q: (Vec<half::bf16>, Vec<f32>),
+    k: (Vec<half::bf16>, Vec<f32>),
+    v: (Vec<half::bf16>, Vec<f32>),
+    /// Requests with generated K/V; request b uses generated request b % gen.
+    gen: usize,
+}
+
+fn bench_shape(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    reader: &StreamReader,
+    shape: &Shape,
+    impls: &[(String, PlanOptions)],
+    rounds: usize,
+) -> Row {
+    let problem = match problem_of(shape) {
+        Ok(p) => p,
+        Err(e) => {
+            let mut row = Row::for_shape(shape, 0);
+            row.results
+                .insert("kvstream".into(), ImplResult::failed(e.to_string()));
+            return row;
+        }
+    };
+    let io = problem.io_bytes(problem.batch * problem.max_len);
+    let mut row = Row::for_shape(shape, io as u64);
+    if let Err(e) = measure_shape(rt, stream, reader, &problem, impls, rounds, &mut row) {
+        for (key, _) in impls {
+            row.results
+                .entry(key.clone())
+                .or_insert_with(|| ImplResult::failed(e.to_string()));
+        }
+    }
+    // leave the stream usable for the next shape whatever happened
+    let _ = stream.synchronize();
+    row
+}
+
+fn measure_shape(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    reader: &StreamReader,
+    p: &DecodeProblem,
+    impls: &[(String, PlanOptions)],
+    rounds: usize,
+    row: &mut Row,
+) -> kvstream::Result<()> {
+    let arena = Arena::of(p);
+    let io = row.io_bytes as usize;
+    let floor_sets = pool_sets(io);
+    // the floor reads its pool from the arena's start: it fits because io >= K + V per set
+    // (so floor_sets <= sets) and the arena holds sets * io bytes
+    assert!(
+        floor_sets * io <= arena.bytes(),
+        "floor pool exceeds the arena"
+    );
+    let buf = alloc::<u8>(stream, arena.bytes(), "the input pool")?;
+    let base = buf.device_ptr(stream).0;
+    let [k_off, v_off, q_off, o_off] = arena.offsets().map(|o| base + o as u64);
+    let set_at = |region: u64, per_set: usize, s: usize| region + (s * per_set) as u64;
+
+    // ---- set 0 on the host, then the whole pool by device copies ----
+    let req_elems = p.max_len * p.hkv * p.head_dim;
+    let gen = generated_requests(p.batch, req_elems);
+    let mut rng = SplitMix64::new(0x6b76_7374 ^ row.io_bytes);
+    let host = HostSet {
+        q: random_bf16(&mut rng, p.batch * p.hq * p.head_dim, 1.0),
+        k: random_bf16(&mut rng, gen * req_elems, 1.0),
+        v: random_bf16(&mut rng, gen * req_elems, 1.0),
+        gen,
+    };
+    // SAFETY: every copy stays inside its region of the arena; the host vectors outlive the
+    // synchronisation below.
+    unsafe {
+        driver(
+            "uploading q",
+            cu::memcpy_htod_async(q_off, &host.q.0, stream.cu_stream()),
+        )?;
+        driver(
+            "uploading k",
+            cu::memcpy_htod_async(k_off, &host.k.0, stream.cu_stream()),
+        )?;
+        driver(
+            "uploading v",
+            cu::memcpy_htod_async(v_off, &host.v.0, stream.cu_stream()),
+        )?;
+        let generated = host.k.0.len() * 2;
+        replicate(stream, k_off, generated, arena.kv_set)?;
+        replicate(stream, v_off, generated, arena.kv_set)?;
+        let total = arena.sets;
+        replicate(stream, k_off, arena.kv_set, total * arena.kv_set)?;
+        replicate(stream, v_off, arena.kv_set, total * arena.kv_set)?;
+        replicate(stream, q_off, arena.q_set, total * arena.q_set)?;
+    }
+    driver("uploading the inputs", stream.synchronize())?;
+    let tensors = |s: usize| DecodeTensors {
+        q: set_at(q_off, arena.q_set, s),
+        k: set_at(k_off, arena.kv_set, s),
+        v: set_at(v_off, arena.kv_set, s),
+        out: set_at(o_off, arena.q_set, s),
+        lse: None,
+        seqlens: None,
+    };
+
+    // ---- check every implementation on set 0, capture the ones that pass ----
+    let mut reference: Option<(Vec<usize>, Vec<f64>)> = None;
+    let mut timed: Vec<(String, Decoder, CudaGraph, f64)> = Vec::new();
+    for (key, opts) in impls {
+        let decoder = match Decoder::new(rt, p.clone(), *opts) {
+            Ok(d) => d,
+            Err(e) => {
+                row.results
+                    .insert(key.clone(), ImplResult::failed(e.to_string()));
+                continue;
+            }
+        };
+        // SAFETY: set 0's pointers cover the problem's sizes.
+        let checked = unsafe { decoder.run(&tensors(0), stream.cu_stream()) }.and_then(|()| {
+            let refs = reference.get_or_insert_with(|| reference_rows(p, &host));
+            let got = download_rows(stream, o_off, p, &refs.0)?;
+            Ok(relative_error(&got, &refs.1))
+        });
+        let err = match checked {
+            Ok(err) => err,
+            Err(e) => {
+                row.results
+                    .insert(key.clone(), ImplResult::failed(e.to_string()));
+                continue;
+            }
+        };
+        if err.is_nan() || err > TOLERANCE {
+            row.results.insert(
+                key.clone(),
+                ImplResult {
+                    rel_err: Some(err),
+                    error: Some(format!(
+                        "output check failed: rel err {err:.3e} > {TOLERANCE:.0e}"
+                    )),
+                    ..Default::default()
+                },
+            );
+            continue;
+        }
+        let graph = capture(stream, arena.sets, &mut |s| {
+            // SAFETY: every set's pointers lie in the arena.
+            unsafe { decoder.run(&tensors(s), stream.cu_stream()) }
+        });
+        match graph {
+            Ok(g) => timed.push((key.clone(), decoder, g, err)),
+            Err(e) => {
+                row.results
+                    .insert(key.clone(), ImplResult::failed(e.to_string()));
+            }
+        }
+    }
+
+    // ---- the byte floor's graphs over the same arena ----
+    // SAFETY: floor_sets * io bytes from the arena's start lie in the arena (asserted above).
+    let floor = unsafe { reader.graphs(stream, base, io, floor_sets)? };
+
+    // ---- one interleaved timing of everything ----
+    let mut list: Vec<(&CudaGraph, usize)> = timed.iter().map(|t| (&t.2, arena.sets)).collect();
+    list.extend(floor.iter().map(|(_, g)| (g, floor_sets)));
+    let timings = time_graphs(stream, &list, rounds)?;
+    for (i, (key, decoder, _, err)) in timed.iter().enumerate() {
+        let t = timings[i];
+        let plan = decoder.plan();
+        let mode = match (plan.combine.is_some(), plan.pdl) {
+            (false, _) => "single",
+            (true, true) => "kernel+pdl",
+            (true, false) => "kernel",
+        };
+        row.results.insert(
+            key.clone(),
+            ImplResult {
+                us: Some(t.median_us),
+                gbps: Some(io as f64 / t.median_us / 1e3),
+                rel_err: Some(*err),
+                mode: Some(mode.into()),
+                splits: Some(plan.num_splits),
+                min_us: Some(t.min_us),
+                ..Default::default()
+            },
+        );
+    }
+    let configs: Vec<(u32, u32)> = floor.iter().map(|(c, _)| *c).collect();
+    let best = StreamReader::best(&configs, &timings[timed.len()..]);
+    row.floor_us = Some(best.us);
+    row.extra.insert(
+        "floor_config".into(),
+        serde_json::json!({"grid": best.grid, "threads": best.threads, "sets": floor_sets}),
+    );
+    row.extra
+        .insert("pool_sets".into(), serde_json::json!(arena.sets));
+    if host.gen < p.batch {
+        row.extra
+            .insert("distinct_kv_requests".into(), serde_json::json!(host.gen));
+    }
+    drop(floor);
+    drop(timed);
+    driver("finishing the shape", stream.synchronize())?;
+    drop(buf);
+    Ok(())
+}
+
+/// Requests checked against the reference: the first and the last.
+fn checked_requests(batch: usize) -> Vec<usize> {
+    if batch > 1 {
+        vec![0, batch - 1]
+    } else {
+        vec![0]
+    }
+}
+
+/// The f64 reference output rows `[hq, d]` of the checked requests of set 0, concatenated.
+fn reference_rows(p: &DecodeProblem, host: &HostSet) -> (Vec<usize>, Vec<f64>) {
+    let reqs = checked_requests(p.batch);
+    let shape = RefShape {
+        batch: 1,
+        q_len: 1,
+        hq: p.hq,
+        hkv: p.hkv,
+        d: p.head_dim,
+        max_len: p.max_len,
+        softmax_scale: p.scale() as f64,
+    };
+    let q_req = p.hq * p.head_dim;
+    let kv_req = p.max_len * p.hkv * p.head_dim;
+    let mut out = Vec::with_capacity(reqs.len() * q_req);
+    for &b in &reqs {
+        let g = b % host.gen;
+        let r = decode_reference(
+            &shape,
+            &host.q.1[b * q_req..(b + 1) * q_req],
+            &host.k.1[g * kv_req..(g + 1) * kv_req],
+            &host.v.1[g * kv_req..(g + 1) * kv_req],
+            &[p.max_len],
+        );
+        out.extend(r.out);
+    }
+    (reqs, out)
+}
+
+/// The output rows of requests `reqs` of set 0, as f64.
+fn download_rows(
+    stream: &Arc<CudaStream>,
+    out: u64,
+    p: &DecodeProblem,
+    reqs: &[usize],
+) -> kvstream::Result<Vec<f64>> {
+    let q_req = p.hq * p.head_dim;
+    let mut got = Vec::with_capacity(reqs.len() * q_req);
+    for &b in reqs {
+        let mut host = vec![half::bf16::ZERO; q_req];
+        // SAFETY: request b's output row lies in set 0 of the out region; synchronised below
+        // before `host` is read or dropped.
+        driver("downloading out", unsafe {
+            cu::memcpy_dtoh_async(&mut host, out + (b * q_req * 2) as u64, stream.cu_stream())
+        })?;
+        driver("downloading out", stream.synchronize())?;
+        got.extend(host.iter().map(|x| x.to_f64()));
+    }
+    Ok(got)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn parse(argv: &[&str]) -> Result<BenchArgs, clap::Error> {
+        let mut v = vec!["bench"];
+        v.extend_from_slice(argv);
+        Wrap::try_parse_from(v).map(|w| w.args)
+    }
+
+    fn matrix_path() -> String {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/matrix.json").into()
+    }
+
+    #[test]
+    fn arguments_and_shape_selection() {
+        let a = parse(&["--matrix", &matrix_path()]).unwrap();
+        assert_eq!(a.rounds, 9);
+        assert_eq!(
+            a.json,
+            PathBuf::from("bench/results/kvstream-bench-latest.json")
+        );
+        assert_eq!(select_shapes(&a).unwrap().len(), 60);
+        assert!(parse(&["--rounds", "5"]).is_err(), "at least 7 rounds");
+        let a = parse(&[
+            "--matrix",
+            &matrix_path(),
+            "--ids",
+            "gqa-d128-L4096,mqa-d64-L1024",
+            "--shape",
+            "2,16,2,128,1000",
+            "--consumer-groups",
+            "1,2",
+        ])
+        .unwrap();
+        let s = select_shapes(&a).unwrap();
+        let ids: Vec<&str> = s.iter().map(|x| x.id.as_str()).collect();
+        assert_eq!(
+            ids,
+            [
+                "mqa-d64-L1024",
+                "gqa-d128-L4096",
+                "custom-b2-h16-2-d128-L1000"
+            ]
+        );
+        let keys: Vec<String> = implementations(&a.consumer_groups)
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(keys, ["kvstream", "kvstream/g1", "kvstream/g2"]);
+        // --shape alone does not need the matrix
+        let a = parse(&["--matrix", "/nonexistent", "--shape", "1,16,2,128,4096"]).unwrap();
+        assert_eq!(select_shapes(&a).unwrap().len(), 1);
+        let a = parse(&["--shape", "1,16,3,128,4096"]).unwrap(); // 16 % 3 != 0
+        assert!(select_shapes(&a).is_err());
+        assert!(parse(&["--shape", "1,16,2"]).is_err());
+        assert_eq!(plot_prefix(&a.json), "kvstream-bench-latest");
+    }
+
+    #[test]
+    fn arena_holds_the_pool_and_the_floor() {
+        let m = Matrix::load(std::path::Path::new(&matrix_path())).unwrap();
+        for s in &m.shapes {
+            let p = problem_of(s).unwrap();
+            let a = Arena::of(&p);
+            let io = p.io_bytes(p.batch * p.max_len);
+            assert_eq!(a.sets, pool_sets(2 * a.kv_set), "{}", s.id);
+            assert!(pool_sets(io) * io <= a.bytes(), "{}", s.id);
+            assert_eq!(io % 16, 0);
+            let [k, v, q, o] = a.offsets();
+            assert!(k < v && v < q && q < o && o < a.bytes());
+            assert!([k, v, q, o].iter().all(|x| x % 256 == 0));
+            assert_eq!((a.kv_set % 16, a.q_set % 16), (0, 0));
+            let g = generated_requests(p.batch, p.max_len * p.hkv * p.head_dim);
+            assert!(g >= 1 && g <= p.batch);
+            assert!(
+                g * p.max_len * p.hkv * p.head_dim
+                    <= HOST_KV_ELEMS.max(p.max_len * p.hkv * p.head_dim)
+            );
+        }
+        assert_eq!(checked_requests(1), [0]);
+        assert_eq!(checked_requests(64), [0, 63]);
+    }
+}
