@@ -77,6 +77,9 @@ constexpr int MERGE_ROW = HEAD_DIM + 4;
 constexpr int MERGE_WARP_FLOATS = GROUP_PAD * MERGE_ROW;
 
 constexpr int RING_BYTES = STAGES * STAGE_BYTES;
+constexpr int MERGE_BYTES = CONSUMER_WARPS * MERGE_WARP_FLOATS * 4;
+// The merge scratch reuses the drained ring; a shallow ring with many warps needs a bit more.
+constexpr int RING_REGION_BYTES = RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES;
 constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;
 
 struct SharedPlan {
@@ -84,7 +87,7 @@ struct SharedPlan {
     // base (the 128-byte swizzle pattern repeats every 1024 bytes and TMA expects that alignment)
     static constexpr int align = 1024;
     static constexpr int ring = 0;
-    static constexpr int q = RING_BYTES;
+    static constexpr int q = (RING_REGION_BYTES + 127) / 128 * 128;
     static constexpr int full = q + Q_BYTES;
     static constexpr int empty = full + 8 * STAGES;
     static constexpr int warp_m = empty + 8 * STAGES;
@@ -96,7 +99,6 @@ static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 s
 static_assert(STAGES % CONSUMER_GROUPS == 0, "a stage must always feed the same group");
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim");
 static_assert(N_TILES >= 1 && N_TILES <= 4, "group up to 32");
-static_assert(CONSUMER_WARPS * MERGE_WARP_FLOATS * 4 <= RING_BYTES, "merge scratch fits in ring");
 static_assert(TILE_TOKENS % 32 == 0, "producer lanes copy whole rounds of rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
 static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern boundary");

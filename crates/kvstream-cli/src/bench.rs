@@ -58,6 +58,9 @@ pub struct BenchArgs {
     /// Also time kvstream with these forced consumer-group counts (`kvstream/g1`, ...).
     #[arg(long, value_delimiter = ',')]
     pub consumer_groups: Vec<usize>,
+    /// Also time kvstream with these forced ring depths (`kvstream/s2`, ...).
+    #[arg(long, value_delimiter = ',')]
+    pub stages: Vec<usize>,
     /// Results file (METHOD.md format); rewritten after every shape.
     #[arg(long, default_value = "bench/results/kvstream-bench-latest.json")]
     pub json: PathBuf,
@@ -108,19 +111,32 @@ fn problem_of(s: &Shape) -> kvstream::Result<DecodeProblem> {
 }
 
 /// The kvstream implementations timed per shape: the default plan, then one per forced
-/// consumer-group count.
-pub fn implementations(consumer_groups: &[usize]) -> Vec<(String, PlanOptions)> {
+/// consumer-group count and one per forced ring depth.
+pub fn implementations(consumer_groups: &[usize], stages: &[usize]) -> Vec<(String, PlanOptions)> {
     let mut out = vec![("kvstream".to_string(), PlanOptions::default())];
-    for &g in consumer_groups {
-        let key = format!("kvstream/g{g}");
-        if !out.iter().any(|(k, _)| *k == key) {
-            out.push((
-                key,
+    let forced = consumer_groups
+        .iter()
+        .map(|&g| {
+            (
+                format!("kvstream/g{g}"),
                 PlanOptions {
                     consumer_groups: Some(g),
                     ..Default::default()
                 },
-            ));
+            )
+        })
+        .chain(stages.iter().map(|&s| {
+            (
+                format!("kvstream/s{s}"),
+                PlanOptions {
+                    stages: Some(s),
+                    ..Default::default()
+                },
+            )
+        }));
+    for (key, opts) in forced {
+        if !out.iter().any(|(k, _)| *k == key) {
+            out.push((key, opts));
         }
     }
     out
@@ -139,7 +155,7 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
         }
         Err(e) => return Err(e.to_string()),
     };
-    let impls = implementations(&args.consumer_groups);
+    let impls = implementations(&args.consumer_groups, &args.stages);
     let rounds = args.rounds as usize;
     let ctx = rt.context().clone();
     // One stream, raw pointers inside the captured graphs: no cross-stream event tracking.
@@ -856,11 +872,14 @@ mod tests {
                 "custom-b2-h16-2-d128-L1000"
             ]
         );
-        let keys: Vec<String> = implementations(&a.consumer_groups)
+        let keys: Vec<String> = implementations(&a.consumer_groups, &[2])
             .into_iter()
             .map(|(k, _)| k)
             .collect();
-        assert_eq!(keys, ["kvstream", "kvstream/g1", "kvstream/g2"]);
+        assert_eq!(
+            keys,
+            ["kvstream", "kvstream/g1", "kvstream/g2", "kvstream/s2"]
+        );
         // --shape alone does not need the matrix
         let a = parse(&["--matrix", "/nonexistent", "--shape", "1,16,2,128,4096"]).unwrap();
         assert_eq!(select_shapes(&a).unwrap().len(), 1);

@@ -81,10 +81,12 @@ impl DecodeVariant {
     /// that lets the kernel align its base to 1024 bytes).
     pub fn shared_bytes(&self) -> usize {
         let ring = self.stages * 2 * self.tile_tokens * self.head_dim * 2;
+        let merge = self.consumer_groups * 4 * self.n_tiles * 8 * (self.head_dim + 4) * 4;
+        let ring_region = ring.max(merge).div_ceil(128) * 128;
         let q = self.n_tiles * 8 * (self.head_dim * 2 + 16);
         let barriers = 2 * 8 * self.stages;
         let stats = 2 * 4 * (4 * self.consumer_groups) * self.n_tiles * 8;
-        1024 + ring + q + barriers + stats
+        1024 + ring_region + q + barriers + stats
     }
 
     /// TMA box of one K or V load: 64 head dims x `tile_tokens` positions.
@@ -240,13 +242,16 @@ pub fn all_variants() -> Vec<AnyVariant> {
         for head_dim in SUPPORTED_HEAD_DIMS {
             for n_tiles in 1..=MAX_GROUP / 8 {
                 for consumer_groups in [1, 2] {
-                    if DecodeVariant::groups_fit(n_tiles, consumer_groups) {
+                    if !DecodeVariant::groups_fit(n_tiles, consumer_groups) {
+                        continue;
+                    }
+                    for stages in plan::SUPPORTED_STAGES {
                         out.push(AnyVariant::Decode(DecodeVariant {
                             dtype,
                             head_dim,
                             n_tiles,
                             tile_tokens: plan::tile_tokens(head_dim),
-                            stages: plan::STAGES,
+                            stages,
                             consumer_groups,
                         }));
                     }

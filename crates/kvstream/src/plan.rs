@@ -68,12 +68,31 @@ pub struct PlanOptions {
     /// Launch with programmatic dependent launch (default on).
     pub disable_pdl: bool,
     /// Force 1 or 2 groups of consumer warps (2: two tiles in flight per CTA; only for groups
-    /// of up to 16 query heads, see [`DecodeVariant::groups_fit`]). `None`: [`CONSUMER_GROUPS`].
+    /// of up to 16 query heads, see [`DecodeVariant::groups_fit`]). `None`: two groups when
+    /// they fit and each split has at least two tiles (see [`consumer_groups`]).
     pub consumer_groups: Option<usize>,
+    /// Force the ring depth: [`STAGES`] (default) or 2 (a third of the shared memory, so two
+    /// or three CTAs share an SM). A tuning knob, not yet chosen by the heuristic.
+    pub stages: Option<usize>,
 }
 
-/// Default groups of consumer warps per CTA.
-pub const CONSUMER_GROUPS: usize = 1;
+/// Ring depths a decode kernel can be built with.
+pub const SUPPORTED_STAGES: [usize; 2] = [2, STAGES];
+
+/// Groups of consumer warps for a split of `tiles_per_split` tiles with `n_tiles` head tiles.
+///
+/// Measured (kvstream bench, 2026-11-29, `results/kvstream-bench-2026-11-29.json`): a second
+/// group pays as soon as a split has two tiles (16/16 heads d64 L 131072: 151.0 -> 131.4 us,
+/// 16/1 d64 L 131072: 16.8 -> 14.8 us, 16/2 d128 L 4096 at two tiles per split: 5.90 -> 5.78
+/// us) and costs 0.1-0.2 us of merge when the second group has nothing to do (one tile per
+/// split: 16/2 d128 L 2048: 5.05 -> 5.15 us).
+pub fn consumer_groups(n_tiles: usize, tiles_per_split: usize) -> usize {
+    if tiles_per_split >= 2 && DecodeVariant::groups_fit(n_tiles, 2) {
+        2
+    } else {
+        1
+    }
+}
 
 /// Sizes of the FP32 split workspace, in elements. Derived from the problem's maxima only, so a
 /// captured graph replays safely whatever the lengths are.
@@ -166,8 +185,15 @@ pub fn plan(
                 "1, or 2 when the group has at most 16 query heads",
             ))
         }
-        None if DecodeVariant::groups_fit(decode.n_tiles, CONSUMER_GROUPS) => CONSUMER_GROUPS,
-        None => 1,
+        None => {
+            let tiles = problem.max_len.div_ceil(decode.tile_tokens);
+            consumer_groups(decode.n_tiles, tiles.div_ceil(num_splits))
+        }
+    };
+    decode.stages = match options.stages {
+        None => STAGES,
+        Some(s) if SUPPORTED_STAGES.contains(&s) => s,
+        Some(s) => return Err(Error::invalid("stages", s, format!("{SUPPORTED_STAGES:?}"))),
     };
     let combine = (num_splits > 1).then_some(CombineVariant {
         dtype: problem.dtype,
@@ -270,6 +296,38 @@ mod tests {
             ..Default::default()
         };
         assert!(plan(&p, DeviceFacts::H200, three).is_err());
+    }
+
+    #[test]
+    fn second_consumer_group_only_with_two_tiles_per_split() {
+        let groups = |hq, hkv, len| {
+            let p = DecodeProblem::new(1, hq, hkv, 128, len, DType::Bf16).unwrap();
+            plan(&p, DeviceFacts::H200, PlanOptions::default())
+                .unwrap()
+                .decode
+                .consumer_groups
+        };
+        assert_eq!(groups(16, 2, 2048), 1); // 32 tiles over 32 splits
+        assert_eq!(groups(16, 2, 4096), 2); // 64 tiles over 33 splits
+        assert_eq!(groups(16, 16, 131_072), 2);
+        assert_eq!(groups(32, 1, 131_072), 1); // 32 heads: does not fit twice
+    }
+
+    #[test]
+    fn stages_are_checked() {
+        let p = DecodeProblem::new(1, 16, 2, 128, 4096, DType::Bf16).unwrap();
+        let opts = |s| PlanOptions {
+            stages: Some(s),
+            ..Default::default()
+        };
+        assert_eq!(
+            plan(&p, DeviceFacts::H200, opts(2)).unwrap().decode.stages,
+            2
+        );
+        assert!(plan(&p, DeviceFacts::H200, opts(3))
+            .unwrap_err()
+            .to_string()
+            .contains("stages"));
     }
 
     #[test]

@@ -579,6 +579,7 @@ fn run_case_as<T: Half>(
     let opts = PlanOptions {
         num_splits: case.splits,
         consumer_groups: (p.group() <= 16).then_some(1 + case.index % 2),
+        stages: (case.index % 3 == 0).then_some(2),
         ..Default::default()
     };
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
