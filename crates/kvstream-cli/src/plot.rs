@@ -72,7 +72,24 @@ pub fn font_candidates() -> Vec<PathBuf> {
     };
     found.sort_by_key(|p| (penalty(p), p.clone()));
     out.extend(found);
+    // GPU images often ship no system fonts but do ship matplotlib, which bundles DejaVu Sans.
+    out.extend(matplotlib_font());
     out.into_iter().filter(|p| p.is_file()).collect()
+}
+
+/// DejaVu Sans as bundled with the matplotlib of `python3`, if there is one.
+fn matplotlib_font() -> Option<PathBuf> {
+    let out = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import matplotlib, os; print(os.path.join(matplotlib.get_data_path(), 'fonts', 'ttf', 'DejaVuSans.ttf'))",
+        ])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
 fn collect_ttf(dir: &Path, depth: usize, out: &mut Vec<PathBuf>) {
