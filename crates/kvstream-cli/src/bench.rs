@@ -772,14 +772,10 @@ fn checked_requests(batch: usize) -> Vec<usize> {
 /// The f64 reference output rows `[hq, d]` of the checked requests of set 0, concatenated.
 fn reference_rows(p: &DecodeProblem, host: &HostSet) -> (Vec<usize>, Vec<f64>) {
     let reqs = checked_requests(p.batch);
+    // one request at a time: only the checked requests are computed
     let shape = RefShape {
         batch: 1,
-        q_len: 1,
-        hq: p.hq,
-        hkv: p.hkv,
-        d: p.head_dim,
-        max_len: p.max_len,
-        softmax_scale: p.scale() as f64,
+        ..RefShape::from(p)
     };
     let q_req = p.hq * p.head_dim;
     let kv_req = p.max_len * p.hkv * p.head_dim;

@@ -37,23 +37,11 @@ pub fn run(shape: &ShapeArgs, rounds: usize) -> kvstream::Result<()> {
     }
 }
 
-fn ref_shape(p: &DecodeProblem) -> RefShape {
-    RefShape {
-        batch: p.batch,
-        q_len: 1,
-        hq: p.hq,
-        hkv: p.hkv,
-        d: p.head_dim,
-        max_len: p.max_len,
-        softmax_scale: p.scale() as f64,
-    }
-}
-
 /// The reference on a small problem, once directly and once through the split + combine model
 /// the GPU path uses, so the demo still shows the math end to end.
 fn cpu_demo() -> kvstream::Result<()> {
     let problem = DecodeProblem::new(1, 16, 2, 128, 1000, DType::Bf16)?;
-    let shape = ref_shape(&problem);
+    let shape = RefShape::from(&problem);
     let mut rng = SplitMix64::new(7);
     let (_, q) = random_bf16(&mut rng, problem.hq * problem.head_dim, 1.0);
     let kv_len = problem.max_len * problem.hkv * problem.head_dim;
@@ -166,8 +154,14 @@ fn gpu_demo<T: Element + Copy>(
     unsafe { decoder.run(&tensors(0, true), stream.cu_stream())? };
     let got: Vec<T> = driver("downloading out", stream.clone_dtoh(&out.slice(0..q_elems)))?;
     let got_lse: Vec<f32> = driver("downloading lse", stream.clone_dtoh(&lse))?;
-    let got: Vec<f64> = got.iter().map(|&x| to_f64(x)).collect();
-    let reference = decode_reference(&ref_shape(p), &q_f, &k_f, &v_f, &vec![p.max_len; p.batch]);
+    let got: Vec<f64> = got.iter().map(|&x| x.to_f64()).collect();
+    let reference = decode_reference(
+        &RefShape::from(p),
+        &q_f,
+        &k_f,
+        &v_f,
+        &vec![p.max_len; p.batch],
+    );
     let err = relative_error(&got, &reference.out);
     let lse_err = got_lse
         .iter()
@@ -263,13 +257,5 @@ fn lse_distance(a: f64, b: f64) -> f64 {
         } else {
             d
         }
-    }
-}
-
-fn to_f64<T: Element + Copy>(x: T) -> f64 {
-    match T::DTYPE {
-        // SAFETY: T is exactly the half type named by its DTYPE.
-        DType::Bf16 => unsafe { std::mem::transmute_copy::<T, half::bf16>(&x) }.to_f64(),
-        DType::F16 => unsafe { std::mem::transmute_copy::<T, half::f16>(&x) }.to_f64(),
     }
 }

@@ -38,15 +38,23 @@ pub struct DecodeTensors {
 }
 
 /// Element types the safe slice API accepts.
-pub trait Element: cudarc::driver::DeviceRepr {
+pub trait Element: cudarc::driver::DeviceRepr + Copy {
     /// The matching kvstream dtype.
     const DTYPE: DType;
+    /// The value, widened exactly.
+    fn to_f64(self) -> f64;
 }
 impl Element for half::bf16 {
     const DTYPE: DType = DType::Bf16;
+    fn to_f64(self) -> f64 {
+        half::bf16::to_f64(self)
+    }
 }
 impl Element for half::f16 {
     const DTYPE: DType = DType::F16;
+    fn to_f64(self) -> f64 {
+        half::f16::to_f64(self)
+    }
 }
 
 /// A decode problem planned and loaded on one GPU.

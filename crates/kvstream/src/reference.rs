@@ -37,6 +37,22 @@ pub struct RefShape {
     pub softmax_scale: f64,
 }
 
+impl From<&crate::DecodeProblem> for RefShape {
+    /// The reference view of a single-token decode problem, with the f32 scale the kernels get
+    /// widened to f64 (so the reference computes exactly what was asked of the GPU).
+    fn from(p: &crate::DecodeProblem) -> Self {
+        RefShape {
+            batch: p.batch,
+            q_len: 1,
+            hq: p.hq,
+            hkv: p.hkv,
+            d: p.head_dim,
+            max_len: p.max_len,
+            softmax_scale: f64::from(p.scale()),
+        }
+    }
+}
+
 impl RefShape {
     fn group(&self) -> usize {
         assert!(self.hkv > 0, "hkv must be positive");

@@ -187,17 +187,7 @@ fn random_cache<T: Half>(
 }
 
 fn reference<T>(p: &DecodeProblem, x: &Inputs<T>, lens: &[usize]) -> RefOutput {
-    let shape = RefShape {
-        batch: p.batch,
-        q_len: 1,
-        hq: p.hq,
-        hkv: p.hkv,
-        d: p.head_dim,
-        max_len: p.max_len,
-        // The f32 scale the kernels get, widened: the reference computes what was asked.
-        softmax_scale: f64::from(p.scale()),
-    };
-    decode_reference(&shape, &x.q32, &x.k32, &x.v32, lens)
+    decode_reference(&RefShape::from(p), &x.q32, &x.k32, &x.v32, lens)
 }
 
 /// Inputs on the device. `seqlens` is `None` when every request has `max_len` tokens.
