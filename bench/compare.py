@@ -943,6 +943,14 @@ def parse_args(argv=None):
     return args
 
 
+def shown(path):
+    """A path as printed: relative to the repository when inside it."""
+    try:
+        return Path(path).resolve().relative_to(REPO)
+    except ValueError:
+        return path
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.plot_only or args.report_only:
@@ -951,9 +959,9 @@ def main(argv=None):
         if args.report_only:
             doc.setdefault("summary", summarize(doc["rows"]))
             Path(args.md).write_text(markdown(doc))
-            print(f"wrote {args.md}")
+            print(f"wrote {shown(args.md)}")
         for p in plot_results(doc, path.parent):
-            print(f"wrote {p}")
+            print(f"wrote {shown(p)}")
         return 0
     shapes = load_matrix(args.matrix, args.ids, args.quick)
     rounds = QUICK_ROUNDS if args.quick else args.rounds
@@ -967,7 +975,7 @@ def main(argv=None):
     for line in summary_lines(doc["summary"]):
         print(line)
     for p in write_outputs(doc, args.results_dir, args.md):
-        print(f"wrote {p}")
+        print(f"wrote {shown(p)}")
     print(f"total {doc['elapsed_s']:.0f} s")
     return 0
 
