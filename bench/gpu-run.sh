@@ -51,9 +51,9 @@ if want gputests; then
   G=.carry/bin/gpu-tests
   KVSTREAM_GPU_SUMMARY=$O/gpu-summary.json timeout 400 $G --ignored --test-threads=1 2>&1 | tee $O/gpu-tests.log | tail -25
   for tool in memcheck racecheck; do
-    echo "== $tool on the GPU suite (12 random cases + graph + zero-length)"
+    echo "== $tool on the GPU suite (12 random cases + graph + zero-length + cluster reduction)"
     KVSTREAM_GPU_CASES=12 timeout 400 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
-      random_cases graph_capture zero_length 2>&1 | tail -6
+      random_cases graph_capture zero_length cluster_reduction 2>&1 | tail -6
   done
 fi
 if want pytests; then
@@ -62,7 +62,7 @@ if want pytests; then
     python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests 2>&1 | tail -8
 fi
 if want bench; then
-  timeout 400 $B bench ${BENCH_ARGS:---consumer-groups 1 --stages 2} --json bench/results/kvstream-bench-latest.json \
+  timeout 400 $B bench ${BENCH_ARGS:---cluster} --json bench/results/kvstream-bench-latest.json \
     --plots bench/results 2>&1 | tee $O/kvstream-bench.txt | tail -70
   tar czf $O/bench-results.tar.gz bench/results/kvstream-bench-latest.json bench/results/*.svg bench/results/*.png 2>/dev/null
 fi

@@ -32,7 +32,8 @@ struct alignas(128) DecodeParams {
     int max_len;            // L: capacity of the cache per request; every seqlens[b] <= max_len
     int num_splits;         // CTAs along the KV axis per (request, kv head)
     float scale_log2;       // softmax_scale * log2(e): scores go straight to exp2
-    int reserved;
+    int cluster_splits;     // > 1: the splits of one (request, kv head) form a cluster of this
+                            //   size and merge through distributed shared memory (no combine)
 };
 
 static_assert(sizeof(DecodeParams) == 512, "DecodeParams must match params.rs");

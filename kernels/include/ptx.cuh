@@ -105,6 +105,37 @@ __device__ __forceinline__ void pdl_release_dependents() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Thread-block clusters and distributed shared memory (PTX ISA 9.7.13.3 barrier.cluster,
+// 9.7.9.15 mapa, 9.7.9.8 ld with .shared::cluster, 10.12 %cluster_ctarank)
+// ---------------------------------------------------------------------------------------------
+
+// This CTA's rank inside its cluster (0 .. cluster size - 1).
+__device__ __forceinline__ u32 cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// Cluster-wide barrier: every thread of every CTA of the cluster arrives, shared-memory writes
+// before it are visible to all of them after it (release / acquire at cluster scope).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// Address of the same shared-memory location in the CTA of cluster rank `rank`.
+__device__ __forceinline__ u32 peer_smem_addr(u32 local_addr, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_addr), "r"(rank));
+    return remote;
+}
+
+__device__ __forceinline__ float ld_peer_f32(u32 cluster_addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr) : "memory");
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Named barriers (PTX ISA 9.7.13.4, bar.sync): id 0 is __syncthreads
 // ---------------------------------------------------------------------------------------------
 
@@ -172,6 +203,18 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     } else {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+// One float to a 16-bit value's bits (round to nearest even).
+template <bool IS_F16>
+__device__ __forceinline__ u16 float_to_half_bits(float x) {
+    u16 r;
+    if (IS_F16) {
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    } else {
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
     }
     return r;
 }

@@ -25,10 +25,17 @@
 //   (STAGES is a multiple of CONSUMER_GROUPS, so each stage is always read by the same group
 //   and its `empty` barrier counts that group's four warps)
 //
-// Output: with one split the CTA normalises and writes `out` (and LSE) itself. With several it
-// writes its unnormalised O, max and denominator to the FP32 workspace for combine.cu. Every
-// split writes all three, empty ones included (O = 0, m = -inf, l = 0), so the combine reads
-// nothing this call did not write.
+// Output, one of three ways:
+//   one split          the CTA normalises and writes `out` (and LSE) itself;
+//   kernel reduction   each split writes its unnormalised O, max and denominator to the FP32
+//                      workspace for combine.cu; every split writes all three, empty ones
+//                      included (O = 0, m = -inf, l = 0), so the combine reads nothing this call
+//                      did not write;
+//   cluster reduction  (p.cluster_splits > 1) the splits of one (request, kv head) are one
+//                      thread-block cluster; each CTA leaves its partials in its own shared
+//                      memory, then CTA r merges head-dim slice r of every peer's partials
+//                      through distributed shared memory, in rank order, and writes `out`:
+//                      one launch, no workspace, nothing zeroed, bitwise deterministic.
 //
 // Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
 //   KVS_IS_F16       0: bf16, 1: f16 (Q, K, V and out share it)
@@ -92,7 +99,11 @@ struct SharedPlan {
     static constexpr int empty = full + 8 * STAGES;
     static constexpr int warp_m = empty + 8 * STAGES;
     static constexpr int warp_l = warp_m + 4 * CONSUMER_WARPS * GROUP_PAD;
-    static constexpr int bytes = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;
+    // the CTA's merged partials, read by its cluster peers (cluster reduction only)
+    static constexpr int cta_o = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;
+    static constexpr int cta_m = cta_o + 4 * GROUP_PAD * HEAD_DIM;
+    static constexpr int cta_l = cta_m + 4 * GROUP_PAD;
+    static constexpr int bytes = cta_l + 4 * GROUP_PAD;
 };
 
 static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
@@ -107,6 +118,43 @@ static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern bo
 // K or V tile.
 __device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk) {
     return tile + (chunk / 8) * BOX_BYTES + t * 128 + (((chunk % 8) ^ (t % 8)) << 4);
+}
+
+// ================================ cluster reduction ========================================
+// Every thread of every CTA of the cluster calls this exactly once, after its CTA's partials
+// (m, l, unnormalised O per query head) are in cta_m / cta_l / cta_o. CTA r owns head dims
+// [r * chunk, (r + 1) * chunk) and merges them over the peers in rank order 0, 1, ...
+__device__ __forceinline__ void cluster_reduce(const DecodeParams& p, const float* cta_o,
+                                               const float* cta_m, const float* cta_l, int batch,
+                                               int head0) {
+    cluster_sync();  // every peer's partials are written
+    const int peers = p.cluster_splits;
+    const int rank = (int)cluster_ctarank();
+    const int chunk = (HEAD_DIM + peers - 1) / peers;
+    const int first = rank * chunk;
+    const int width = max(0, min(HEAD_DIM, first + chunk) - first);
+    const u32 m_local = smem_addr(cta_m), l_local = smem_addr(cta_l), o_local = smem_addr(cta_o);
+    u16* out = reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride;
+    for (int i = threadIdx.x; i < p.group * width; i += THREADS) {
+        const int g = i / width, e = first + i % width;
+        float m_max = neg_inf();
+        for (int r = 0; r < peers; ++r)
+            m_max = fmaxf(m_max, ld_peer_f32(peer_smem_addr(m_local + 4 * g, r)));
+        float l_sum = 0.f, o = 0.f;
+        for (int r = 0; r < peers; ++r) {
+            const float m_r = ld_peer_f32(peer_smem_addr(m_local + 4 * g, r));
+            if (m_r == neg_inf()) continue;  // empty split: l = 0, O = 0
+            const float w = exp2_approx(m_r - m_max);
+            l_sum += w * ld_peer_f32(peer_smem_addr(l_local + 4 * g, r));
+            o += w * ld_peer_f32(peer_smem_addr(o_local + 4 * (g * HEAD_DIM + e), r));
+        }
+        out[(head0 + g) * p.o_head_stride + e] = float_to_half_bits<IS_F16>(l_sum > 0.f ? o / l_sum : 0.f);
+        if (p.lse && e == 0) {
+            p.lse[(long long)batch * p.hq + head0 + g] =
+                l_sum > 0.f ? (m_max + __log2f(l_sum)) * 0.69314718055994531f : neg_inf();
+        }
+    }
+    cluster_sync();  // no CTA leaves while a peer may still read its shared memory
 }
 
 }  // namespace kvs
@@ -124,6 +172,10 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     u64* empty = reinterpret_cast<u64*>(smem + SharedPlan::empty);
     float* warp_m = reinterpret_cast<float*>(smem + SharedPlan::warp_m);
     float* warp_l = reinterpret_cast<float*>(smem + SharedPlan::warp_l);
+    float* cta_o = reinterpret_cast<float*>(smem + SharedPlan::cta_o);
+    float* cta_m = reinterpret_cast<float*>(smem + SharedPlan::cta_m);
+    float* cta_l = reinterpret_cast<float*>(smem + SharedPlan::cta_l);
+    const bool in_cluster = p.cluster_splits > 1;
 
     const int split = blockIdx.x;
     const int kv_head = blockIdx.y;
@@ -155,7 +207,14 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     if (num_tiles == 0) {
         // ---------------- empty split: publish neutral statistics and leave ----------------
-        if (p.num_splits > 1) {
+        if (in_cluster) {
+            for (int g = threadIdx.x; g < GROUP_PAD; g += THREADS) {
+                cta_m[g] = neg_inf();
+                cta_l[g] = 0.f;
+            }
+            for (int i = threadIdx.x; i < GROUP_PAD * HEAD_DIM; i += THREADS) cta_o[i] = 0.f;
+            cluster_reduce(p, cta_o, cta_m, cta_l, batch, head0);
+        } else if (p.num_splits > 1) {
             // Neutral partials, O included: the combine then loads every split unconditionally,
             // all in one round trip, and still reads only what this call wrote.
             for (int g = threadIdx.x; g < p.group; g += THREADS) {
@@ -205,6 +264,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                 }
             }
         }
+        if (in_cluster) cluster_reduce(p, cta_o, cta_m, cta_l, batch, head0);
         return;
     }
 
@@ -416,6 +476,13 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                 p.lse[(long long)batch * p.hq + head0 + g] =
                     l_cta > 0.f ? (m_cta + __log2f(l_cta)) * 0.69314718055994531f : neg_inf();
             }
+        } else if (in_cluster) {
+            cta_o[g * HEAD_DIM + d] = o0;
+            cta_o[g * HEAD_DIM + d + 1] = o1;
+            if (d == 0) {
+                cta_m[g] = m_cta;
+                cta_l[g] = l_cta;
+            }
         } else {
             float2* dst = reinterpret_cast<float2*>(p.o_partial + (stat_base + g) * HEAD_DIM + d);
             *dst = make_float2(o0, o1);
@@ -425,5 +492,6 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             }
         }
     }
+    if (in_cluster) cluster_reduce(p, cta_o, cta_m, cta_l, batch, head0);
     pdl_release_dependents();
 }

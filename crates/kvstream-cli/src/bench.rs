@@ -61,6 +61,10 @@ pub struct BenchArgs {
     /// Also time kvstream with these forced ring depths (`kvstream/s2`, ...).
     #[arg(long, value_delimiter = ',')]
     pub stages: Vec<usize>,
+    /// Also time kvstream with cluster reduction (`kvstream/cluster`: at most 8 splits, one
+    /// launch).
+    #[arg(long)]
+    pub cluster: bool,
     /// Results file (METHOD.md format); rewritten after every shape.
     #[arg(long, default_value = "bench/results/kvstream-bench-latest.json")]
     pub json: PathBuf,
@@ -112,7 +116,11 @@ fn problem_of(s: &Shape) -> kvstream::Result<DecodeProblem> {
 
 /// The kvstream implementations timed per shape: the default plan, then one per forced
 /// consumer-group count and one per forced ring depth.
-pub fn implementations(consumer_groups: &[usize], stages: &[usize]) -> Vec<(String, PlanOptions)> {
+pub fn implementations(
+    consumer_groups: &[usize],
+    stages: &[usize],
+    cluster: bool,
+) -> Vec<(String, PlanOptions)> {
     let mut out = vec![("kvstream".to_string(), PlanOptions::default())];
     let forced = consumer_groups
         .iter()
@@ -130,6 +138,15 @@ pub fn implementations(consumer_groups: &[usize], stages: &[usize]) -> Vec<(Stri
                 format!("kvstream/s{s}"),
                 PlanOptions {
                     stages: Some(s),
+                    ..Default::default()
+                },
+            )
+        }))
+        .chain(cluster.then(|| {
+            (
+                "kvstream/cluster".to_string(),
+                PlanOptions {
+                    reduction: Some(kvstream::Reduction::Cluster),
                     ..Default::default()
                 },
             )
@@ -155,7 +172,7 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
         }
         Err(e) => return Err(e.to_string()),
     };
-    let impls = implementations(&args.consumer_groups, &args.stages);
+    let impls = implementations(&args.consumer_groups, &args.stages, args.cluster);
     let rounds = args.rounds as usize;
     let ctx = rt.context().clone();
     // One stream, raw pointers inside the captured graphs: no cross-stream event tracking.
@@ -868,13 +885,19 @@ mod tests {
                 "custom-b2-h16-2-d128-L1000"
             ]
         );
-        let keys: Vec<String> = implementations(&a.consumer_groups, &[2])
+        let keys: Vec<String> = implementations(&a.consumer_groups, &[2], true)
             .into_iter()
             .map(|(k, _)| k)
             .collect();
         assert_eq!(
             keys,
-            ["kvstream", "kvstream/g1", "kvstream/g2", "kvstream/s2"]
+            [
+                "kvstream",
+                "kvstream/g1",
+                "kvstream/g2",
+                "kvstream/s2",
+                "kvstream/cluster"
+            ]
         );
         // --shape alone does not need the matrix
         let a = parse(&["--matrix", "/nonexistent", "--shape", "1,16,2,128,4096"]).unwrap();

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{AnyVariant, COMBINE_THREADS};
 use crate::launch::{kv_tensor_map, launch, LaunchConfig};
 use crate::params::DecodeParams;
-use crate::plan::{plan, DecodePlan, PlanOptions};
+use crate::plan::{plan, DecodePlan, PlanOptions, Reduction};
 use crate::problem::{DType, DecodeProblem};
 use crate::runtime::{LoadedKernel, Runtime};
 
@@ -133,6 +133,11 @@ impl Decoder {
         &self.plan
     }
 
+    /// Whether the splits merge inside a thread-block cluster (no combine launch).
+    fn cluster(&self) -> bool {
+        self.plan.reduction == Reduction::Cluster && self.plan.num_splits > 1
+    }
+
     /// Registers of the decode kernel (from ptxas), for reports.
     pub fn decode_registers(&self) -> u32 {
         self.decode.report.registers
@@ -205,14 +210,20 @@ impl Decoder {
             max_len: p.max_len as i32,
             num_splits: self.plan.num_splits as i32,
             scale_log2: p.scale() * std::f32::consts::LOG2_E,
-            reserved: 0,
+            cluster_splits: if self.cluster() {
+                self.plan.num_splits as i32
+            } else {
+                0
+            },
         };
         let decode_cfg = LaunchConfig {
             grid: self.plan.grid,
             block: [self.plan.decode.threads(), 1, 1],
             shared_bytes: self.plan.decode.shared_bytes() as u32,
             pdl: self.plan.pdl,
-            cluster: None,
+            cluster: self
+                .cluster()
+                .then_some([self.plan.num_splits as u32, 1, 1]),
         };
         launch(
             self.decode.func,

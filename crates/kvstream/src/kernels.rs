@@ -86,7 +86,9 @@ impl DecodeVariant {
         let q = self.n_tiles * 8 * (self.head_dim * 2 + 16);
         let barriers = 2 * 8 * self.stages;
         let stats = 2 * 4 * (4 * self.consumer_groups) * self.n_tiles * 8;
-        1024 + ring_region + q + barriers + stats
+        // the CTA's merged partials, kept for its cluster peers: O [group_pad][d], m, l
+        let cluster_partials = 4 * self.n_tiles * 8 * (self.head_dim + 2);
+        1024 + ring_region + q + barriers + stats + cluster_partials
     }
 
     /// TMA box of one K or V load: 64 head dims x `tile_tokens` positions.

@@ -38,6 +38,6 @@ pub mod runtime;
 
 pub use decode::{DecodeTensors, Decoder, Element};
 pub use error::{Error, Result};
-pub use plan::{DecodePlan, DeviceFacts, PlanOptions};
+pub use plan::{DecodePlan, DeviceFacts, PlanOptions, Reduction};
 pub use problem::{DType, DecodeProblem, KvStrides};
 pub use runtime::Runtime;

@@ -40,7 +40,7 @@ pub struct DecodeParams {
     pub max_len: i32,
     pub num_splits: i32,
     pub scale_log2: f32,
-    pub reserved: i32,
+    pub cluster_splits: i32,
 }
 
 // Same number as the static_assert in params.cuh.

@@ -60,6 +60,20 @@ pub fn tile_tokens(head_dim: usize) -> usize {
     }
 }
 
+/// How the splits of one (request, KV head) are merged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Reduction {
+    /// Splits write FP32 partials; a combine kernel merges them (PDL-chained, no memset).
+    #[default]
+    Kernel,
+    /// The splits form one thread-block cluster and merge through distributed shared memory:
+    /// one launch, no workspace; at most [`MAX_CLUSTER_SPLITS`] splits.
+    Cluster,
+}
+
+/// Largest cluster the cluster reduction uses (the portable cluster size).
+pub const MAX_CLUSTER_SPLITS: usize = 8;
+
 /// What the caller may force.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PlanOptions {
@@ -74,6 +88,9 @@ pub struct PlanOptions {
     /// Force the ring depth: [`STAGES`] (default) or 2 (a third of the shared memory, so two
     /// or three CTAs share an SM). A tuning knob, not yet chosen by the heuristic.
     pub stages: Option<usize>,
+    /// Force the reduction mode. `None`: kernel reduction (cluster reduction is opt-in until
+    /// its automatic selection is measured).
+    pub reduction: Option<Reduction>,
 }
 
 /// Ring depths a decode kernel can be built with.
@@ -139,6 +156,8 @@ pub struct DecodePlan {
     pub workspace: WorkspaceLayout,
     /// Launch with PDL.
     pub pdl: bool,
+    /// How splits are merged (irrelevant with one split).
+    pub reduction: Reduction,
 }
 
 /// Device facts the plan depends on.
@@ -170,10 +189,21 @@ pub fn plan(
     options: PlanOptions,
 ) -> Result<DecodePlan> {
     problem.validate()?;
+    let reduction = options.reduction.unwrap_or_default();
+    let max_splits = match reduction {
+        Reduction::Kernel => MAX_SPLITS,
+        Reduction::Cluster => MAX_CLUSTER_SPLITS,
+    };
     let num_splits = match options.num_splits {
-        Some(n) if (1..=MAX_SPLITS).contains(&n) => n,
-        Some(n) => return Err(Error::invalid("num_splits", n, format!("1..={MAX_SPLITS}"))),
-        None => heuristic_splits(problem, device),
+        Some(n) if (1..=max_splits).contains(&n) => n,
+        Some(n) => {
+            return Err(Error::invalid(
+                "num_splits",
+                n,
+                format!("1..={max_splits} with {reduction:?} reduction"),
+            ))
+        }
+        None => heuristic_splits(problem, device).min(max_splits),
     };
     let mut decode = DecodeVariant::for_problem(problem);
     decode.consumer_groups = match options.consumer_groups {
@@ -195,12 +225,12 @@ pub fn plan(
         Some(s) if SUPPORTED_STAGES.contains(&s) => s,
         Some(s) => return Err(Error::invalid("stages", s, format!("{SUPPORTED_STAGES:?}"))),
     };
-    let combine = (num_splits > 1).then_some(CombineVariant {
+    let combine = (num_splits > 1 && reduction == Reduction::Kernel).then_some(CombineVariant {
         dtype: problem.dtype,
         head_dim: problem.head_dim,
     });
     let rows = problem.batch * problem.hq;
-    let workspace = if num_splits > 1 {
+    let workspace = if combine.is_some() {
         WorkspaceLayout {
             o_partial: num_splits * rows * problem.head_dim,
             stats: num_splits * rows,
@@ -215,6 +245,7 @@ pub fn plan(
         grid: [num_splits as u32, problem.hkv as u32, problem.batch as u32],
         workspace,
         pdl: !options.disable_pdl,
+        reduction,
     })
 }
 
@@ -311,6 +342,27 @@ mod tests {
         assert_eq!(groups(16, 2, 4096), 2); // 64 tiles over 33 splits
         assert_eq!(groups(16, 16, 131_072), 2);
         assert_eq!(groups(32, 1, 131_072), 1); // 32 heads: does not fit twice
+    }
+
+    #[test]
+    fn cluster_reduction_needs_no_combine_and_caps_splits() {
+        let p = DecodeProblem::new(1, 16, 2, 128, 131_072, DType::Bf16).unwrap();
+        let cluster = PlanOptions {
+            reduction: Some(Reduction::Cluster),
+            ..Default::default()
+        };
+        let pl = plan(&p, DeviceFacts::H200, cluster).unwrap();
+        assert_eq!(pl.num_splits, MAX_CLUSTER_SPLITS);
+        assert!(pl.combine.is_none());
+        assert_eq!(pl.workspace.bytes(), 0);
+        let too_many = PlanOptions {
+            num_splits: Some(9),
+            ..cluster
+        };
+        let msg = plan(&p, DeviceFacts::H200, too_many)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("num_splits") && msg.contains("1..=8"), "{msg}");
     }
 
     #[test]

@@ -36,11 +36,12 @@ use cudarc::driver::{
     sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use half::{bf16, f16};
+use kvstream::plan::MAX_CLUSTER_SPLITS;
 use kvstream::reference::{
     decode_reference, random_bf16, random_f16, relative_error, RefOutput, RefShape, SplitMix64,
 };
 use kvstream::{
-    DType, DecodeProblem, DecodeTensors, Decoder, Element, Error, PlanOptions, Runtime,
+    DType, DecodeProblem, DecodeTensors, Decoder, Element, Error, PlanOptions, Reduction, Runtime,
 };
 
 /// Largest accepted `||out - ref|| / ||ref||` of one (request, head) row. bf16 rounding of the
@@ -566,10 +567,18 @@ fn run_case_as<T: Half>(
 ) -> Result<CaseResult, String> {
     let p = case.problem()?;
     // Alternate the consumer-warp layouts over the cases where both exist.
+    // Alternate the consumer-warp layouts, ring depths and reduction modes over the cases; a
+    // cluster holds at most MAX_CLUSTER_SPLITS splits.
+    let cluster = case.index % 4 == 3;
     let opts = PlanOptions {
-        num_splits: case.splits,
+        num_splits: if cluster {
+            case.splits.map(|s| s.min(MAX_CLUSTER_SPLITS))
+        } else {
+            case.splits
+        },
         consumer_groups: (p.group() <= 16).then_some(1 + case.index % 2),
         stages: (case.index % 3 == 0).then_some(2),
+        reduction: cluster.then_some(Reduction::Cluster),
         ..Default::default()
     };
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
@@ -914,6 +923,70 @@ fn pdl_on_and_off_agree() {
                 &format!("{what}: PDL on (call {i}) vs off"),
             )
             .unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+}
+
+/// Cluster reduction (splits merged through distributed shared memory, one launch) against the
+/// kernel reduction and the reference: ragged lengths with zeros, every cluster size 2..=8,
+/// several group sizes and both head dims; cluster results are bitwise reproducible.
+/// Expected run time: a few seconds.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn cluster_reduction_matches_kernel_reduction() {
+    let (rt, stream) = open_gpu();
+    let shapes = [
+        (3, 16, 2, 128, 4097),
+        (2, 12, 1, 64, 1000),
+        (4, 32, 8, 128, 333),
+        (1, 7, 1, 128, 65),
+        (2, 32, 1, 64, 2048),
+    ];
+    for (i, &(batch, hq, hkv, d, len)) in shapes.iter().enumerate() {
+        let p = DecodeProblem::new(batch, hq, hkv, d, len, DType::Bf16).expect("a valid problem");
+        let mut rng = SplitMix64::new(0xC1u64 + i as u64);
+        let mut lens: Vec<usize> = (0..batch).map(|_| rng.below(len + 1)).collect();
+        lens[0] = len;
+        if batch > 1 {
+            lens[batch - 1] = 0;
+        }
+        let x = make_inputs::<bf16>(&mut rng, &p, &lens);
+        let dev = DeviceInputs::upload(&stream, &x, Some(&lens));
+        let want = reference(&p, &x, &lens);
+        for splits in 2..=MAX_CLUSTER_SPLITS {
+            let what = format!("{p:?} lens {lens:?}, {splits} splits");
+            let opts = |reduction| PlanOptions {
+                num_splits: Some(splits),
+                reduction: Some(reduction),
+                ..Default::default()
+            };
+            let kernel = make_decoder(&rt, &p, opts(Reduction::Kernel));
+            let cluster = make_decoder(&rt, &p, opts(Reduction::Cluster));
+            assert!(cluster.plan().combine.is_none() && cluster.plan().workspace.bytes() == 0);
+            let mut o = Outputs::<bf16>::new(&stream, &p, true);
+            let k_out = run_poisoned(&stream, &kernel, &dev, &mut o)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let c_out = run_poisoned(&stream, &cluster, &dev, &mut o)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            check_output(&p, &c_out, &want).unwrap_or_else(|e| panic!("{what}, cluster: {e}"));
+            check_output(&p, &k_out, &want).unwrap_or_else(|e| panic!("{what}, kernel: {e}"));
+            let again = run_poisoned(&stream, &cluster, &dev, &mut o)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            same_bits(&again, &c_out, &format!("{what}: cluster run 2 vs 1"))
+                .unwrap_or_else(|e| panic!("{e}"));
+            // Same FP32 math in another association: equal up to the output rounding.
+            let widen = |o: &Output<bf16>| o.out.iter().map(|&x| x.widen()).collect::<Vec<f64>>();
+            let (a, b) = (widen(&c_out), widen(&k_out));
+            let diff = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f64::max);
+            let scale = b.iter().map(|y| y.abs()).fold(0.0, f64::max).max(1e-30);
+            assert!(
+                diff <= 1e-2 * scale,
+                "{what}: cluster vs kernel differ by {diff} (scale {scale})"
+            );
         }
     }
 }
