@@ -5,7 +5,7 @@
 //
 // KV positions sit on the MMA M dimension and the query heads of one KV head on N, so a group of
 // 8 fills an n8 tile instead of padding a 64-row tile. One CTA handles one (request, kv head,
-// split); the split's tiles stream through a ring of shared-memory stages filled by bulk copies.
+// split); the split's tiles stream through a ring of shared-memory stages filled by TMA.
 //
 // Warp roles (CTA of 4 * CONSUMER_GROUPS + 1 warps):
 //   warps 0..4G-1 consumers, in CONSUMER_GROUPS groups of four; group g takes the tiles
