@@ -63,44 +63,32 @@ const MAX_FAILURES: usize = 50;
 // Element types
 // ---------------------------------------------------------------------------------------------
 
-/// The two element types, as the tests need them: random data, raw bits, widening.
+/// The two element types, as the tests need them: random data and raw bits (widening is
+/// `Element::to_f64`).
 trait Half: Element + ValidAsZeroBits + Copy + 'static {
     /// `n` values uniform in [-1, 1), and the same values widened for the reference.
     fn random(rng: &mut SplitMix64, n: usize) -> (Vec<Self>, Vec<f32>);
     fn from_raw(bits: u16) -> Self;
     fn raw(self) -> u16;
-    fn widen(self) -> f64;
 }
 
-impl Half for bf16 {
-    fn random(rng: &mut SplitMix64, n: usize) -> (Vec<Self>, Vec<f32>) {
-        random_bf16(rng, n, 1.0)
-    }
-    fn from_raw(bits: u16) -> Self {
-        bf16::from_bits(bits)
-    }
-    fn raw(self) -> u16 {
-        self.to_bits()
-    }
-    fn widen(self) -> f64 {
-        f64::from(self.to_f32())
-    }
+macro_rules! impl_half {
+    ($t:ty, $random:ident) => {
+        impl Half for $t {
+            fn random(rng: &mut SplitMix64, n: usize) -> (Vec<Self>, Vec<f32>) {
+                $random(rng, n, 1.0)
+            }
+            fn from_raw(bits: u16) -> Self {
+                <$t>::from_bits(bits)
+            }
+            fn raw(self) -> u16 {
+                self.to_bits()
+            }
+        }
+    };
 }
-
-impl Half for f16 {
-    fn random(rng: &mut SplitMix64, n: usize) -> (Vec<Self>, Vec<f32>) {
-        random_f16(rng, n, 1.0)
-    }
-    fn from_raw(bits: u16) -> Self {
-        f16::from_bits(bits)
-    }
-    fn raw(self) -> u16 {
-        self.to_bits()
-    }
-    fn widen(self) -> f64 {
-        f64::from(self.to_f32())
-    }
-}
+impl_half!(bf16, random_bf16);
+impl_half!(f16, random_f16);
 
 // ---------------------------------------------------------------------------------------------
 // Host data, device buffers, runs
@@ -317,7 +305,7 @@ fn check_output<T: Half>(
 ) -> Result<Errors, String> {
     let d = p.head_dim;
     let at = |row: usize| format!("request {} head {}", row / p.hq, row % p.hq);
-    if let Some(i) = got.out.iter().position(|x| x.widen().is_nan()) {
+    if let Some(i) = got.out.iter().position(|x| x.to_f64().is_nan()) {
         return Err(format!(
             "out of {} element {} is NaN (bits {:#06x}): never written, or a NaN computed",
             at(i / d),
@@ -329,7 +317,7 @@ fn check_output<T: Half>(
     for row in 0..p.batch * p.hq {
         let out: Vec<f64> = got.out[row * d..(row + 1) * d]
             .iter()
-            .map(|x| x.widen())
+            .map(|x| x.to_f64())
             .collect();
         let want_lse = want.lse[row];
         if want_lse == f64::NEG_INFINITY {
@@ -975,7 +963,7 @@ fn cluster_reduction_matches_kernel_reduction() {
             same_bits(&again, &c_out, &format!("{what}: cluster run 2 vs 1"))
                 .unwrap_or_else(|e| panic!("{e}"));
             // Same FP32 math in another association: equal up to the output rounding.
-            let widen = |o: &Output<bf16>| o.out.iter().map(|&x| x.widen()).collect::<Vec<f64>>();
+            let widen = |o: &Output<bf16>| o.out.iter().map(|&x| x.to_f64()).collect::<Vec<f64>>();
             let (a, b) = (widen(&c_out), widen(&k_out));
             let diff = a
                 .iter()
@@ -1137,7 +1125,7 @@ fn zero_length_case<T: Half>(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, d: usi
     let dev = DeviceInputs::upload(stream, &x, Some(&lens));
     let mut o = Outputs::<T>::new(stream, &p, true);
     let got = run_poisoned(stream, &dec, &dev, &mut o).unwrap_or_else(|e| panic!("{what}: {e}"));
-    if let Some(i) = got.out.iter().position(|x| x.widen() != 0.0) {
+    if let Some(i) = got.out.iter().position(|x| x.to_f64() != 0.0) {
         panic!(
             "{what}: out[{i}] is {:#06x}, must be exactly 0",
             got.out[i].raw()
