@@ -62,7 +62,7 @@ if want pytests; then
     python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests 2>&1 | tail -8
 fi
 if want bench; then
-  timeout 400 $B bench ${BENCH_ARGS:---cluster} --json bench/results/kvstream-bench-latest.json \
+  timeout 400 $B bench ${BENCH_ARGS:---modes} --json bench/results/kvstream-bench-latest.json \
     --plots bench/results 2>&1 | tee $O/kvstream-bench.txt | tail -70
   tar czf $O/bench-results.tar.gz bench/results/kvstream-bench-latest.json bench/results/*.svg bench/results/*.png 2>/dev/null
 fi

@@ -106,7 +106,7 @@ __device__ __forceinline__ void pdl_release_dependents() {
 
 // ---------------------------------------------------------------------------------------------
 // Thread-block clusters and distributed shared memory (PTX ISA 9.7.13.3 barrier.cluster,
-// 9.7.9.15 mapa, 9.7.9.8 ld with .shared::cluster, 10.12 %cluster_ctarank)
+// 9.7.9.15 mapa, 9.7.9.9 st with .shared::cluster, 10.12 %cluster_ctarank)
 // ---------------------------------------------------------------------------------------------
 
 // This CTA's rank inside its cluster (0 .. cluster size - 1).
@@ -116,10 +116,18 @@ __device__ __forceinline__ u32 cluster_ctarank() {
     return r;
 }
 
-// Cluster-wide barrier: every thread of every CTA of the cluster arrives, shared-memory writes
-// before it are visible to all of them after it (release / acquire at cluster scope).
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+// Cluster-wide barrier in two halves. Every thread of every CTA of the cluster must arrive once
+// per phase; `wait` returns when all have arrived. The release / acquire pair makes the
+// shared-memory writes (local or remote) made before the arrive visible after the wait.
+__device__ __forceinline__ void cluster_arrive_release() {
+    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+// Relaxed: orders nothing, only counts; used to learn that every peer has started.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // Address of the same shared-memory location in the CTA of cluster rank `rank`.
@@ -129,10 +137,13 @@ __device__ __forceinline__ u32 peer_smem_addr(u32 local_addr, u32 rank) {
     return remote;
 }
 
-__device__ __forceinline__ float ld_peer_f32(u32 cluster_addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr) : "memory");
-    return v;
+// Stores into a peer's shared memory: fire and forget, made visible by the next cluster barrier.
+__device__ __forceinline__ void st_peer_f32(u32 cluster_addr, float v) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ void st_peer_f32x2(u32 cluster_addr, float a, float b) {
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(cluster_addr), "f"(a), "f"(b)
+                 : "memory");
 }
 
 // ---------------------------------------------------------------------------------------------

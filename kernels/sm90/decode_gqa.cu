@@ -31,11 +31,14 @@
 //                      workspace for combine.cu; every split writes all three, empty ones
 //                      included (O = 0, m = -inf, l = 0), so the combine reads nothing this call
 //                      did not write;
-//   cluster reduction  (p.cluster_splits > 1) the splits of one (request, kv head) are one
-//                      thread-block cluster; each CTA leaves its partials in its own shared
-//                      memory, then CTA r merges head-dim slice r of every peer's partials
-//                      through distributed shared memory, in rank order, and writes `out`:
-//                      one launch, no workspace, nothing zeroed, bitwise deterministic.
+//   cluster reduction  (p.cluster_splits > 1, a power of two up to 16) the splits of one
+//                      (request, kv head) are one thread-block cluster and CTA r owns head-dim
+//                      slice r. Each CTA pushes its max and denominator to every peer and each
+//                      slice of its unnormalised O to the slice's owner (remote stores into
+//                      distributed shared memory, all in flight at once); after one cluster
+//                      barrier every CTA merges its slice from its own shared memory, in rank
+//                      order, and writes `out`: one launch, no workspace, nothing zeroed,
+//                      bitwise deterministic.
 //
 // Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
 //   KVS_IS_F16       0: bf16, 1: f16 (Q, K, V and out share it)
@@ -88,6 +91,8 @@ constexpr int MERGE_BYTES = CONSUMER_WARPS * MERGE_WARP_FLOATS * 4;
 // The merge scratch reuses the drained ring; a shallow ring with many warps needs a bit more.
 constexpr int RING_REGION_BYTES = RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES;
 constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;
+// Largest cluster (16 needs the non-portable cluster size; the host checks it fits).
+constexpr int MAX_CLUSTER_CTAS = 16;
 
 struct SharedPlan {
     // ring (and merge scratch) | q | barriers | per-warp statistics, from a 1024-byte aligned
@@ -99,11 +104,12 @@ struct SharedPlan {
     static constexpr int empty = full + 8 * STAGES;
     static constexpr int warp_m = empty + 8 * STAGES;
     static constexpr int warp_l = warp_m + 4 * CONSUMER_WARPS * GROUP_PAD;
-    // the CTA's merged partials, read by its cluster peers (cluster reduction only)
-    static constexpr int cta_o = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;
-    static constexpr int cta_m = cta_o + 4 * GROUP_PAD * HEAD_DIM;
-    static constexpr int cta_l = cta_m + 4 * GROUP_PAD;
-    static constexpr int bytes = cta_l + 4 * GROUP_PAD;
+    // what the cluster peers push here (cluster reduction only): for every rank, its max and
+    // denominator per query head and its unnormalised O over this CTA's head-dim slice
+    static constexpr int recv_m = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;
+    static constexpr int recv_l = recv_m + 4 * MAX_CLUSTER_CTAS * GROUP_PAD;
+    static constexpr int recv_o = recv_l + 4 * MAX_CLUSTER_CTAS * GROUP_PAD;
+    static constexpr int bytes = recv_o + 4 * GROUP_PAD * HEAD_DIM;
 };
 
 static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
@@ -121,40 +127,83 @@ __device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk) {
 }
 
 // ================================ cluster reduction ========================================
-// Every thread of every CTA of the cluster calls this exactly once, after its CTA's partials
-// (m, l, unnormalised O per query head) are in cta_m / cta_l / cta_o. CTA r owns head dims
-// [r * chunk, (r + 1) * chunk) and merges them over the peers in rank order 0, 1, ...
-__device__ __forceinline__ void cluster_reduce(const DecodeParams& p, const float* cta_o,
-                                               const float* cta_m, const float* cta_l, int batch,
-                                               int head0) {
-    cluster_sync();  // every peer's partials are written
-    const int peers = p.cluster_splits;
-    const int rank = (int)cluster_ctarank();
-    const int chunk = (HEAD_DIM + peers - 1) / peers;
-    const int first = rank * chunk;
-    const int width = max(0, min(HEAD_DIM, first + chunk) - first);
-    const u32 m_local = smem_addr(cta_m), l_local = smem_addr(cta_l), o_local = smem_addr(cta_o);
-    u16* out = reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride;
-    for (int i = threadIdx.x; i < p.group * width; i += THREADS) {
-        const int g = i / width, e = first + i % width;
+// Protocol (every thread of every CTA of the cluster takes part in both barrier phases):
+//   start    cluster_arrive_relaxed            (phase 1: "my shared memory exists")
+//   push     cluster_wait_acquire, then remote stores of (m, l) to every peer and of each
+//            head-dim slice of O to its owner (consumers; an empty split pushes m = -inf, l = 0
+//            and no O: receivers skip ranks whose weight is 0)
+//   merge    cluster_arrive_release + cluster_wait_acquire (phase 2: every push has landed),
+//            then local reads only, so a CTA may leave as soon as it has written its slice.
+// Slices: CTA r owns head dims [r * HEAD_DIM / peers, (r + 1) * HEAD_DIM / peers).
+struct ClusterShape {
+    int peers, rank, slice;
+};
+
+__device__ __forceinline__ ClusterShape cluster_shape(const DecodeParams& p) {
+    return {p.cluster_splits, (int)cluster_ctarank(), HEAD_DIM / p.cluster_splits};
+}
+
+// One query head's statistics, to every peer (rank-major rows of GROUP_PAD).
+__device__ __forceinline__ void cluster_push_stats(const ClusterShape& c, u32 recv_m, u32 recv_l,
+                                                   int g, float m, float l) {
+    const u32 off = 4 * (c.rank * GROUP_PAD + g);
+    for (int r = 0; r < c.peers; ++r) {
+        st_peer_f32(peer_smem_addr(recv_m + off, r), m);
+        st_peer_f32(peer_smem_addr(recv_l + off, r), l);
+    }
+}
+
+// Head dims d, d + 1 of query head g's unnormalised O, to the owner of their slice (the slice
+// width is even, so both land in the same slice).
+__device__ __forceinline__ void cluster_push_o(const ClusterShape& c, u32 recv_o, int g, int d,
+                                               float o0, float o1) {
+    const int owner = d / c.slice;
+    const u32 off = 4 * ((c.rank * GROUP_PAD + g) * c.slice + d % c.slice);
+    st_peer_f32x2(peer_smem_addr(recv_o + off, owner), o0, o1);
+}
+
+// After the pushes: merge this CTA's slice over the ranks in order and write it out.
+__device__ __forceinline__ void cluster_merge_slice(const DecodeParams& p, const ClusterShape& c,
+                                                    float* recv_m, const float* recv_l,
+                                                    const float* recv_o, int batch, int head0) {
+    cluster_arrive_release();
+    cluster_wait_acquire();
+    // Per query head: turn each rank's max into its final weight exp2(m_r - m) / l, in place
+    // (one thread per head), and write the LSE once (rank 0).
+    for (int g = threadIdx.x; g < p.group; g += THREADS) {
         float m_max = neg_inf();
-        for (int r = 0; r < peers; ++r)
-            m_max = fmaxf(m_max, ld_peer_f32(peer_smem_addr(m_local + 4 * g, r)));
-        float l_sum = 0.f, o = 0.f;
-        for (int r = 0; r < peers; ++r) {
-            const float m_r = ld_peer_f32(peer_smem_addr(m_local + 4 * g, r));
-            if (m_r == neg_inf()) continue;  // empty split: l = 0, O = 0
-            const float w = exp2_approx(m_r - m_max);
-            l_sum += w * ld_peer_f32(peer_smem_addr(l_local + 4 * g, r));
-            o += w * ld_peer_f32(peer_smem_addr(o_local + 4 * (g * HEAD_DIM + e), r));
+        for (int r = 0; r < c.peers; ++r) m_max = fmaxf(m_max, recv_m[r * GROUP_PAD + g]);
+        const float m_use = m_max == neg_inf() ? 0.f : m_max;
+        float l_sum = 0.f;
+        for (int r = 0; r < c.peers; ++r)
+            l_sum += recv_l[r * GROUP_PAD + g] * exp2_approx(recv_m[r * GROUP_PAD + g] - m_use);
+        const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
+        for (int r = 0; r < c.peers; ++r) {
+            const float m_r = recv_m[r * GROUP_PAD + g];
+            recv_m[r * GROUP_PAD + g] = m_r == neg_inf() ? 0.f : exp2_approx(m_r - m_use) * inv;
         }
-        out[(head0 + g) * p.o_head_stride + e] = float_to_half_bits<IS_F16>(l_sum > 0.f ? o / l_sum : 0.f);
-        if (p.lse && e == 0) {
+        if (p.lse && c.rank == 0) {
             p.lse[(long long)batch * p.hq + head0 + g] =
                 l_sum > 0.f ? (m_max + __log2f(l_sum)) * 0.69314718055994531f : neg_inf();
         }
     }
-    cluster_sync();  // no CTA leaves while a peer may still read its shared memory
+    __syncthreads();
+    const float* weight = recv_m;
+    const int pairs = c.slice / 2;
+    for (int i = threadIdx.x; i < p.group * pairs; i += THREADS) {
+        const int g = i / pairs, e = 2 * (i % pairs);
+        float o0 = 0.f, o1 = 0.f;
+        for (int r = 0; r < c.peers; ++r) {
+            const float w = weight[r * GROUP_PAD + g];
+            if (w == 0.f) continue;  // empty split: pushed no O
+            const float2 v = *reinterpret_cast<const float2*>(recv_o + (r * GROUP_PAD + g) * c.slice + e);
+            o0 += w * v.x;
+            o1 += w * v.y;
+        }
+        u32* out = reinterpret_cast<u32*>(reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride +
+                                          (head0 + g) * p.o_head_stride + c.rank * c.slice + e);
+        *out = pack_half2<IS_F16>(o0, o1);
+    }
 }
 
 }  // namespace kvs
@@ -172,9 +221,9 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     u64* empty = reinterpret_cast<u64*>(smem + SharedPlan::empty);
     float* warp_m = reinterpret_cast<float*>(smem + SharedPlan::warp_m);
     float* warp_l = reinterpret_cast<float*>(smem + SharedPlan::warp_l);
-    float* cta_o = reinterpret_cast<float*>(smem + SharedPlan::cta_o);
-    float* cta_m = reinterpret_cast<float*>(smem + SharedPlan::cta_m);
-    float* cta_l = reinterpret_cast<float*>(smem + SharedPlan::cta_l);
+    float* recv_m = reinterpret_cast<float*>(smem + SharedPlan::recv_m);
+    float* recv_l = reinterpret_cast<float*>(smem + SharedPlan::recv_l);
+    float* recv_o = reinterpret_cast<float*>(smem + SharedPlan::recv_o);
     const bool in_cluster = p.cluster_splits > 1;
 
     const int split = blockIdx.x;
@@ -191,6 +240,11 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         fence_mbarrier_init();
     }
     __syncthreads();
+    ClusterShape cluster = {};
+    if (in_cluster) {
+        cluster = cluster_shape(p);
+        cluster_arrive_relaxed();  // phase 1, waited on just before the first remote store
+    }
 
     // Everything above overlaps the previous kernel's tail; nothing below may read global
     // memory before it has finished.
@@ -208,12 +262,11 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     if (num_tiles == 0) {
         // ---------------- empty split: publish neutral statistics and leave ----------------
         if (in_cluster) {
-            for (int g = threadIdx.x; g < GROUP_PAD; g += THREADS) {
-                cta_m[g] = neg_inf();
-                cta_l[g] = 0.f;
+            cluster_wait_acquire();
+            for (int g = threadIdx.x; g < p.group; g += THREADS) {
+                cluster_push_stats(cluster, smem_addr(recv_m), smem_addr(recv_l), g, neg_inf(), 0.f);
             }
-            for (int i = threadIdx.x; i < GROUP_PAD * HEAD_DIM; i += THREADS) cta_o[i] = 0.f;
-            cluster_reduce(p, cta_o, cta_m, cta_l, batch, head0);
+            cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, batch, head0);
         } else if (p.num_splits > 1) {
             // Neutral partials, O included: the combine then loads every split unconditionally,
             // all in one round trip, and still reads only what this call wrote.
@@ -264,7 +317,10 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                 }
             }
         }
-        if (in_cluster) cluster_reduce(p, cta_o, cta_m, cta_l, batch, head0);
+        if (in_cluster) {
+            cluster_wait_acquire();
+            cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, batch, head0);
+        }
         return;
     }
 
@@ -453,6 +509,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     // Sum the warps in a fixed order and write: two head-dim elements per thread per step.
     const bool single_split = p.num_splits == 1;
+    if (in_cluster) cluster_wait_acquire();  // every peer has started: its shared memory exists
     for (int i = threadIdx.x; i < p.group * (HEAD_DIM / 2); i += CONSUMER_THREADS) {
         const int g = i / (HEAD_DIM / 2), d = (i % (HEAD_DIM / 2)) * 2;
         float m_cta = neg_inf();
@@ -477,12 +534,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                     l_cta > 0.f ? (m_cta + __log2f(l_cta)) * 0.69314718055994531f : neg_inf();
             }
         } else if (in_cluster) {
-            cta_o[g * HEAD_DIM + d] = o0;
-            cta_o[g * HEAD_DIM + d + 1] = o1;
-            if (d == 0) {
-                cta_m[g] = m_cta;
-                cta_l[g] = l_cta;
-            }
+            cluster_push_o(cluster, smem_addr(recv_o), g, d, o0, o1);
+            if (d == 0) cluster_push_stats(cluster, smem_addr(recv_m), smem_addr(recv_l), g, m_cta, l_cta);
         } else {
             float2* dst = reinterpret_cast<float2*>(p.o_partial + (stat_base + g) * HEAD_DIM + d);
             *dst = make_float2(o0, o1);
@@ -492,6 +545,6 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             }
         }
     }
-    if (in_cluster) cluster_reduce(p, cta_o, cta_m, cta_l, batch, head0);
+    if (in_cluster) cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, batch, head0);
     pdl_release_dependents();
 }

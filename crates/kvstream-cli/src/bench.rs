@@ -61,10 +61,18 @@ pub struct BenchArgs {
     /// Also time kvstream with these forced ring depths (`kvstream/s2`, ...).
     #[arg(long, value_delimiter = ',')]
     pub stages: Vec<usize>,
-    /// Also time kvstream with cluster reduction (`kvstream/cluster`: at most 8 splits, one
-    /// launch).
+    /// Also time each reduction mode forced (`kvstream/kernel`, `kvstream/cluster`), next to
+    /// the automatic choice (`kvstream`).
     #[arg(long)]
-    pub cluster: bool,
+    pub modes: bool,
+    /// Also time cluster reduction with these forced cluster sizes (`kvstream/cluster-s8`, ...;
+    /// powers of two up to 16).
+    #[arg(long, value_delimiter = ',')]
+    pub cluster_splits: Vec<usize>,
+    /// With --modes: also time both modes with PDL off (`kvstream/kernel-nopdl`,
+    /// `kvstream/cluster-nopdl`).
+    #[arg(long)]
+    pub no_pdl: bool,
     /// Results file (METHOD.md format); rewritten after every shape.
     #[arg(long, default_value = "bench/results/kvstream-bench-latest.json")]
     pub json: PathBuf,
@@ -114,43 +122,56 @@ fn problem_of(s: &Shape) -> kvstream::Result<DecodeProblem> {
     DecodeProblem::new(s.batch, s.hq, s.hkv, s.d, s.len, DType::Bf16)
 }
 
-/// The kvstream implementations timed per shape: the default plan, then one per forced
-/// consumer-group count and one per forced ring depth.
-pub fn implementations(
-    consumer_groups: &[usize],
-    stages: &[usize],
-    cluster: bool,
-) -> Vec<(String, PlanOptions)> {
+/// The kvstream implementations timed per shape: the default plan first, then the forced
+/// variants the arguments ask for, each under its own result key.
+pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
+    use kvstream::Reduction::{Cluster, Kernel};
     let mut out = vec![("kvstream".to_string(), PlanOptions::default())];
-    let forced = consumer_groups
-        .iter()
-        .map(|&g| {
-            (
-                format!("kvstream/g{g}"),
-                PlanOptions {
-                    consumer_groups: Some(g),
-                    ..Default::default()
-                },
-            )
-        })
-        .chain(stages.iter().map(|&s| {
-            (
-                format!("kvstream/s{s}"),
-                PlanOptions {
-                    stages: Some(s),
-                    ..Default::default()
-                },
-            )
-        }))
-        .chain(cluster.then(|| {
-            (
-                "kvstream/cluster".to_string(),
-                PlanOptions {
-                    reduction: Some(kvstream::Reduction::Cluster),
-                    ..Default::default()
-                },
-            )
-        }));
+    let mut forced: Vec<(String, PlanOptions)> = Vec::new();
+    for &g in &args.consumer_groups {
+        forced.push((
+            format!("kvstream/g{g}"),
+            PlanOptions {
+                consumer_groups: Some(g),
+                ..Default::default()
+            },
+        ));
+    }
+    for &s in &args.stages {
+        forced.push((
+            format!("kvstream/s{s}"),
+            PlanOptions {
+                stages: Some(s),
+                ..Default::default()
+            },
+        ));
+    }
+    if args.modes {
+        for (name, reduction) in [("kernel", Kernel), ("cluster", Cluster)] {
+            let opts = PlanOptions {
+                reduction: Some(reduction),
+                ..Default::default()
+            };
+            forced.push((format!("kvstream/{name}"), opts));
+            if args.no_pdl {
+                let off = PlanOptions {
+                    disable_pdl: true,
+                    ..opts
+                };
+                forced.push((format!("kvstream/{name}-nopdl"), off));
+            }
+        }
+    }
+    for &n in &args.cluster_splits {
+        forced.push((
+            format!("kvstream/cluster-s{n}"),
+            PlanOptions {
+                reduction: Some(Cluster),
+                num_splits: Some(n),
+                ..Default::default()
+            },
+        ));
+    }
     for (key, opts) in forced {
         if !out.iter().any(|(k, _)| *k == key) {
             out.push((key, opts));
@@ -172,7 +193,7 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
         }
         Err(e) => return Err(e.to_string()),
     };
-    let impls = implementations(&args.consumer_groups, &args.stages, args.cluster);
+    let impls = implementations(args);
     let rounds = args.rounds as usize;
     let ctx = rt.context().clone();
     // One stream, raw pointers inside the captured graphs: no cross-stream event tracking.
@@ -739,10 +760,12 @@ fn measure_shape(
     for (i, (key, decoder, _, err)) in timed.iter().enumerate() {
         let t = timings[i];
         let plan = decoder.plan();
-        let mode = match (plan.combine.is_some(), plan.pdl) {
-            (false, _) => "single",
-            (true, true) => "kernel+pdl",
-            (true, false) => "kernel",
+        let mode = match (plan.num_splits, plan.reduction, plan.pdl) {
+            (1, _, _) => "single",
+            (_, kvstream::Reduction::Kernel, true) => "kernel+pdl",
+            (_, kvstream::Reduction::Kernel, false) => "kernel",
+            (_, kvstream::Reduction::Cluster, true) => "cluster+pdl",
+            (_, kvstream::Reduction::Cluster, false) => "cluster",
         };
         row.results.insert(
             key.clone(),
@@ -873,6 +896,12 @@ mod tests {
             "2,16,2,128,1000",
             "--consumer-groups",
             "1,2",
+            "--stages",
+            "2",
+            "--modes",
+            "--no-pdl",
+            "--cluster-splits",
+            "4,16",
         ])
         .unwrap();
         let s = select_shapes(&a).unwrap();
@@ -885,10 +914,7 @@ mod tests {
                 "custom-b2-h16-2-d128-L1000"
             ]
         );
-        let keys: Vec<String> = implementations(&a.consumer_groups, &[2], true)
-            .into_iter()
-            .map(|(k, _)| k)
-            .collect();
+        let keys: Vec<String> = implementations(&a).into_iter().map(|(k, _)| k).collect();
         assert_eq!(
             keys,
             [
@@ -896,7 +922,12 @@ mod tests {
                 "kvstream/g1",
                 "kvstream/g2",
                 "kvstream/s2",
-                "kvstream/cluster"
+                "kvstream/kernel",
+                "kvstream/kernel-nopdl",
+                "kvstream/cluster",
+                "kvstream/cluster-nopdl",
+                "kvstream/cluster-s4",
+                "kvstream/cluster-s16"
             ]
         );
         // --shape alone does not need the matrix

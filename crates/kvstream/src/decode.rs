@@ -11,7 +11,7 @@ use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::error::{Error, Result};
 use crate::kernels::{AnyVariant, COMBINE_THREADS};
-use crate::launch::{kv_tensor_map, launch, LaunchConfig};
+use crate::launch::{kv_tensor_map, launch, max_active_clusters, LaunchConfig};
 use crate::params::DecodeParams;
 use crate::plan::{plan, DecodePlan, PlanOptions, Reduction};
 use crate::problem::{DType, DecodeProblem};
@@ -113,14 +113,30 @@ impl Decoder {
                 Some((buf, ptr))
             }
         };
-        Ok(Decoder {
+        let decoder = Decoder {
             rt: rt.clone(),
             problem,
             plan,
             decode,
             combine,
             workspace,
-        })
+        };
+        if decoder.cluster() {
+            // SAFETY: the decode kernel was loaded into this runtime's context just above.
+            let fits = unsafe { max_active_clusters(decode.func, &decoder.decode_config())? };
+            if fits == 0 {
+                return Err(Error::invalid(
+                    "num_splits",
+                    decoder.plan.num_splits,
+                    format!(
+                        "a cluster size this GPU can co-schedule with {} B of shared memory per \
+                         CTA (cluster reduction); use fewer splits or kernel reduction",
+                        decoder.plan.decode.shared_bytes()
+                    ),
+                ));
+            }
+        }
+        Ok(decoder)
     }
 
     /// The problem this decoder serves.
@@ -136,6 +152,19 @@ impl Decoder {
     /// Whether the splits merge inside a thread-block cluster (no combine launch).
     fn cluster(&self) -> bool {
         self.plan.reduction == Reduction::Cluster && self.plan.num_splits > 1
+    }
+
+    /// Launch configuration of the decode kernel.
+    fn decode_config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid: self.plan.grid,
+            block: [self.plan.decode.threads(), 1, 1],
+            shared_bytes: self.plan.decode.shared_bytes() as u32,
+            pdl: self.plan.pdl,
+            cluster: self
+                .cluster()
+                .then_some([self.plan.num_splits as u32, 1, 1]),
+        }
     }
 
     /// Registers of the decode kernel (from ptxas), for reports.
@@ -216,18 +245,9 @@ impl Decoder {
                 0
             },
         };
-        let decode_cfg = LaunchConfig {
-            grid: self.plan.grid,
-            block: [self.plan.decode.threads(), 1, 1],
-            shared_bytes: self.plan.decode.shared_bytes() as u32,
-            pdl: self.plan.pdl,
-            cluster: self
-                .cluster()
-                .then_some([self.plan.num_splits as u32, 1, 1]),
-        };
         launch(
             self.decode.func,
-            &decode_cfg,
+            &self.decode_config(),
             stream,
             &params,
             "the decode kernel",

@@ -86,9 +86,9 @@ impl DecodeVariant {
         let q = self.n_tiles * 8 * (self.head_dim * 2 + 16);
         let barriers = 2 * 8 * self.stages;
         let stats = 2 * 4 * (4 * self.consumer_groups) * self.n_tiles * 8;
-        // the CTA's merged partials, kept for its cluster peers: O [group_pad][d], m, l
-        let cluster_partials = 4 * self.n_tiles * 8 * (self.head_dim + 2);
-        1024 + ring_region + q + barriers + stats + cluster_partials
+        // what cluster peers push (m, l per rank and head; O of this CTA's head-dim slice)
+        let cluster_inbox = 4 * self.n_tiles * 8 * (2 * plan::MAX_CLUSTER_SPLITS + self.head_dim);
+        1024 + ring_region + q + barriers + stats + cluster_inbox
     }
 
     /// TMA box of one K or V load: 64 head dims x `tile_tokens` positions.

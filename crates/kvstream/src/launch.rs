@@ -40,22 +40,55 @@ pub unsafe fn launch<P: Copy>(
     params: &P,
     what: &str,
 ) -> Result<()> {
+    let mut attrs = attributes(cfg);
+    let config = driver_config(cfg, stream, &mut attrs);
+    let mut arg = params as *const P as *mut std::ffi::c_void;
+    sys::cuLaunchKernelEx(&config, func, &mut arg, std::ptr::null_mut())
+        .result()
+        .map_err(|e| Error::driver(format!("launching {what}"), e))
+}
+
+/// How many clusters of `cfg` can be resident at once (0: the cluster does not fit the GPU with
+/// this kernel's shared memory and threads).
+///
+/// # Safety
+/// `func` must be a live kernel of the current context.
+pub unsafe fn max_active_clusters(func: sys::CUfunction, cfg: &LaunchConfig) -> Result<usize> {
+    let mut attrs = attributes(cfg);
+    let config = driver_config(cfg, std::ptr::null_mut(), &mut attrs);
+    let mut n = 0i32;
+    sys::cuOccupancyMaxActiveClusters(&mut n, func, &config)
+        .result()
+        .map_err(|e| Error::driver("querying cluster occupancy", e))?;
+    Ok(n.max(0) as usize)
+}
+
+fn attributes(cfg: &LaunchConfig) -> Vec<sys::CUlaunchAttribute> {
     let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
+    // SAFETY (both blocks): CUlaunchAttribute is plain data; zero is a valid empty value.
     if cfg.pdl {
-        let mut a: sys::CUlaunchAttribute = std::mem::zeroed();
+        let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         a.value.programmaticStreamSerializationAllowed = 1;
         attrs.push(a);
     }
     if let Some([x, y, z]) = cfg.cluster {
-        let mut a: sys::CUlaunchAttribute = std::mem::zeroed();
+        let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
         a.value.clusterDim.x = x;
         a.value.clusterDim.y = y;
         a.value.clusterDim.z = z;
         attrs.push(a);
     }
-    let config = sys::CUlaunchConfig {
+    attrs
+}
+
+fn driver_config(
+    cfg: &LaunchConfig,
+    stream: sys::CUstream,
+    attrs: &mut [sys::CUlaunchAttribute],
+) -> sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
         gridDimX: cfg.grid[0],
         gridDimY: cfg.grid[1],
         gridDimZ: cfg.grid[2],
@@ -66,11 +99,7 @@ pub unsafe fn launch<P: Copy>(
         hStream: stream,
         attrs: attrs.as_mut_ptr(),
         numAttrs: attrs.len() as u32,
-    };
-    let mut arg = params as *const P as *mut std::ffi::c_void;
-    sys::cuLaunchKernelEx(&config, func, &mut arg, std::ptr::null_mut())
-        .result()
-        .map_err(|e| Error::driver(format!("launching {what}"), e))
+    }
 }
 
 /// Encodes the TMA tensor map of one KV cache tensor for the decode kernel: a 4-D tensor

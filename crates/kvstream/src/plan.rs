@@ -67,12 +67,17 @@ pub enum Reduction {
     #[default]
     Kernel,
     /// The splits form one thread-block cluster and merge through distributed shared memory:
-    /// one launch, no workspace; at most [`MAX_CLUSTER_SPLITS`] splits.
+    /// one launch, no workspace; a power of two up to [`MAX_CLUSTER_SPLITS`] splits.
     Cluster,
 }
 
-/// Largest cluster the cluster reduction uses (the portable cluster size).
-pub const MAX_CLUSTER_SPLITS: usize = 8;
+/// Largest cluster the cluster reduction uses: 16, past the portable size of 8 (the decoder
+/// checks with the occupancy API that the GPU can co-schedule it).
+pub const MAX_CLUSTER_SPLITS: usize = 16;
+
+/// Split counts the cluster reduction accepts: powers of two, so every CTA owns an equal,
+/// even-width slice of the head dimension.
+pub const CLUSTER_SPLITS: [usize; 5] = [1, 2, 4, 8, 16];
 
 /// What the caller may force.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -182,6 +187,13 @@ pub fn heuristic_splits(problem: &DecodeProblem, device: DeviceFacts) -> usize {
     fill.min(longest_useful).clamp(1, MAX_SPLITS)
 }
 
+/// The cluster size for a wanted split count: the largest power of two not above it, at most
+/// [`MAX_CLUSTER_SPLITS`].
+pub fn cluster_splits(wanted: usize) -> usize {
+    let capped = wanted.clamp(1, MAX_CLUSTER_SPLITS);
+    1 << capped.ilog2()
+}
+
 /// Builds the plan for `problem`.
 pub fn plan(
     problem: &DecodeProblem,
@@ -190,20 +202,25 @@ pub fn plan(
 ) -> Result<DecodePlan> {
     problem.validate()?;
     let reduction = options.reduction.unwrap_or_default();
-    let max_splits = match reduction {
-        Reduction::Kernel => MAX_SPLITS,
-        Reduction::Cluster => MAX_CLUSTER_SPLITS,
-    };
-    let num_splits = match options.num_splits {
-        Some(n) if (1..=max_splits).contains(&n) => n,
-        Some(n) => {
+    let num_splits = match (options.num_splits, reduction) {
+        (Some(n), Reduction::Kernel) if (1..=MAX_SPLITS).contains(&n) => n,
+        (Some(n), Reduction::Cluster) if CLUSTER_SPLITS.contains(&n) => n,
+        (Some(n), Reduction::Kernel) => {
             return Err(Error::invalid(
                 "num_splits",
                 n,
-                format!("1..={max_splits} with {reduction:?} reduction"),
+                format!("1..={MAX_SPLITS} with kernel reduction"),
             ))
         }
-        None => heuristic_splits(problem, device).min(max_splits),
+        (Some(n), Reduction::Cluster) => {
+            return Err(Error::invalid(
+                "num_splits",
+                n,
+                format!("one of {CLUSTER_SPLITS:?} with cluster reduction"),
+            ))
+        }
+        (None, Reduction::Kernel) => heuristic_splits(problem, device),
+        (None, Reduction::Cluster) => cluster_splits(heuristic_splits(problem, device)),
     };
     let mut decode = DecodeVariant::for_problem(problem);
     decode.consumer_groups = match options.consumer_groups {
@@ -362,7 +379,11 @@ mod tests {
         let msg = plan(&p, DeviceFacts::H200, too_many)
             .unwrap_err()
             .to_string();
-        assert!(msg.contains("num_splits") && msg.contains("1..=8"), "{msg}");
+        assert!(msg.contains("num_splits") && msg.contains("[1, 2, 4, 8, 16]"), "{msg}");
+        assert!(plan(&p, DeviceFacts::H200, PlanOptions { num_splits: Some(17), ..cluster }).is_err());
+        assert_eq!(cluster_splits(33), 16);
+        assert_eq!(cluster_splits(12), 8);
+        assert_eq!(cluster_splits(1), 1);
     }
 
     #[test]

@@ -158,6 +158,17 @@ impl Runtime {
                 e,
             )
         })?;
+        // Cluster reductions of 16 CTAs exceed the portable cluster size (8); the decoder checks
+        // with the occupancy API that such a cluster fits before it plans one.
+        // SAFETY: func is live; the attribute only widens the cluster sizes a launch may ask for.
+        unsafe {
+            cu::function::set_function_attribute(
+                func,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                1,
+            )
+        }
+        .map_err(|e| Error::driver(format!("allowing non-portable clusters for {name}"), e))?;
         let kernel = LoadedKernel {
             func,
             report: ResourceFigures::from(&compiled.report()),

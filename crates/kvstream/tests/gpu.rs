@@ -36,7 +36,7 @@ use cudarc::driver::{
     sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use half::{bf16, f16};
-use kvstream::plan::MAX_CLUSTER_SPLITS;
+use kvstream::plan::{cluster_splits, CLUSTER_SPLITS};
 use kvstream::reference::{
     decode_reference, random_bf16, random_f16, relative_error, RefOutput, RefShape, SplitMix64,
 };
@@ -554,13 +554,12 @@ fn run_case_as<T: Half>(
     case: &Case,
 ) -> Result<CaseResult, String> {
     let p = case.problem()?;
-    // Alternate the consumer-warp layouts over the cases where both exist.
     // Alternate the consumer-warp layouts, ring depths and reduction modes over the cases; a
-    // cluster holds at most MAX_CLUSTER_SPLITS splits.
+    // cluster holds a power of two of splits, at most MAX_CLUSTER_SPLITS.
     let cluster = case.index % 4 == 3;
     let opts = PlanOptions {
         num_splits: if cluster {
-            case.splits.map(|s| s.min(MAX_CLUSTER_SPLITS))
+            case.splits.map(cluster_splits)
         } else {
             case.splits
         },
@@ -916,7 +915,7 @@ fn pdl_on_and_off_agree() {
 }
 
 /// Cluster reduction (splits merged through distributed shared memory, one launch) against the
-/// kernel reduction and the reference: ragged lengths with zeros, every cluster size 2..=8,
+/// kernel reduction and the reference: ragged lengths with zeros, every cluster size (2 to 16),
 /// several group sizes and both head dims; cluster results are bitwise reproducible.
 /// Expected run time: a few seconds.
 #[test]
@@ -941,7 +940,7 @@ fn cluster_reduction_matches_kernel_reduction() {
         let x = make_inputs::<bf16>(&mut rng, &p, &lens);
         let dev = DeviceInputs::upload(&stream, &x, Some(&lens));
         let want = reference(&p, &x, &lens);
-        for splits in 2..=MAX_CLUSTER_SPLITS {
+        for splits in CLUSTER_SPLITS.into_iter().filter(|&s| s > 1) {
             let what = format!("{p:?} lens {lens:?}, {splits} splits");
             let opts = |reduction| PlanOptions {
                 num_splits: Some(splits),
