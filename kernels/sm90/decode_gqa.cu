@@ -15,13 +15,15 @@
 //                (running max m, denominator l, O^T accumulators) over its rows, so no warp
 //                waits for another inside the KV loop; they merge once, at the end of the split,
 //                through shared memory.
-//   warp 4G      producer (one lane): per stage, TMA box loads of the K and V tiles (64 head
-//                dims x TILE_TOKENS positions each, 128-byte swizzle) completing on the stage's
-//                `full` barrier; waits on the stage's `empty` barrier before reusing it.
+//   warp 4G      producer (one lane): per stage, TMA box loads of the K tile, then the V tile
+//                (64 head dims x TILE_TOKENS positions each, 128-byte swizzle), each completing
+//                on its own `full` barrier, so S^T = K Q^T and the softmax run while V is still
+//                in flight; waits on the stage's `empty` barrier before reusing it.
 //
 // Ring protocol, stage s = tile % STAGES, parity = (tile / STAGES) & 1:
-//   producer: wait empty[s] (from the second lap), arrive.expect_tx(full[s], bytes), TMA
-//   consumer: wait full[s] with parity, compute, __syncwarp, lane 0 arrives on empty[s]
+//   producer: wait empty[s] (from the second lap); for K then V: arrive.expect_tx(full, bytes), TMA
+//   consumer: wait k_full[s] with parity, S^T and softmax, wait v_full[s], O^T, __syncwarp,
+//             lane 0 arrives on empty[s]
 //   (STAGES is a multiple of CONSUMER_GROUPS, so each stage is always read by the same group
 //   and its `empty` barrier counts that group's four warps)
 //
@@ -76,7 +78,7 @@ constexpr int BOXES = HEAD_DIM / 64;
 constexpr int BOX_BYTES = TILE_TOKENS * 128;
 constexpr int TILE_BYTES = BOXES * BOX_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K tile then V tile
-constexpr int STAGE_TX_BYTES = STAGE_BYTES;  // out-of-range rows are zero-filled, still counted
+constexpr int TILE_TX_BYTES = TILE_BYTES;  // out-of-range rows are zero-filled, still counted
 // Q is staged by ordinary stores, rows padded by 16 bytes for the same conflict-free reads.
 constexpr int SMEM_ROW = HEAD_DIM * 2 + 16;
 
@@ -100,8 +102,8 @@ struct SharedPlan {
     static constexpr int align = 1024;
     static constexpr int ring = 0;
     static constexpr int q = (RING_REGION_BYTES + 127) / 128 * 128;
-    static constexpr int full = q + Q_BYTES;
-    static constexpr int empty = full + 8 * STAGES;
+    static constexpr int full = q + Q_BYTES;  // per stage: K full, V full
+    static constexpr int empty = full + 16 * STAGES;
     static constexpr int warp_m = empty + 8 * STAGES;
     static constexpr int warp_l = warp_m + 4 * CONSUMER_WARPS * GROUP_PAD;
     // what the cluster peers push here (cluster reduction only): for every rank, its max and
@@ -162,47 +164,38 @@ __device__ __forceinline__ void cluster_push_o(const ClusterShape& c, u32 recv_o
     st_peer_f32x2(peer_smem_addr(recv_o + off, owner), o0, o1);
 }
 
-// After the pushes: merge this CTA's slice over the ranks in order and write it out.
+// After the pushes: merge this CTA's slice over the ranks in order and write it out. Each
+// thread works out its query head's weights itself (at most 16 ranks, local shared memory):
+// cheaper than a CTA barrier to share them, since a thread rarely has more than one pair.
 __device__ __forceinline__ void cluster_merge_slice(const DecodeParams& p, const ClusterShape& c,
-                                                    float* recv_m, const float* recv_l,
+                                                    const float* recv_m, const float* recv_l,
                                                     const float* recv_o, int batch, int head0) {
     cluster_arrive_release();
     cluster_wait_acquire();
-    // Per query head: turn each rank's max into its final weight exp2(m_r - m) / l, in place
-    // (one thread per head), and write the LSE once (rank 0).
-    for (int g = threadIdx.x; g < p.group; g += THREADS) {
-        float m_max = neg_inf();
-        for (int r = 0; r < c.peers; ++r) m_max = fmaxf(m_max, recv_m[r * GROUP_PAD + g]);
-        const float m_use = m_max == neg_inf() ? 0.f : m_max;
-        float l_sum = 0.f;
-        for (int r = 0; r < c.peers; ++r)
-            l_sum += recv_l[r * GROUP_PAD + g] * exp2_approx(recv_m[r * GROUP_PAD + g] - m_use);
-        const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
-        for (int r = 0; r < c.peers; ++r) {
-            const float m_r = recv_m[r * GROUP_PAD + g];
-            recv_m[r * GROUP_PAD + g] = m_r == neg_inf() ? 0.f : exp2_approx(m_r - m_use) * inv;
-        }
-        if (p.lse && c.rank == 0) {
-            p.lse[(long long)batch * p.hq + head0 + g] =
-                l_sum > 0.f ? (m_max + __log2f(l_sum)) * 0.69314718055994531f : neg_inf();
-        }
-    }
-    __syncthreads();
-    const float* weight = recv_m;
     const int pairs = c.slice / 2;
     for (int i = threadIdx.x; i < p.group * pairs; i += THREADS) {
         const int g = i / pairs, e = 2 * (i % pairs);
-        float o0 = 0.f, o1 = 0.f;
+        float m_max = neg_inf();
+        for (int r = 0; r < c.peers; ++r) m_max = fmaxf(m_max, recv_m[r * GROUP_PAD + g]);
+        const float m_use = m_max == neg_inf() ? 0.f : m_max;
+        float l_sum = 0.f, o0 = 0.f, o1 = 0.f;
         for (int r = 0; r < c.peers; ++r) {
-            const float w = weight[r * GROUP_PAD + g];
-            if (w == 0.f) continue;  // empty split: pushed no O
+            const float m_r = recv_m[r * GROUP_PAD + g];
+            if (m_r == neg_inf()) continue;  // empty split: l = 0 and it pushed no O
+            const float w = exp2_approx(m_r - m_use);
             const float2 v = *reinterpret_cast<const float2*>(recv_o + (r * GROUP_PAD + g) * c.slice + e);
+            l_sum += w * recv_l[r * GROUP_PAD + g];
             o0 += w * v.x;
             o1 += w * v.y;
         }
+        const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
         u32* out = reinterpret_cast<u32*>(reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride +
                                           (head0 + g) * p.o_head_stride + c.rank * c.slice + e);
-        *out = pack_half2<IS_F16>(o0, o1);
+        *out = pack_half2<IS_F16>(o0 * inv, o1 * inv);
+        if (p.lse && c.rank == 0 && e == 0) {
+            p.lse[(long long)batch * p.hq + head0 + g] =
+                l_sum > 0.f ? (m_max + __log2f(l_sum)) * 0.69314718055994531f : neg_inf();
+        }
     }
 }
 
@@ -217,7 +210,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                                       SharedPlan::align);
     unsigned char* ring = smem + SharedPlan::ring;
     unsigned char* q_smem = smem + SharedPlan::q;
-    u64* full = reinterpret_cast<u64*>(smem + SharedPlan::full);
+    u64* k_full = reinterpret_cast<u64*>(smem + SharedPlan::full);
+    u64* v_full = k_full + STAGES;
     u64* empty = reinterpret_cast<u64*>(smem + SharedPlan::empty);
     float* warp_m = reinterpret_cast<float*>(smem + SharedPlan::warp_m);
     float* warp_l = reinterpret_cast<float*>(smem + SharedPlan::warp_l);
@@ -234,7 +228,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(&full[s], 1);
+            mbarrier_init(&k_full[s], 1);
+            mbarrier_init(&v_full[s], 1);
             mbarrier_init(&empty[s], GROUP_WARPS);
         }
         fence_mbarrier_init();
@@ -302,19 +297,21 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             for (int tile = 0; tile < num_tiles; ++tile) {
                 const int stage = tile % STAGES;
                 if (tile >= STAGES) mbarrier_wait(&empty[stage], ((tile / STAGES) - 1) & 1);
-                mbarrier_arrive_expect_tx(&full[stage], STAGE_TX_BYTES);
                 unsigned char* k_dst = ring + stage * STAGE_BYTES;
                 unsigned char* v_dst = k_dst + TILE_BYTES;
                 // Positions past the request's length are loaded too (zeros past max_len,
                 // whatever the cache holds before it); the consumers mask them.
                 const int tile_begin = range.begin + tile * TILE_TOKENS;
+                mbarrier_arrive_expect_tx(&k_full[stage], TILE_TX_BYTES);
 #pragma unroll
-                for (int box = 0; box < BOXES; ++box) {
+                for (int box = 0; box < BOXES; ++box)
                     tma_load_4d(k_dst + box * BOX_BYTES, &p.k_map, box * 64, kv_head, tile_begin,
-                                batch, &full[stage], policy);
+                                batch, &k_full[stage], policy);
+                mbarrier_arrive_expect_tx(&v_full[stage], TILE_TX_BYTES);
+#pragma unroll
+                for (int box = 0; box < BOXES; ++box)
                     tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * 64, kv_head, tile_begin,
-                                batch, &full[stage], policy);
-                }
+                                batch, &v_full[stage], policy);
             }
         }
         if (in_cluster) {
@@ -370,7 +367,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     for (int tile = group; tile < num_tiles; tile += CONSUMER_GROUPS) {
         const int stage = tile % STAGES;
-        mbarrier_wait(&full[stage], (tile / STAGES) & 1);
+        const u32 parity = (tile / STAGES) & 1;
+        mbarrier_wait(&k_full[stage], parity);
         const u32 k_tile = ring_base + stage * STAGE_BYTES;
         const u32 v_tile = k_tile + TILE_BYTES;
         const int tile_begin = range.begin + tile * TILE_TOKENS;
@@ -438,6 +436,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             }
 
             // ---- O^T += V^T P^T ----
+            if (ms == 0) mbarrier_wait(&v_full[stage], parity);
             // Positions past the end carry P = 0, but the V rows there may hold anything
             // (NaN included, and 0 * NaN = NaN): clear them in the partial last tile. Lane holds
             // V^T columns (positions) 2*(lane%4) + {0,1} in a[0..1] and 8 more in a[2..3].

@@ -84,7 +84,7 @@ impl DecodeVariant {
         let merge = self.consumer_groups * 4 * self.n_tiles * 8 * (self.head_dim + 4) * 4;
         let ring_region = ring.max(merge).div_ceil(128) * 128;
         let q = self.n_tiles * 8 * (self.head_dim * 2 + 16);
-        let barriers = 2 * 8 * self.stages;
+        let barriers = 3 * 8 * self.stages; // K full, V full, empty per stage
         let stats = 2 * 4 * (4 * self.consumer_groups) * self.n_tiles * 8;
         // what cluster peers push (m, l per rank and head; O of this CTA's head-dim slice)
         let cluster_inbox = 4 * self.n_tiles * 8 * (2 * plan::MAX_CLUSTER_SPLITS + self.head_dim);

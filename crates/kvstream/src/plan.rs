@@ -35,6 +35,36 @@
 //! | 16/16, d128, 32768        |  209 |*68.1*|70.4 |70.7 |70.8 |72.6 |76.4 | 4    |
 //! | b4 32/8, d128, 32768      |  208 |  134 | 135 | 136 | 134 | 136 | 144 | 2 (128.8) |
 
+//! # Reduction mode (automatic selection)
+//!
+//! With several splits, their partial results are merged either by a combine kernel (kernel
+//! reduction: FP32 workspace, second launch under PDL) or inside a thread-block cluster (cluster
+//! reduction: one launch, DSMEM, powers of two up to 16 splits). Rule: **cluster reduction when
+//! the split count is 2 or 4** ([`AUTO_CLUSTER_MAX_SPLITS`]), kernel reduction otherwise; PDL on
+//! in both modes. Measured on the H200 at e0d1f75 (`kvstream bench --modes --no-pdl
+//! --cluster-splits 2,4,8,16`, CUDA-graph medians in us, `results/kvstream-bench-2026-11-29-e0d1f75.json`):
+//!
+//! | shape                     | splits | kernel | cluster | cluster, 8 | cluster, 16 |
+//! |---------------------------|-------:|-------:|--------:|-----------:|------------:|
+//! | 16/16 d128 L1024          |      4 |   6.38 |  *6.16* |      10.30 |       15.27 |
+//! | 16/16 d128 L131072        |      4 | 251.55 |*245.39* |     314.64 |      277.71 |
+//! | 16/16 d64 L1024           |      4 |   5.36 |  *5.20* |       8.63 |       15.01 |
+//! | 16/16 d64 L131072         |      4 |*128.67*|  132.69 |     175.52 |      150.58 |
+//! | b4 32/8 d128 L4096        |      2 |  20.68 | *20.02* |      28.84 |       38.71 |
+//! | b4 32/8 d128 L32768       |      2 | 129.12 |*125.97* |     151.71 |      154.46 |
+//! | 32/8 d128 L4096           |      8 |   8.62 |  *8.56* |       8.58 |       14.50 |
+//! | 16/2 d64 L1024            |      8 |   4.68 |  *4.51* |       4.50 |        5.60 |
+//! | 16/1 d64 L1024            |      8 |  *5.22*|    5.42 |       5.43 |        6.65 |
+//! | 16/2 d128 L1024           |     16 |  *4.95*|    5.93 |       5.21 |        5.93 |
+//! | 16/1 d64 L2048            |     16 |  *5.24*|    6.38 |       6.03 |        6.38 |
+//! | 16/2 d128 L131072         |     33 |  *36.56*|  59.84 |      90.90 |       59.83 |
+//!
+//! With 2-4 splits cluster reduction wins 2-3% on 15 of the 18 such matrix shapes (it saves the
+//! combine's launch and its L2 round trip); at 8 splits the modes are within 4% either way, and
+//! from 16 splits up clusters lose (a 16-CTA cluster is 1 us slower to run than 16 CTAs plus a
+//! combine at L 1024, and past 16 splits only kernel reduction keeps the SMs streaming). PDL off
+//! costs 0.4-0.8 us in both modes (16/1 d64 L1024: kernel 5.22 -> 5.82, cluster 5.42 -> 5.84).
+
 use crate::error::{Error, Result};
 use crate::kernels::{CombineVariant, DecodeVariant};
 use crate::problem::DecodeProblem;
@@ -79,6 +109,18 @@ pub const MAX_CLUSTER_SPLITS: usize = 16;
 /// even-width slice of the head dimension.
 pub const CLUSTER_SPLITS: [usize; 5] = [1, 2, 4, 8, 16];
 
+/// Largest split count for which the automatic choice takes cluster reduction (module docs).
+pub const AUTO_CLUSTER_MAX_SPLITS: usize = 4;
+
+/// The reduction mode chosen when the caller does not force one (module docs).
+pub fn auto_reduction(num_splits: usize) -> Reduction {
+    if (2..=AUTO_CLUSTER_MAX_SPLITS).contains(&num_splits) && CLUSTER_SPLITS.contains(&num_splits) {
+        Reduction::Cluster
+    } else {
+        Reduction::Kernel
+    }
+}
+
 /// What the caller may force.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PlanOptions {
@@ -93,8 +135,7 @@ pub struct PlanOptions {
     /// Force the ring depth: [`STAGES`] (default) or 2 (a third of the shared memory, so two
     /// or three CTAs share an SM). A tuning knob, not yet chosen by the heuristic.
     pub stages: Option<usize>,
-    /// Force the reduction mode. `None`: kernel reduction (cluster reduction is opt-in until
-    /// its automatic selection is measured).
+    /// Force the reduction mode. `None`: chosen from the split count ([`auto_reduction`]).
     pub reduction: Option<Reduction>,
 }
 
@@ -201,8 +242,8 @@ pub fn plan(
     options: PlanOptions,
 ) -> Result<DecodePlan> {
     problem.validate()?;
-    let reduction = options.reduction.unwrap_or_default();
-    let num_splits = match (options.num_splits, reduction) {
+    let forced_reduction = options.reduction.unwrap_or_default();
+    let num_splits = match (options.num_splits, forced_reduction) {
         (Some(n), Reduction::Kernel) if (1..=MAX_SPLITS).contains(&n) => n,
         (Some(n), Reduction::Cluster) if CLUSTER_SPLITS.contains(&n) => n,
         (Some(n), Reduction::Kernel) => {
@@ -222,6 +263,9 @@ pub fn plan(
         (None, Reduction::Kernel) => heuristic_splits(problem, device),
         (None, Reduction::Cluster) => cluster_splits(heuristic_splits(problem, device)),
     };
+    let reduction = options
+        .reduction
+        .unwrap_or_else(|| auto_reduction(num_splits));
     let mut decode = DecodeVariant::for_problem(problem);
     decode.consumer_groups = match options.consumer_groups {
         Some(g) if DecodeVariant::groups_fit(decode.n_tiles, g) => g,
@@ -295,6 +339,27 @@ mod tests {
         assert_eq!(plan.num_splits, 33);
         assert_eq!(plan.grid, [33, 2, 1]);
         assert!(plan.combine.is_some());
+        assert_eq!(plan.reduction, Reduction::Kernel);
+    }
+
+    #[test]
+    fn automatic_reduction_follows_the_measured_rule() {
+        let auto = |batch, hq, hkv, len| {
+            let p = DecodeProblem::new(batch, hq, hkv, 128, len, DType::Bf16).unwrap();
+            let pl = plan(&p, DeviceFacts::H200, PlanOptions::default()).unwrap();
+            (pl.num_splits, pl.reduction, pl.combine.is_some())
+        };
+        assert_eq!(auto(1, 16, 16, 4096), (4, Reduction::Cluster, false));
+        assert_eq!(auto(4, 32, 8, 32_768), (2, Reduction::Cluster, false));
+        assert_eq!(auto(1, 32, 8, 4096), (8, Reduction::Kernel, true));
+        assert_eq!(auto(1, 16, 2, 1024), (16, Reduction::Kernel, true));
+        assert_eq!(auto(128, 32, 8, 4096).0, 1);
+        // 3 splits (batch 22 x 1 KV head): not a cluster size, so kernel reduction
+        assert_eq!(auto(22, 16, 1, 32_768), (3, Reduction::Kernel, true));
+        for n in 1..=MAX_SPLITS {
+            let r = auto_reduction(n);
+            assert_eq!(r == Reduction::Cluster, n == 2 || n == 4, "{n}");
+        }
     }
 
     #[test]
@@ -379,8 +444,19 @@ mod tests {
         let msg = plan(&p, DeviceFacts::H200, too_many)
             .unwrap_err()
             .to_string();
-        assert!(msg.contains("num_splits") && msg.contains("[1, 2, 4, 8, 16]"), "{msg}");
-        assert!(plan(&p, DeviceFacts::H200, PlanOptions { num_splits: Some(17), ..cluster }).is_err());
+        assert!(
+            msg.contains("num_splits") && msg.contains("[1, 2, 4, 8, 16]"),
+            "{msg}"
+        );
+        assert!(plan(
+            &p,
+            DeviceFacts::H200,
+            PlanOptions {
+                num_splits: Some(17),
+                ..cluster
+            }
+        )
+        .is_err());
         assert_eq!(cluster_splits(33), 16);
         assert_eq!(cluster_splits(12), 8);
         assert_eq!(cluster_splits(1), 1);
@@ -454,7 +530,13 @@ mod tests {
             let tiles = len.div_ceil(tile_tokens(d));
             if pl.num_splits > 1 {
                 prop_assert!(tiles / pl.num_splits >= MIN_TILES_PER_SPLIT);
-                prop_assert_eq!(pl.workspace.o_partial, pl.num_splits * batch * hkv * g * d);
+                prop_assert_eq!(pl.reduction, auto_reduction(pl.num_splits));
+                let expected = match pl.reduction {
+                    Reduction::Kernel => pl.num_splits * batch * hkv * g * d,
+                    Reduction::Cluster => 0,
+                };
+                prop_assert_eq!(pl.workspace.o_partial, expected);
+                prop_assert_eq!(pl.combine.is_some(), pl.reduction == Reduction::Kernel);
             }
             prop_assert!(batch * hkv * pl.num_splits <= 132 + batch * hkv);
         }
