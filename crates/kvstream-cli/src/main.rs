@@ -53,6 +53,9 @@ pub struct ShapeArgs {
     /// Force 1 or 2 groups of consumer warps per CTA (tuning knob).
     #[arg(long)]
     pub consumer_groups: Option<usize>,
+    /// Force the reduction mode of the splits: kernel or cluster (default: chosen by the plan).
+    #[arg(long)]
+    pub reduction: Option<String>,
 }
 
 impl ShapeArgs {
@@ -70,6 +73,7 @@ impl ShapeArgs {
         let opts = PlanOptions {
             num_splits: self.splits,
             consumer_groups: self.consumer_groups,
+            reduction: self.reduction.as_deref().map(str::parse).transpose()?,
             ..Default::default()
         };
         Ok((p, opts))

@@ -39,31 +39,36 @@
 //!
 //! With several splits, their partial results are merged either by a combine kernel (kernel
 //! reduction: FP32 workspace, second launch under PDL) or inside a thread-block cluster (cluster
-//! reduction: one launch, DSMEM, powers of two up to 16 splits). Rule: **cluster reduction when
-//! the split count is 2 or 4** ([`AUTO_CLUSTER_MAX_SPLITS`]), kernel reduction otherwise; PDL on
-//! in both modes. Measured on the H200 at e0d1f75 (`kvstream bench --modes --no-pdl
-//! --cluster-splits 2,4,8,16`, CUDA-graph medians in us, `results/kvstream-bench-2026-11-29-e0d1f75.json`):
+//! reduction: one launch, DSMEM, powers of two up to 16 splits). Rule ([`auto_reduction`]):
+//! **cluster reduction when there are 2, 4 or 8 splits of at most 2 tiles each**
+//! ([`AUTO_CLUSTER_MAX_SPLITS`], [`AUTO_CLUSTER_MAX_TILES`]), kernel reduction otherwise; PDL on
+//! in both modes. Measured with `kvstream bench --modes` on two H200s (run A at e0d1f75, run B
+//! at c790eea; `results/kvstream-bench-2026-11-29-{e0d1f75,c790eea}.json`), cluster time /
+//! kernel time at the heuristic's split count (< 1: cluster faster):
 //!
-//! | shape                     | splits | kernel | cluster | cluster, 8 | cluster, 16 |
-//! |---------------------------|-------:|-------:|--------:|-----------:|------------:|
-//! | 16/16 d128 L1024          |      4 |   6.38 |  *6.16* |      10.30 |       15.27 |
-//! | 16/16 d128 L131072        |      4 | 251.55 |*245.39* |     314.64 |      277.71 |
-//! | 16/16 d64 L1024           |      4 |   5.36 |  *5.20* |       8.63 |       15.01 |
-//! | 16/16 d64 L131072         |      4 |*128.67*|  132.69 |     175.52 |      150.58 |
-//! | b4 32/8 d128 L4096        |      2 |  20.68 | *20.02* |      28.84 |       38.71 |
-//! | b4 32/8 d128 L32768       |      2 | 129.12 |*125.97* |     151.71 |      154.46 |
-//! | 32/8 d128 L4096           |      8 |   8.62 |  *8.56* |       8.58 |       14.50 |
-//! | 16/2 d64 L1024            |      8 |   4.68 |  *4.51* |       4.50 |        5.60 |
-//! | 16/1 d64 L1024            |      8 |  *5.22*|    5.42 |       5.43 |        6.65 |
-//! | 16/2 d128 L1024           |     16 |  *4.95*|    5.93 |       5.21 |        5.93 |
-//! | 16/1 d64 L2048            |     16 |  *5.24*|    6.38 |       6.03 |        6.38 |
-//! | 16/2 d128 L131072         |     33 |  *36.56*|  59.84 |      90.90 |       59.83 |
+//! | shape              | splits | tiles/split | run A | run B |
+//! |--------------------|-------:|------------:|------:|------:|
+//! | 16/2 d64 L1024     |      8 |           1 | 0.963 | 0.933 |
+//! | 16/1 d64 L1024     |      8 |           1 | 1.039 | 0.984 |
+//! | 16/16 d64 L1024    |      4 |           2 | 0.970 | 0.940 |
+//! | 16/16 d128 L1024   |      4 |           4 | 0.966 | 1.018 |
+//! | 16/16 d128 L4096   |      4 |          16 | 0.971 | 1.060 |
+//! | 16/16 d128 L131072 |      4 |         512 | 0.976 | 0.960 |
+//! | 16/16 d64 L65536   |      4 |         128 | 1.030 | 1.050 |
+//! | 32/8 d128 L4096    |      8 |           8 | 0.993 | 1.142 |
+//! | b4 32/8 d128 L4096 |      2 |          32 | 0.968 | 1.009 |
+//! | 16/2 d128 L1024    |     16 |           1 | 1.195 | 1.172 |
+//! | 16/1 d64 L2048     |     16 |           1 | 1.216 | 1.164 |
+//! | 16/2 d128 L131072  |     33 |        (16) | 1.637 | 1.604 |
 //!
-//! With 2-4 splits cluster reduction wins 2-3% on 15 of the 18 such matrix shapes (it saves the
-//! combine's launch and its L2 round trip); at 8 splits the modes are within 4% either way, and
-//! from 16 splits up clusters lose (a 16-CTA cluster is 1 us slower to run than 16 CTAs plus a
-//! combine at L 1024, and past 16 splits only kernel reduction keeps the SMs streaming). PDL off
-//! costs 0.4-0.8 us in both modes (16/1 d64 L1024: kernel 5.22 -> 5.82, cluster 5.42 -> 5.84).
+//! Where a split streams one or two tiles, the combine's launch and L2 round trip are a large
+//! part of the time and the cluster's one-launch merge wins on both GPUs (3-7%). With longer
+//! splits the merge is noise and the two GPUs disagree by up to 14% in either direction: the
+//! placement of clusters onto GPCs differs from chip to chip (the two runs used different
+//! H200s), while kernel reduction's plain grid spreads the same everywhere, so it is the default
+//! there. Clusters of 16 are ~1 us slower than 16 CTAs plus a combine, and past 16 splits only
+//! kernel reduction can keep the SMs streaming. PDL off costs 0.4-0.8 us in both modes (run A,
+//! 16/1 d64 L1024: kernel 5.22 -> 5.82 us, cluster 5.42 -> 5.84 us).
 
 use crate::error::{Error, Result};
 use crate::kernels::{CombineVariant, DecodeVariant};
@@ -101,6 +106,27 @@ pub enum Reduction {
     Cluster,
 }
 
+impl Reduction {
+    /// The name used on the command line and in Python: `kernel` or `cluster`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reduction::Kernel => "kernel",
+            Reduction::Cluster => "cluster",
+        }
+    }
+}
+
+impl std::str::FromStr for Reduction {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "kernel" => Ok(Reduction::Kernel),
+            "cluster" => Ok(Reduction::Cluster),
+            other => Err(Error::invalid("reduction", other, "'kernel' or 'cluster'")),
+        }
+    }
+}
+
 /// Largest cluster the cluster reduction uses: 16, past the portable size of 8 (the decoder
 /// checks with the occupancy API that the GPU can co-schedule it).
 pub const MAX_CLUSTER_SPLITS: usize = 16;
@@ -110,11 +136,18 @@ pub const MAX_CLUSTER_SPLITS: usize = 16;
 pub const CLUSTER_SPLITS: [usize; 5] = [1, 2, 4, 8, 16];
 
 /// Largest split count for which the automatic choice takes cluster reduction (module docs).
-pub const AUTO_CLUSTER_MAX_SPLITS: usize = 4;
+pub const AUTO_CLUSTER_MAX_SPLITS: usize = 8;
+/// Longest split (in tiles) for which the automatic choice takes cluster reduction.
+pub const AUTO_CLUSTER_MAX_TILES: usize = 2;
 
-/// The reduction mode chosen when the caller does not force one (module docs).
-pub fn auto_reduction(num_splits: usize) -> Reduction {
-    if (2..=AUTO_CLUSTER_MAX_SPLITS).contains(&num_splits) && CLUSTER_SPLITS.contains(&num_splits) {
+/// The reduction mode chosen when the caller does not force one (module docs):
+/// `num_splits` splits of at most `tiles_per_split` tiles each.
+pub fn auto_reduction(num_splits: usize, tiles_per_split: usize) -> Reduction {
+    let cluster_size = num_splits > 1 && CLUSTER_SPLITS.contains(&num_splits);
+    if cluster_size
+        && num_splits <= AUTO_CLUSTER_MAX_SPLITS
+        && tiles_per_split <= AUTO_CLUSTER_MAX_TILES
+    {
         Reduction::Cluster
     } else {
         Reduction::Kernel
@@ -263,9 +296,11 @@ pub fn plan(
         (None, Reduction::Kernel) => heuristic_splits(problem, device),
         (None, Reduction::Cluster) => cluster_splits(heuristic_splits(problem, device)),
     };
+    let tiles = problem.max_len.div_ceil(tile_tokens(problem.head_dim));
+    let tiles_per_split = tiles.div_ceil(num_splits);
     let reduction = options
         .reduction
-        .unwrap_or_else(|| auto_reduction(num_splits));
+        .unwrap_or_else(|| auto_reduction(num_splits, tiles_per_split));
     let mut decode = DecodeVariant::for_problem(problem);
     decode.consumer_groups = match options.consumer_groups {
         Some(g) if DecodeVariant::groups_fit(decode.n_tiles, g) => g,
@@ -276,10 +311,7 @@ pub fn plan(
                 "1, or 2 when the group has at most 16 query heads",
             ))
         }
-        None => {
-            let tiles = problem.max_len.div_ceil(decode.tile_tokens);
-            consumer_groups(decode.n_tiles, tiles.div_ceil(num_splits))
-        }
+        None => consumer_groups(decode.n_tiles, tiles_per_split),
     };
     decode.stages = match options.stages {
         None => STAGES,
@@ -344,37 +376,27 @@ mod tests {
 
     #[test]
     fn automatic_reduction_follows_the_measured_rule() {
-        let auto = |batch, hq, hkv, len| {
-            let p = DecodeProblem::new(batch, hq, hkv, 128, len, DType::Bf16).unwrap();
+        let auto = |batch, hq, hkv, d, len| {
+            let p = DecodeProblem::new(batch, hq, hkv, d, len, DType::Bf16).unwrap();
             let pl = plan(&p, DeviceFacts::H200, PlanOptions::default()).unwrap();
             (pl.num_splits, pl.reduction, pl.combine.is_some())
         };
-        assert_eq!(auto(1, 16, 16, 4096), (4, Reduction::Cluster, false));
-        assert_eq!(auto(4, 32, 8, 32_768), (2, Reduction::Cluster, false));
-        assert_eq!(auto(1, 32, 8, 4096), (8, Reduction::Kernel, true));
-        assert_eq!(auto(1, 16, 2, 1024), (16, Reduction::Kernel, true));
-        assert_eq!(auto(128, 32, 8, 4096).0, 1);
-        // 3 splits (batch 22 x 1 KV head): not a cluster size, so kernel reduction
-        assert_eq!(auto(22, 16, 1, 32_768), (3, Reduction::Kernel, true));
+        assert_eq!(auto(1, 16, 2, 64, 1024), (8, Reduction::Cluster, false));
+        assert_eq!(auto(1, 16, 16, 64, 1024), (4, Reduction::Cluster, false));
+        assert_eq!(auto(1, 16, 16, 128, 1024), (4, Reduction::Kernel, true));
+        assert_eq!(auto(1, 16, 16, 64, 65_536), (4, Reduction::Kernel, true));
+        assert_eq!(auto(1, 16, 2, 128, 1024), (16, Reduction::Kernel, true));
+        assert_eq!(auto(4, 32, 8, 128, 32_768), (2, Reduction::Kernel, true));
+        assert_eq!(auto(128, 32, 8, 128, 4096).0, 1);
         for n in 1..=MAX_SPLITS {
-            let r = auto_reduction(n);
-            assert_eq!(r == Reduction::Cluster, n == 2 || n == 4, "{n}");
-        }
-    }
-
-    #[test]
-    fn sweep_optima_are_reproduced() {
-        // (hq, hkv, d, L, batch) -> best split count of the table in the module docs
-        for (hq, hkv, d, len, batch, best) in [
-            (16, 2, 128, 1024, 1, 16),
-            (16, 1, 128, 131_072, 1, 66),
-            (16, 1, 64, 32_768, 1, 66),
-            (16, 16, 128, 32_768, 1, 4),
-            (32, 8, 128, 32_768, 4, 2),
-            (32, 8, 128, 4096, 16, 1),
-        ] {
-            let p = DecodeProblem::new(batch, hq, hkv, d, len, DType::Bf16).unwrap();
-            assert_eq!(heuristic_splits(&p, DeviceFacts::H200), best, "{p:?}");
+            for t in 1..4 {
+                let cluster = auto_reduction(n, t) == Reduction::Cluster;
+                assert_eq!(
+                    cluster,
+                    [2, 4, 8].contains(&n) && t <= 2,
+                    "{n} splits of {t} tiles"
+                );
+            }
         }
     }
 
@@ -463,6 +485,15 @@ mod tests {
     }
 
     #[test]
+    fn reduction_names_round_trip() {
+        for r in [Reduction::Kernel, Reduction::Cluster] {
+            assert_eq!(r.name().parse::<Reduction>().unwrap(), r);
+        }
+        let msg = "atomic".parse::<Reduction>().unwrap_err().to_string();
+        assert!(msg.contains("reduction") && msg.contains("atomic"), "{msg}");
+    }
+
+    #[test]
     fn stages_are_checked() {
         let p = DecodeProblem::new(1, 16, 2, 128, 4096, DType::Bf16).unwrap();
         let opts = |s| PlanOptions {
@@ -530,7 +561,7 @@ mod tests {
             let tiles = len.div_ceil(tile_tokens(d));
             if pl.num_splits > 1 {
                 prop_assert!(tiles / pl.num_splits >= MIN_TILES_PER_SPLIT);
-                prop_assert_eq!(pl.reduction, auto_reduction(pl.num_splits));
+                prop_assert_eq!(pl.reduction, auto_reduction(pl.num_splits, tiles.div_ceil(pl.num_splits)));
                 let expected = match pl.reduction {
                     Reduction::Kernel => pl.num_splits * batch * hkv * g * d,
                     Reduction::Cluster => 0,
