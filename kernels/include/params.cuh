@@ -12,28 +12,39 @@ struct alignas(128) TensorMap {
     unsigned long long opaque[16];
 };
 
+// Query rows: request b's new token i (0 <= i < q_len) with query head h is output row
+// (b * q_len + i) * hq + h; it sees cache positions [0, seqlens[b] - q_len + i] (causal among the
+// new tokens). The decode kernel puts the q_len * group rows of one KV head on the MMA N
+// dimension ("columns", token-major), in blocks of up to 32 columns per CTA.
 struct alignas(128) DecodeParams {
-    TensorMap k_map;        // K as a 4-D tensor {d, hkv, max_len, batch}, box {64, 1, tile, 1},
-    TensorMap v_map;        //   128-byte swizzle; V likewise (decode kernel only)
-    const void* q;          // [batch, hq, d]            bf16 | f16
-    const void* k;          // [batch, max_len, hkv, d]  strides below
-    const void* v;          // [batch, max_len, hkv, d]  strides below
-    void* out;              // [batch, hq, d]            same dtype as q
-    float* lse;             // [batch, hq] natural log, or null
+    TensorMap k_map;        // contiguous: K as a 4-D tensor {d, hkv, max_len, batch}; paged: the
+    TensorMap v_map;        //   page pool {d, hkv, page_size, num_pages}; box {64, 1, rows, 1},
+                            //   128-byte swizzle; V likewise (decode kernel only)
+    const void* q;          // [batch, q_len, hq, d]     bf16 | f16, strides below
+    const void* k;          // contiguous [batch, max_len, hkv, d] (strides below) or paged
+    const void* v;          //   [num_pages, page_size, hkv, d]
+    void* out;              // [batch, q_len, hq, d]     same dtype as q, strides below
+    float* lse;             // [batch, q_len, hq] natural log, or null
     const int* seqlens;     // [batch] int32, or null: every request has max_len tokens
-    float* o_partial;       // [num_splits, batch, hq, d]  unnormalised (kernel reduction only)
-    float* m_partial;       // [num_splits, batch, hq]     base-2 running max (kernel reduction)
-    float* l_partial;       // [num_splits, batch, hq]     softmax denominator (kernel reduction)
-    long long q_batch_stride, q_head_stride;
+    float* o_partial;       // [num_splits, rows, d]   unnormalised (kernel reduction only);
+    float* m_partial;       // [num_splits, rows]      base-2 running max    rows = batch * q_len
+    float* l_partial;       // [num_splits, rows]      softmax denominator          * hq
+    const int* block_table; // paged: [batch, table_stride] int32 page ids; null: contiguous
+    long long q_batch_stride, q_token_stride, q_head_stride;
     long long k_batch_stride, k_token_stride, k_head_stride;
     long long v_batch_stride, v_token_stride, v_head_stride;
-    long long o_batch_stride, o_head_stride;
+    long long o_batch_stride, o_token_stride, o_head_stride;
     int batch, hq, hkv, group;
     int max_len;            // L: capacity of the cache per request; every seqlens[b] <= max_len
     int num_splits;         // CTAs along the KV axis per (request, kv head)
     float scale_log2;       // softmax_scale * log2(e): scores go straight to exp2
     int cluster_splits;     // > 1: the splits of one (request, kv head) form a cluster of this
                             //   size and merge through distributed shared memory (no combine)
+    int q_len;              // new tokens per request, 1..8
+    int cols;               // q_len * group: query rows (MMA columns) per KV head
+    int col_blocks;         // CTAs along the columns of one KV head: ceil(cols / columns per CTA)
+    int page_size;          // paged: tokens per page (a power of two); 0: contiguous
+    int table_stride;       // paged: entries per block-table row
 };
 
 static_assert(sizeof(DecodeParams) == 512, "DecodeParams must match params.rs");

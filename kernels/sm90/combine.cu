@@ -1,6 +1,7 @@
 // Split-KV combine: merges the FP32 partials of decode_gqa.cu into the final output.
 //
-// One CTA per (request, query head) row. For the splits s = 0, 1, ... :
+// One CTA per output row (request b, new token i, query head h) = (b * q_len + i) * hq + h.
+// For the splits s = 0, 1, ... :
 //   M = max_s m_s                       (computed here: no global max buffer, nothing to reset)
 //   w_s = 2^(m_s - M), 0 for empty splits (m_s = -inf; their O is written as zeros)
 //   out = sum_s w_s O_s / sum_s w_s l_s,   LSE = (M + log2 sum_s w_s l_s) * ln 2
@@ -49,9 +50,11 @@ kvs_combine(const __grid_constant__ DecodeParams p) {
     __shared__ float scratch[WARPS];
     __shared__ float warp_sum[WARPS][HEAD_DIM];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const long long row = blockIdx.x;  // b * hq + h
-    const long long rows = (long long)p.batch * p.hq;
-    const int batch = (int)(row / p.hq), head = (int)(row % p.hq);
+    const long long row = blockIdx.x;  // (b * q_len + i) * hq + h
+    const long long rows = (long long)p.batch * p.q_len * p.hq;
+    const int head = (int)(row % p.hq);
+    const int token = (int)(row / p.hq % p.q_len);
+    const int batch = (int)(row / p.hq / p.q_len);
     const int splits = p.num_splits;
     const int s_own = threadIdx.x;  // the split whose statistics this thread holds
 
@@ -112,7 +115,7 @@ kvs_combine(const __grid_constant__ DecodeParams p) {
             o1 += warp_sum[w][d + 1];
         }
         u32* out = reinterpret_cast<u32*>(reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride +
-                                          head * p.o_head_stride + d);
+                                          token * p.o_token_stride + head * p.o_head_stride + d);
         *out = pack_half2<IS_F16>(o0 * inv, o1 * inv);
     }
     if (p.lse && threadIdx.x == 0) {

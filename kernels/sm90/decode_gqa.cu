@@ -79,6 +79,9 @@ constexpr int BOX_BYTES = TILE_TOKENS * 128;
 constexpr int TILE_BYTES = BOXES * BOX_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K tile then V tile
 constexpr int TILE_TX_BYTES = TILE_BYTES;  // out-of-range rows are zero-filled, still counted
+// Paged caches: a tile is loaded as up to TILE_TOKENS runs of whole pages, spread over the
+// producer warp's lanes.
+constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;
 // Q is staged by ordinary stores, rows padded by 16 bytes for the same conflict-free reads.
 constexpr int SMEM_ROW = HEAD_DIM * 2 + 16;
 
@@ -128,6 +131,36 @@ __device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk) {
     return tile + (chunk / 8) * BOX_BYTES + t * 128 + (((chunk % 8) ^ (t % 8)) << 4);
 }
 
+// ================================ query rows (columns) =====================================
+// Column c of a CTA is query row (token i, head h) of its KV head with
+// cb * GROUP_PAD + c = i * group + h (token-major), cb = the CTA's column block.
+struct Columns {
+    int first;  // KV-head-local column index of the CTA's column 0
+    int count;  // valid columns in this CTA (<= GROUP_PAD)
+    int batch, kv_head;
+
+    __device__ __forceinline__ int token(const DecodeParams& p, int c) const { return (first + c) / p.group; }
+    __device__ __forceinline__ int head(const DecodeParams& p, int c) const {
+        return kv_head * p.group + (first + c) % p.group;
+    }
+    // Output row (b * q_len + i) * hq + h: index of LSE and of the split partials.
+    __device__ __forceinline__ long long row(const DecodeParams& p, int c) const {
+        return ((long long)batch * p.q_len + token(p, c)) * p.hq + head(p, c);
+    }
+    __device__ __forceinline__ u16* out(const DecodeParams& p, int c) const {
+        return reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride + token(p, c) * p.o_token_stride +
+               head(p, c) * p.o_head_stride;
+    }
+    __device__ __forceinline__ const u16* q(const DecodeParams& p, int c) const {
+        return reinterpret_cast<const u16*>(p.q) + batch * p.q_batch_stride + token(p, c) * p.q_token_stride +
+               head(p, c) * p.q_head_stride;
+    }
+    // Cache positions column c may see: [0, len - q_len + token] (causal among the new tokens).
+    __device__ __forceinline__ int visible(const DecodeParams& p, int c, int len) const {
+        return len - p.q_len + 1 + token(p, c);
+    }
+};
+
 // ================================ cluster reduction ========================================
 // Protocol (every thread of every CTA of the cluster takes part in both barrier phases):
 //   start    cluster_arrive_relaxed            (phase 1: "my shared memory exists")
@@ -169,11 +202,11 @@ __device__ __forceinline__ void cluster_push_o(const ClusterShape& c, u32 recv_o
 // cheaper than a CTA barrier to share them, since a thread rarely has more than one pair.
 __device__ __forceinline__ void cluster_merge_slice(const DecodeParams& p, const ClusterShape& c,
                                                     const float* recv_m, const float* recv_l,
-                                                    const float* recv_o, int batch, int head0) {
+                                                    const float* recv_o, const Columns& cols) {
     cluster_arrive_release();
     cluster_wait_acquire();
     const int pairs = c.slice / 2;
-    for (int i = threadIdx.x; i < p.group * pairs; i += THREADS) {
+    for (int i = threadIdx.x; i < cols.count * pairs; i += THREADS) {
         const int g = i / pairs, e = 2 * (i % pairs);
         float m_max = neg_inf();
         for (int r = 0; r < c.peers; ++r) m_max = fmaxf(m_max, recv_m[r * GROUP_PAD + g]);
@@ -189,11 +222,9 @@ __device__ __forceinline__ void cluster_merge_slice(const DecodeParams& p, const
             o1 += w * v.y;
         }
         const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
-        u32* out = reinterpret_cast<u32*>(reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride +
-                                          (head0 + g) * p.o_head_stride + c.rank * c.slice + e);
-        *out = pack_half2<IS_F16>(o0 * inv, o1 * inv);
+        *reinterpret_cast<u32*>(cols.out(p, g) + c.rank * c.slice + e) = pack_half2<IS_F16>(o0 * inv, o1 * inv);
         if (p.lse && c.rank == 0 && e == 0) {
-            p.lse[(long long)batch * p.hq + head0 + g] =
+            p.lse[cols.row(p, g)] =
                 l_sum > 0.f ? (m_max + __log2f(l_sum)) * 0.69314718055994531f : neg_inf();
         }
     }
@@ -221,7 +252,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     const bool in_cluster = p.cluster_splits > 1;
 
     const int split = blockIdx.x;
-    const int kv_head = blockIdx.y;
+    const int kv_head = blockIdx.y / p.col_blocks;
+    const int col_block = blockIdx.y % p.col_blocks;
     const int batch = blockIdx.z;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -251,37 +283,38 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     const int num_tiles = range.end > range.begin
                               ? (range.end - range.begin + TILE_TOKENS - 1) / TILE_TOKENS
                               : 0;
-    const int head0 = kv_head * p.group;  // first query head of this group
-    const long long stat_base = ((long long)split * p.batch + batch) * p.hq + head0;
+    const Columns cols = {col_block * GROUP_PAD, min(GROUP_PAD, p.cols - col_block * GROUP_PAD), batch, kv_head};
+    const long long rows = (long long)p.batch * p.q_len * p.hq;  // of LSE and of each split's partials
+    float* m_partial = p.m_partial + split * rows;
+    float* l_partial = p.l_partial + split * rows;
+    float* o_partial = p.o_partial + split * rows * HEAD_DIM;
 
     if (num_tiles == 0) {
         // ---------------- empty split: publish neutral statistics and leave ----------------
         if (in_cluster) {
             cluster_wait_acquire();
-            for (int g = threadIdx.x; g < p.group; g += THREADS) {
+            for (int g = threadIdx.x; g < cols.count; g += THREADS) {
                 cluster_push_stats(cluster, smem_addr(recv_m), smem_addr(recv_l), g, neg_inf(), 0.f);
             }
-            cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, batch, head0);
+            cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, cols);
         } else if (p.num_splits > 1) {
             // Neutral partials, O included: the combine then loads every split unconditionally,
             // all in one round trip, and still reads only what this call wrote.
-            for (int g = threadIdx.x; g < p.group; g += THREADS) {
-                p.m_partial[stat_base + g] = neg_inf();
-                p.l_partial[stat_base + g] = 0.f;
+            for (int g = threadIdx.x; g < cols.count; g += THREADS) {
+                m_partial[cols.row(p, g)] = neg_inf();
+                l_partial[cols.row(p, g)] = 0.f;
             }
-            for (int i = threadIdx.x; i < p.group * HEAD_DIM / 4; i += THREADS) {
-                reinterpret_cast<float4*>(p.o_partial + stat_base * HEAD_DIM)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int i = threadIdx.x; i < cols.count * HEAD_DIM / 4; i += THREADS) {
+                const int g = i / (HEAD_DIM / 4), e = i % (HEAD_DIM / 4);
+                reinterpret_cast<float4*>(o_partial + cols.row(p, g) * HEAD_DIM)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
             }
         } else {
             // zero-length request: out = 0, LSE = -inf
-            u16* out = reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride;
-            for (int i = threadIdx.x; i < p.group * HEAD_DIM; i += THREADS) {
-                out[(head0 + i / HEAD_DIM) * p.o_head_stride + i % HEAD_DIM] = 0;
+            for (int i = threadIdx.x; i < cols.count * HEAD_DIM; i += THREADS) {
+                cols.out(p, i / HEAD_DIM)[i % HEAD_DIM] = 0;
             }
             if (p.lse) {
-                for (int g = threadIdx.x; g < p.group; g += THREADS) {
-                    p.lse[(long long)batch * p.hq + head0 + g] = neg_inf();
-                }
+                for (int g = threadIdx.x; g < cols.count; g += THREADS) p.lse[cols.row(p, g)] = neg_inf();
             }
         }
         pdl_release_dependents();
@@ -290,33 +323,62 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     if (warp == PRODUCER_WARP) {
         // =============================== producer warp ===================================
+        // Contiguous cache: lane 0 loads each tile as one box per 64 head dims. Paged cache: a
+        // tile is `boxes` page runs of `run` positions (whole pages, or a tile-sized piece of a
+        // larger page); lane i loads runs i, i + 32, ... with the page ids it read from the
+        // block table before waiting for the stage, so the table's latency hides behind it.
         if (lane == 0) {
             prefetch_tensor_map(&p.k_map);
             prefetch_tensor_map(&p.v_map);
-            const u64 policy = l2_policy_evict_first();
-            for (int tile = 0; tile < num_tiles; ++tile) {
-                const int stage = tile % STAGES;
-                if (tile >= STAGES) mbarrier_wait(&empty[stage], ((tile / STAGES) - 1) & 1);
-                unsigned char* k_dst = ring + stage * STAGE_BYTES;
-                unsigned char* v_dst = k_dst + TILE_BYTES;
-                // Positions past the request's length are loaded too (zeros past max_len,
-                // whatever the cache holds before it); the consumers mask them.
-                const int tile_begin = range.begin + tile * TILE_TOKENS;
-                mbarrier_arrive_expect_tx(&k_full[stage], TILE_TX_BYTES);
+        }
+        const u64 policy = l2_policy_evict_first();
+        const bool paged = p.block_table != nullptr;
+        const int run = paged ? min(p.page_size, TILE_TOKENS) : TILE_TOKENS;
+        const int boxes = TILE_TOKENS / run;
+        const int* table = p.block_table + (long long)batch * p.table_stride;
+        for (int tile = 0; tile < num_tiles; ++tile) {
+            const int stage = tile % STAGES;
+            // Positions past the request's length are loaded too (zeros past max_len or from
+            // page id -1, whatever the cache holds otherwise); the consumers mask them.
+            const int tile_begin = range.begin + tile * TILE_TOKENS;
+            int page[RUNS_PER_LANE];
 #pragma unroll
-                for (int box = 0; box < BOXES; ++box)
-                    tma_load_4d(k_dst + box * BOX_BYTES, &p.k_map, box * 64, kv_head, tile_begin,
-                                batch, &k_full[stage], policy);
-                mbarrier_arrive_expect_tx(&v_full[stage], TILE_TX_BYTES);
+            for (int i = 0; i < RUNS_PER_LANE; ++i) {
+                const int t = tile_begin + (lane + 32 * i) * run;
+                page[i] = paged && lane + 32 * i < boxes && t < range.end ? table[t / p.page_size] : -1;
+            }
+            if (tile >= STAGES) mbarrier_wait(&empty[stage], ((tile / STAGES) - 1) & 1);
+            unsigned char* dst[2] = {ring + stage * STAGE_BYTES, ring + stage * STAGE_BYTES + TILE_BYTES};
+            const TensorMap* map[2] = {&p.k_map, &p.v_map};
+            u64* bar[2] = {&k_full[stage], &v_full[stage]};
 #pragma unroll
-                for (int box = 0; box < BOXES; ++box)
-                    tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * 64, kv_head, tile_begin,
-                                batch, &v_full[stage], policy);
+            for (int kv = 0; kv < 2; ++kv) {  // K, then V
+                if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_TX_BYTES);
+                __syncwarp();
+                if (!paged) {
+                    if (lane == 0) {
+#pragma unroll
+                        for (int box = 0; box < BOXES; ++box)
+                            tma_load_4d(dst[kv] + box * BOX_BYTES, map[kv], box * 64, kv_head, tile_begin,
+                                        batch, bar[kv], policy);
+                    }
+                    continue;
+                }
+#pragma unroll
+                for (int i = 0; i < RUNS_PER_LANE; ++i) {
+                    const int r = lane + 32 * i;
+                    if (r >= boxes) break;
+                    const int in_page = (tile_begin + r * run) % p.page_size;
+#pragma unroll
+                    for (int box = 0; box < BOXES; ++box)
+                        tma_load_4d(dst[kv] + box * BOX_BYTES + r * run * 128, map[kv], box * 64, kv_head,
+                                    in_page, page[i], bar[kv], policy);
+                }
             }
         }
         if (in_cluster) {
             cluster_wait_acquire();
-            cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, batch, head0);
+            cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, cols);
         }
         return;
     }
@@ -325,14 +387,11 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     // Q of the group -> shared memory, rows past the group zero-filled (their columns are
     // computed and dropped; zeros keep them finite).
     {
-        const u16* q = reinterpret_cast<const u16*>(p.q) + batch * p.q_batch_stride;
         constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
         for (int i = threadIdx.x; i < GROUP_PAD * CHUNKS; i += CONSUMER_THREADS) {
             const int g = i / CHUNKS, c = i % CHUNKS;
             uint4 val = make_uint4(0, 0, 0, 0);
-            if (g < p.group) {
-                val = *reinterpret_cast<const uint4*>(q + (head0 + g) * p.q_head_stride + c * 8);
-            }
+            if (g < cols.count) val = *reinterpret_cast<const uint4*>(cols.q(p, g) + c * 8);
             *reinterpret_cast<uint4*>(q_smem + g * SMEM_ROW + c * 16) = val;
         }
         named_barrier_sync(1, CONSUMER_THREADS);
@@ -359,6 +418,17 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) o_acc[dt][nt][i] = 0.f;
     }
+
+    // Last position (exclusive) each of this lane's columns may see inside the split: the split's
+    // end, or earlier for the first new tokens of a multi-token decode.
+    int limit[N_TILES][2];
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int c = nt * 8 + 2 * (lane % 4) + j;
+            limit[nt][j] = c < cols.count ? min(range.end, cols.visible(p, c, len)) : range.end;
+        }
 
     // ldmatrix lane addressing (see ptx.cuh): K as row-major A, V^T via .trans, Q as col B.
     const int a_row = lane % 16, a_col = (lane / 16) * 8;                       // K
@@ -399,15 +469,14 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
             // ---- online softmax over this warp's rows (base 2) ----
             const int tok_lo = tile_begin + slice_row + lane / 4;  // rows of s[..][0..1]
-            const bool valid_lo = tok_lo < range.end, valid_hi = tok_lo + 8 < range.end;
             u32 p_frag[N_TILES][2];
 #pragma unroll
             for (int nt = 0; nt < N_TILES; ++nt) {
                 float x[4];
-                x[0] = valid_lo ? s[nt][0] * p.scale_log2 : neg_inf();
-                x[1] = valid_lo ? s[nt][1] * p.scale_log2 : neg_inf();
-                x[2] = valid_hi ? s[nt][2] * p.scale_log2 : neg_inf();
-                x[3] = valid_hi ? s[nt][3] * p.scale_log2 : neg_inf();
+                x[0] = tok_lo < limit[nt][0] ? s[nt][0] * p.scale_log2 : neg_inf();
+                x[1] = tok_lo < limit[nt][1] ? s[nt][1] * p.scale_log2 : neg_inf();
+                x[2] = tok_lo + 8 < limit[nt][0] ? s[nt][2] * p.scale_log2 : neg_inf();
+                x[3] = tok_lo + 8 < limit[nt][1] ? s[nt][3] * p.scale_log2 : neg_inf();
                 float mx[2] = {fmaxf(x[0], x[2]), fmaxf(x[1], x[3])};
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
@@ -509,7 +578,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     // Sum the warps in a fixed order and write: two head-dim elements per thread per step.
     const bool single_split = p.num_splits == 1;
     if (in_cluster) cluster_wait_acquire();  // every peer has started: its shared memory exists
-    for (int i = threadIdx.x; i < p.group * (HEAD_DIM / 2); i += CONSUMER_THREADS) {
+    for (int i = threadIdx.x; i < cols.count * (HEAD_DIM / 2); i += CONSUMER_THREADS) {
         const int g = i / (HEAD_DIM / 2), d = (i % (HEAD_DIM / 2)) * 2;
         float m_cta = neg_inf();
 #pragma unroll
@@ -525,25 +594,23 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         }
         if (single_split) {
             const float inv = l_cta > 0.f ? 1.f / l_cta : 0.f;
-            u32* out = reinterpret_cast<u32*>(reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride +
-                                              (head0 + g) * p.o_head_stride + d);
-            *out = pack_half2<IS_F16>(o0 * inv, o1 * inv);
+            *reinterpret_cast<u32*>(cols.out(p, g) + d) = pack_half2<IS_F16>(o0 * inv, o1 * inv);
             if (p.lse && d == 0) {
-                p.lse[(long long)batch * p.hq + head0 + g] =
+                p.lse[cols.row(p, g)] =
                     l_cta > 0.f ? (m_cta + __log2f(l_cta)) * 0.69314718055994531f : neg_inf();
             }
         } else if (in_cluster) {
             cluster_push_o(cluster, smem_addr(recv_o), g, d, o0, o1);
             if (d == 0) cluster_push_stats(cluster, smem_addr(recv_m), smem_addr(recv_l), g, m_cta, l_cta);
         } else {
-            float2* dst = reinterpret_cast<float2*>(p.o_partial + (stat_base + g) * HEAD_DIM + d);
-            *dst = make_float2(o0, o1);
+            const long long row = cols.row(p, g);
+            *reinterpret_cast<float2*>(o_partial + row * HEAD_DIM + d) = make_float2(o0, o1);
             if (d == 0) {
-                p.m_partial[stat_base + g] = m_cta;
-                p.l_partial[stat_base + g] = l_cta;
+                m_partial[row] = m_cta;
+                l_partial[row] = l_cta;
             }
         }
     }
-    if (in_cluster) cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, batch, head0);
+    if (in_cluster) cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, cols);
     pdl_release_dependents();
 }

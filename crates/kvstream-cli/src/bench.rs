@@ -695,6 +695,7 @@ fn measure_shape(
         out: set_at(o_off, arena.q_set, s),
         lse: None,
         seqlens: None,
+        block_table: None,
     };
 
     // ---- check every implementation on set 0, capture the ones that pass ----

@@ -147,6 +147,7 @@ fn gpu_demo<T: Element + Copy>(
         out: ob + (s * q_elems) as u64 * elem,
         lse: with_lse.then_some(lse_ptr),
         seqlens: None,
+        block_table: None,
     };
 
     // ---- check set 0 against the f64 reference ----

@@ -14,7 +14,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
-use kvstream::plan::plan;
+use kvstream::plan::{plan, Reduction};
 use kvstream::{
     DType, DecodeProblem, DecodeTensors, DeviceFacts, Error, KvStrides, PlanOptions, Runtime,
 };
@@ -108,17 +108,24 @@ fn build_problem(
     Ok(p)
 }
 
-fn options(num_splits: Option<i64>) -> PyResult<PlanOptions> {
+/// Plan options from the Python arguments: a split count and a reduction mode name
+/// (`"kernel"` or `"cluster"`); `None` leaves each to the planner.
+fn options(num_splits: Option<i64>, reduction: Option<&str>) -> PyResult<PlanOptions> {
     Ok(PlanOptions {
         num_splits: num_splits.map(|n| size("num_splits", n)).transpose()?,
+        reduction: reduction
+            .map(str::parse::<Reduction>)
+            .transpose()
+            .map_err(to_py)?,
         ..Default::default()
     })
 }
 
 /// Checks a problem without opening a GPU (planned for an H200) and returns its plan as a
-/// string. Raises ValueError naming the field that is out of range.
+/// string. Raises ValueError naming the field that is out of range. `reduction` forces the
+/// split reduction mode (`"kernel"` or `"cluster"`); `None` lets the planner choose.
 #[pyfunction]
-#[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, k_strides=None, v_strides=None))]
+#[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, k_strides=None, v_strides=None))]
 #[allow(clippy::too_many_arguments)]
 fn validate(
     batch: i64,
@@ -129,6 +136,7 @@ fn validate(
     dtype: &str,
     softmax_scale: Option<f64>,
     num_splits: Option<i64>,
+    reduction: Option<&str>,
     k_strides: Option<(i64, i64, i64)>,
     v_strides: Option<(i64, i64, i64)>,
 ) -> PyResult<String> {
@@ -143,16 +151,17 @@ fn validate(
         k_strides,
         v_strides,
     )?;
-    let plan = plan(&p, DeviceFacts::H200, options(num_splits)?).map_err(to_py)?;
+    let plan = plan(&p, DeviceFacts::H200, options(num_splits, reduction)?).map_err(to_py)?;
     Ok(format!("{plan:?}"))
 }
 
 /// A decode problem planned, compiled and allocated on one GPU (`kvstream::Decoder`).
 ///
 /// The constructor does everything slow (plan for the given maxima, compile or load the
-/// kernels, allocate the split workspace); `run` only enqueues kernels on the given stream, so
-/// it may be captured into a CUDA graph. One decoder must not be in flight on two streams at
-/// once (it owns one workspace).
+/// kernels, allocate the split workspace of kernel reduction); `run` only enqueues kernels on
+/// the given stream, so it may be captured into a CUDA graph. One decoder must not be in flight
+/// on two streams at once (it owns one workspace). `reduction` forces the split reduction mode
+/// (`"kernel"` or `"cluster"`); `None` lets the planner choose.
 #[pyclass(module = "kvstream._native", frozen)]
 struct Decoder {
     inner: kvstream::Decoder,
@@ -162,7 +171,7 @@ struct Decoder {
 #[pymethods]
 impl Decoder {
     #[new]
-    #[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, device=0, k_strides=None, v_strides=None))]
+    #[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, device=0, k_strides=None, v_strides=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -174,6 +183,7 @@ impl Decoder {
         dtype: &str,
         softmax_scale: Option<f64>,
         num_splits: Option<i64>,
+        reduction: Option<&str>,
         device: i64,
         k_strides: Option<(i64, i64, i64)>,
         v_strides: Option<(i64, i64, i64)>,
@@ -190,7 +200,7 @@ impl Decoder {
             k_strides,
             v_strides,
         )?;
-        let opts = options(num_splits)?;
+        let opts = options(num_splits, reduction)?;
         plan(&problem, DeviceFacts::H200, opts).map_err(to_py)?;
         let device = size("device", device)?;
         // Compiling kernels may take seconds on a cold cache: let other threads run.
@@ -231,6 +241,7 @@ impl Decoder {
             out: out_ptr,
             lse: lse_ptr,
             seqlens: seqlens_ptr,
+            block_table: None,
         };
         let decoder = &self.inner;
         py.detach(move || {
@@ -249,6 +260,14 @@ impl Decoder {
         self.inner.plan().num_splits
     }
 
+    /// How the splits of one (request, KV head) are merged: `"kernel"` (FP32 partials and a
+    /// combine kernel) or `"cluster"` (one thread-block cluster, merged through distributed
+    /// shared memory). The plan's mode is returned as is; it is irrelevant with one split.
+    #[getter]
+    fn reduction(&self) -> &'static str {
+        self.inner.plan().reduction.name()
+    }
+
     /// The plan, as a string (kernel variant, splits, grid, workspace).
     #[getter]
     fn plan(&self) -> String {
@@ -263,15 +282,18 @@ impl Decoder {
 
     fn __repr__(&self) -> String {
         let p = self.inner.problem();
+        let plan = self.inner.plan();
         format!(
-            "Decoder(batch={}, hq={}, hkv={}, head_dim={}, max_len={}, dtype='{}', num_splits={})",
+            "Decoder(batch={}, hq={}, hkv={}, head_dim={}, max_len={}, dtype='{}', num_splits={}, \
+             reduction='{}')",
             p.batch,
             p.hq,
             p.hkv,
             p.head_dim,
             p.max_len,
             p.dtype.name(),
-            self.inner.plan().num_splits
+            plan.num_splits,
+            plan.reduction.name()
         )
     }
 }

@@ -14,12 +14,13 @@ use crate::kernels::{AnyVariant, COMBINE_THREADS};
 use crate::launch::{kv_tensor_map, launch, max_active_clusters, LaunchConfig};
 use crate::params::DecodeParams;
 use crate::plan::{plan, DecodePlan, PlanOptions, Reduction};
-use crate::problem::{DType, DecodeProblem};
+use crate::problem::{DType, DecodeProblem, KvStrides};
 use crate::runtime::{LoadedKernel, Runtime};
 
 /// Device pointers of one call. Layouts (contiguous unless the problem says otherwise):
-/// q `[batch, hq, d]`, k and v `[batch, max_len, hkv, d]` with the problem's strides,
-/// out `[batch, hq, d]`, lse `[batch, hq]` f32, seqlens `[batch]` i32.
+/// q `[batch, q_len, hq, d]`, k and v `[batch, max_len, hkv, d]` with the problem's strides (or,
+/// paged, pools `[num_pages, page_size, hkv, d]`), out `[batch, q_len, hq, d]`,
+/// lse `[batch, q_len, hq]` f32, seqlens `[batch]` i32, block_table `[batch, table_stride]` i32.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DecodeTensors {
     /// Queries.
@@ -35,6 +36,8 @@ pub struct DecodeTensors {
     /// Optional per-request lengths on the device (each in 0..=max_len; larger values are
     /// clamped to max_len by the kernel, never read past it).
     pub seqlens: Option<u64>,
+    /// Paged caches: each request's page ids (required exactly when the problem is paged).
+    pub block_table: Option<u64>,
 }
 
 /// Element types the safe slice API accepts.
@@ -190,6 +193,24 @@ impl Decoder {
         if let Some(s) = t.seqlens {
             rt.check_pointer("cache_seqlens", s, 4)?;
         }
+        match (self.problem.paged, t.block_table) {
+            (Some(_), Some(bt)) => rt.check_pointer("block_table", bt, 4)?,
+            (Some(_), None) => {
+                return Err(Error::invalid(
+                    "block_table",
+                    "none",
+                    "a device pointer: the problem has a paged cache",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(Error::invalid(
+                    "block_table",
+                    "a pointer",
+                    "none: the problem has a contiguous cache (use DecodeProblem::with_paged)",
+                ))
+            }
+            (None, None) => {}
+        }
         rt.bind()?;
         let p = &self.problem;
         let (ws, (o_off, m_off, l_off)) = match &self.workspace {
@@ -197,19 +218,25 @@ impl Decoder {
             None => (0, (0, 0, 0)),
         };
         let at = |off: usize| if ws == 0 { 0 } else { ws + off as u64 };
-        let map = |arg, ptr, strides| {
-            kv_tensor_map(
+        let tile = self.plan.decode.box_tokens();
+        let map = |arg, ptr, strides| match p.paged {
+            // the pool as {d, hkv, page_size, num_pages}; boxes of whole pages up to a tile
+            Some(pg) => kv_tensor_map(
                 arg,
                 ptr,
                 p.dtype,
                 p.head_dim,
                 p.hkv,
-                p.max_len,
-                p.batch,
-                strides,
-                self.plan.decode.box_tokens(),
-            )
+                pg.page_size,
+                pg.num_pages,
+                KvStrides::contiguous(pg.page_size, p.hkv, p.head_dim),
+                pg.page_size.min(tile),
+            ),
+            None => kv_tensor_map(
+                arg, ptr, p.dtype, p.head_dim, p.hkv, p.max_len, p.batch, strides, tile,
+            ),
         };
+        let row = (p.hq * p.head_dim) as i64; // q and out: [batch, q_len, hq, d]
         let params = DecodeParams {
             k_map: map("k_cache", t.k, p.k_strides)?,
             v_map: map("v_cache", t.v, p.v_strides)?,
@@ -222,7 +249,9 @@ impl Decoder {
             o_partial: at(o_off),
             m_partial: at(m_off),
             l_partial: at(l_off),
-            q_batch_stride: (p.hq * p.head_dim) as i64,
+            block_table: t.block_table.unwrap_or(0),
+            q_batch_stride: p.q_len as i64 * row,
+            q_token_stride: row,
             q_head_stride: p.head_dim as i64,
             k_batch_stride: p.k_strides.batch,
             k_token_stride: p.k_strides.token,
@@ -230,7 +259,8 @@ impl Decoder {
             v_batch_stride: p.v_strides.batch,
             v_token_stride: p.v_strides.token,
             v_head_stride: p.v_strides.head,
-            o_batch_stride: (p.hq * p.head_dim) as i64,
+            o_batch_stride: p.q_len as i64 * row,
+            o_token_stride: row,
             o_head_stride: p.head_dim as i64,
             batch: p.batch as i32,
             hq: p.hq as i32,
@@ -244,6 +274,11 @@ impl Decoder {
             } else {
                 0
             },
+            q_len: p.q_len as i32,
+            cols: p.columns() as i32,
+            col_blocks: self.plan.decode.column_blocks(p) as i32,
+            page_size: p.paged.map_or(0, |pg| pg.page_size as i32),
+            table_stride: p.paged.map_or(0, |pg| pg.table_stride as i32),
         };
         launch(
             self.decode.func,
@@ -253,7 +288,7 @@ impl Decoder {
             "the decode kernel",
         )?;
         if let Some(combine) = &self.combine {
-            let rows = (p.batch * p.hq) as u32;
+            let rows = (p.batch * p.q_len * p.hq) as u32;
             let cfg = LaunchConfig {
                 grid: [rows, 1, 1],
                 block: [COMBINE_THREADS, 1, 1],
@@ -279,6 +314,47 @@ impl Decoder {
         lse: Option<&mut CudaSlice<f32>>,
         seqlens: Option<&CudaSlice<i32>>,
     ) -> Result<()> {
+        self.run_slices_with_table(stream, q, k, v, out, lse, seqlens, None)
+    }
+
+    /// [`Decoder::run_slices`] for a paged problem: `k_pages` and `v_pages` are the pools
+    /// `[num_pages, page_size, hkv, d]`, `block_table` the int32 `[batch, table_stride]` page ids.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_paged_slices<T: Element>(
+        &self,
+        stream: &Arc<CudaStream>,
+        q: &CudaSlice<T>,
+        k_pages: &CudaSlice<T>,
+        v_pages: &CudaSlice<T>,
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+        seqlens: Option<&CudaSlice<i32>>,
+        block_table: &CudaSlice<i32>,
+    ) -> Result<()> {
+        self.run_slices_with_table(
+            stream,
+            q,
+            k_pages,
+            v_pages,
+            out,
+            lse,
+            seqlens,
+            Some(block_table),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_slices_with_table<T: Element>(
+        &self,
+        stream: &Arc<CudaStream>,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+        seqlens: Option<&CudaSlice<i32>>,
+        block_table: Option<&CudaSlice<i32>>,
+    ) -> Result<()> {
         let p = &self.problem;
         if T::DTYPE != p.dtype {
             return Err(Error::invalid(
@@ -287,13 +363,16 @@ impl Decoder {
                 format!("{} (the problem's dtype)", p.dtype.name()),
             ));
         }
-        let rows = p.batch * p.hq;
+        let rows = p.batch * p.q_len * p.hq;
         let need_q = rows * p.head_dim;
-        let kv_need = |s: crate::problem::KvStrides| {
-            (p.batch as i64 - 1) * s.batch
-                + (p.max_len as i64 - 1) * s.token
-                + (p.hkv as i64 - 1) * s.head
-                + p.head_dim as i64
+        let kv_need = |s: KvStrides| match p.paged {
+            Some(pg) => (pg.num_pages * pg.page_size * p.hkv * p.head_dim) as i64,
+            None => {
+                (p.batch as i64 - 1) * s.batch
+                    + (p.max_len as i64 - 1) * s.token
+                    + (p.hkv as i64 - 1) * s.head
+                    + p.head_dim as i64
+            }
         };
         let checks: [(&'static str, usize, usize); 4] = [
             ("q", q.len(), need_q),
@@ -328,6 +407,18 @@ impl Decoder {
                 ));
             }
         }
+        if let (Some(bt), Some(pg)) = (block_table, p.paged) {
+            if bt.len() < p.batch * pg.table_stride {
+                return Err(Error::invalid(
+                    "block_table",
+                    format!("{} elements", bt.len()),
+                    format!(
+                        "at least batch x table_stride = {}",
+                        p.batch * pg.table_stride
+                    ),
+                ));
+            }
+        }
         let (qp, _g1) = q.device_ptr(stream);
         let (kp, _g2) = k.device_ptr(stream);
         let (vp, _g3) = v.device_ptr(stream);
@@ -335,6 +426,7 @@ impl Decoder {
         let mut lse = lse;
         let lse_ptr = lse.as_mut().map(|l| l.device_ptr_mut(stream));
         let seq_ptr = seqlens.map(|s| s.device_ptr(stream));
+        let table_ptr = block_table.map(|s| s.device_ptr(stream));
         let tensors = DecodeTensors {
             q: qp,
             k: kp,
@@ -342,6 +434,7 @@ impl Decoder {
             out: op,
             lse: lse_ptr.as_ref().map(|(p, _)| *p),
             seqlens: seq_ptr.as_ref().map(|(p, _)| *p),
+            block_table: table_ptr.as_ref().map(|(p, _)| *p),
         };
         // SAFETY: lengths checked above; the slices outlive the enqueue and cudarc's guards
         // record the stream use.

@@ -22,6 +22,9 @@ const STREAM_READ_SRC: &str = include_str!("../../../kernels/sm90/stream_read.cu
 
 /// Threads per combine CTA: eight warps on one output row (combine.cu).
 pub const COMBINE_THREADS: u32 = 256;
+/// Most n8 tiles of query rows one decode CTA holds (32 rows: the O^T accumulators of four
+/// tiles at d128 take 128 registers per thread).
+pub const MAX_N_TILES: usize = 4;
 
 /// A compiled-at-run-time kernel: where its source is and how to specialise it.
 pub trait Variant {
@@ -58,11 +61,17 @@ impl DecodeVariant {
         DecodeVariant {
             dtype: problem.dtype,
             head_dim: problem.head_dim,
-            n_tiles: problem.group().div_ceil(8),
+            n_tiles: problem.columns().div_ceil(8).min(MAX_N_TILES),
             tile_tokens: plan::tile_tokens(problem.head_dim),
             stages: plan::STAGES,
             consumer_groups: 1,
         }
+    }
+
+    /// CTAs along the query rows of one KV head: the rows (q_len x group) in blocks of at most
+    /// [`MAX_N_TILES`] n8 tiles.
+    pub fn column_blocks(&self, problem: &DecodeProblem) -> usize {
+        problem.columns().div_ceil(8 * self.n_tiles)
     }
 
     /// Threads per CTA: the consumer warps and one producer warp (decode_gqa.cu).

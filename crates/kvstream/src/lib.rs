@@ -39,5 +39,5 @@ pub mod runtime;
 pub use decode::{DecodeTensors, Decoder, Element};
 pub use error::{Error, Result};
 pub use plan::{DecodePlan, DeviceFacts, PlanOptions, Reduction};
-pub use problem::{DType, DecodeProblem, KvStrides};
+pub use problem::{DType, DecodeProblem, KvStrides, PagedKv};
 pub use runtime::Runtime;

@@ -23,7 +23,9 @@ pub struct DecodeParams {
     pub o_partial: u64,
     pub m_partial: u64,
     pub l_partial: u64,
+    pub block_table: u64,
     pub q_batch_stride: i64,
+    pub q_token_stride: i64,
     pub q_head_stride: i64,
     pub k_batch_stride: i64,
     pub k_token_stride: i64,
@@ -32,6 +34,7 @@ pub struct DecodeParams {
     pub v_token_stride: i64,
     pub v_head_stride: i64,
     pub o_batch_stride: i64,
+    pub o_token_stride: i64,
     pub o_head_stride: i64,
     pub batch: i32,
     pub hq: i32,
@@ -41,6 +44,11 @@ pub struct DecodeParams {
     pub num_splits: i32,
     pub scale_log2: f32,
     pub cluster_splits: i32,
+    pub q_len: i32,
+    pub cols: i32,
+    pub col_blocks: i32,
+    pub page_size: i32,
+    pub table_stride: i32,
 }
 
 // Same number as the static_assert in params.cuh.

@@ -194,9 +194,10 @@ pub fn consumer_groups(n_tiles: usize, tiles_per_split: usize) -> usize {
 /// captured graph replays safely whatever the lengths are.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkspaceLayout {
-    /// `[splits, batch, hq, d]` unnormalised partial outputs.
+    /// `[splits, batch * q_len * hq, d]` unnormalised partial outputs.
     pub o_partial: usize,
-    /// `[splits, batch, hq]` per-split maxima; the denominators follow with the same size.
+    /// `[splits, batch * q_len * hq]` per-split maxima; the denominators follow with the same
+    /// size.
     pub stats: usize,
 }
 
@@ -229,7 +230,7 @@ pub struct DecodePlan {
     pub combine: Option<CombineVariant>,
     /// KV splits per (request, KV head).
     pub num_splits: usize,
-    /// Decode grid: (splits, hkv, batch).
+    /// Decode grid: (splits, hkv x column blocks, batch).
     pub grid: [u32; 3],
     /// FP32 workspace needed by the combine.
     pub workspace: WorkspaceLayout,
@@ -253,7 +254,8 @@ impl DeviceFacts {
 
 /// Split count chosen by the heuristic (module docs).
 pub fn heuristic_splits(problem: &DecodeProblem, device: DeviceFacts) -> usize {
-    let ctas = problem.batch * problem.hkv;
+    let column_blocks = DecodeVariant::for_problem(problem).column_blocks(problem);
+    let ctas = problem.batch * problem.hkv * column_blocks;
     let target = device.sm_count * TARGET_CTAS_PER_SM.0 / TARGET_CTAS_PER_SM.1;
     let fill = (target / ctas).max(1);
     let tiles = problem.max_len.div_ceil(tile_tokens(problem.head_dim));
@@ -322,7 +324,7 @@ pub fn plan(
         dtype: problem.dtype,
         head_dim: problem.head_dim,
     });
-    let rows = problem.batch * problem.hq;
+    let rows = problem.batch * problem.q_len * problem.hq;
     let workspace = if combine.is_some() {
         WorkspaceLayout {
             o_partial: num_splits * rows * problem.head_dim,
@@ -335,7 +337,11 @@ pub fn plan(
         decode,
         combine,
         num_splits,
-        grid: [num_splits as u32, problem.hkv as u32, problem.batch as u32],
+        grid: [
+            num_splits as u32,
+            (problem.hkv * decode.column_blocks(problem)) as u32,
+            problem.batch as u32,
+        ],
         workspace,
         pdl: !options.disable_pdl,
         reduction,

@@ -44,6 +44,24 @@ impl std::str::FromStr for DType {
 pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Largest query-head group (hq / hkv) one CTA handles: four n8 MMA tiles.
 pub const MAX_GROUP: usize = 32;
+/// Most new tokens per request (speculative-decoding verification, multi-token prediction).
+pub const MAX_Q_LEN: usize = 8;
+/// Page sizes of a paged KV cache.
+pub const SUPPORTED_PAGE_SIZES: [usize; 10] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512];
+
+/// A paged KV cache: K and V are pools `[num_pages, page_size, hkv, d]` (contiguous) and request
+/// b's position t lives in page `block_table[b][t / page_size]`, row `t % page_size`. Pages of a
+/// request may sit anywhere in the pool, in any order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedKv {
+    /// Positions per page: one of [`SUPPORTED_PAGE_SIZES`].
+    pub page_size: usize,
+    /// Pages in each pool.
+    pub num_pages: usize,
+    /// Entries per block-table row (int32 `[batch, table_stride]`); at least
+    /// `ceil(max_len / page_size)`.
+    pub table_stride: usize,
+}
 
 /// Element strides of one KV cache tensor `[batch, max_len, hkv, d]`; the head dim is contiguous.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,8 +112,13 @@ pub struct DecodeProblem {
     pub softmax_scale: Option<f32>,
     /// Strides of the K cache.
     pub k_strides: KvStrides,
-    /// Strides of the V cache.
+    /// Strides of the V cache (contiguous caches only).
     pub v_strides: KvStrides,
+    /// New tokens per request (1..=[`MAX_Q_LEN`]); token i of request b sees cache positions
+    /// `[0, len_b - q_len + i]`. Q and out are `[batch, q_len, hq, d]`, LSE `[batch, q_len, hq]`.
+    pub q_len: usize,
+    /// A paged cache instead of contiguous `[batch, max_len, hkv, d]` tensors.
+    pub paged: Option<PagedKv>,
 }
 
 impl DecodeProblem {
@@ -119,6 +142,8 @@ impl DecodeProblem {
             softmax_scale: None,
             k_strides: strides,
             v_strides: strides,
+            q_len: 1,
+            paged: None,
         };
         p.validate()?;
         Ok(p)
@@ -139,6 +164,50 @@ impl DecodeProblem {
         Ok(self)
     }
 
+    /// Same problem with `q_len` new tokens per request (multi-token decode).
+    ///
+    /// ```
+    /// use kvstream::{DecodeProblem, DType};
+    /// let p = DecodeProblem::new(8, 32, 8, 128, 32_768, DType::Bf16)?.with_q_len(4)?;
+    /// assert_eq!(p.columns(), 16); // 4 tokens x 4 query heads per KV head
+    /// # Ok::<(), kvstream::Error>(())
+    /// ```
+    pub fn with_q_len(mut self, q_len: usize) -> Result<Self> {
+        self.q_len = q_len;
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Same problem on a paged cache: pools of `num_pages` pages of `page_size` positions, block
+    /// tables with `table_stride` entries per request (`None`: `ceil(max_len / page_size)`).
+    ///
+    /// ```
+    /// use kvstream::{DecodeProblem, DType};
+    /// let p = DecodeProblem::new(4, 16, 2, 128, 4096, DType::Bf16)?.with_paged(16, 1024, None)?;
+    /// assert_eq!(p.paged.unwrap().table_stride, 256);
+    /// # Ok::<(), kvstream::Error>(())
+    /// ```
+    pub fn with_paged(
+        mut self,
+        page_size: usize,
+        num_pages: usize,
+        table_stride: Option<usize>,
+    ) -> Result<Self> {
+        let table_stride = table_stride.unwrap_or_else(|| self.max_len.div_ceil(page_size.max(1)));
+        self.paged = Some(PagedKv {
+            page_size,
+            num_pages,
+            table_stride,
+        });
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Query rows per KV head: `q_len * group`; they sit on the MMA N dimension.
+    pub fn columns(&self) -> usize {
+        self.q_len * self.group()
+    }
+
     /// Query heads per KV head.
     pub fn group(&self) -> usize {
         self.hq / self.hkv
@@ -154,7 +223,7 @@ impl DecodeProblem {
     /// each once. The denominator of every GB/s figure kvstream prints.
     pub fn io_bytes(&self, total_tokens: usize) -> usize {
         let e = self.dtype.size();
-        let qo = 2 * self.batch * self.hq * self.head_dim * e;
+        let qo = 2 * self.batch * self.q_len * self.hq * self.head_dim * e;
         qo + 2 * total_tokens * self.hkv * self.head_dim * e
     }
 
@@ -189,6 +258,33 @@ impl DecodeProblem {
         }
         if self.max_len == 0 || self.max_len > i32::MAX as usize {
             return Err(Error::invalid("max_len", self.max_len, "1..=2^31-1"));
+        }
+        if !(1..=MAX_Q_LEN).contains(&self.q_len) {
+            return Err(Error::invalid(
+                "q_len",
+                self.q_len,
+                format!("1..={MAX_Q_LEN}"),
+            ));
+        }
+        if let Some(pg) = self.paged {
+            if !SUPPORTED_PAGE_SIZES.contains(&pg.page_size) {
+                return Err(Error::invalid(
+                    "page_size",
+                    pg.page_size,
+                    format!("{SUPPORTED_PAGE_SIZES:?}"),
+                ));
+            }
+            if pg.num_pages == 0 || pg.num_pages > i32::MAX as usize {
+                return Err(Error::invalid("num_pages", pg.num_pages, "1..=2^31-1"));
+            }
+            let needed = self.max_len.div_ceil(pg.page_size);
+            if pg.table_stride < needed || pg.table_stride > i32::MAX as usize {
+                return Err(Error::invalid(
+                    "block_table stride",
+                    pg.table_stride,
+                    format!("at least ceil(max_len / page_size) = {needed} entries per request"),
+                ));
+            }
         }
         if let Some(s) = self.softmax_scale {
             if !s.is_finite() || s <= 0.0 {

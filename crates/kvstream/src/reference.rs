@@ -38,12 +38,13 @@ pub struct RefShape {
 }
 
 impl From<&crate::DecodeProblem> for RefShape {
-    /// The reference view of a single-token decode problem, with the f32 scale the kernels get
-    /// widened to f64 (so the reference computes exactly what was asked of the GPU).
+    /// The reference view of a decode problem (contiguous caches; a paged problem's pages are
+    /// the same positions, gathered), with the f32 scale the kernels get widened to f64 (so the
+    /// reference computes exactly what was asked of the GPU).
     fn from(p: &crate::DecodeProblem) -> Self {
         RefShape {
             batch: p.batch,
-            q_len: 1,
+            q_len: p.q_len,
             hq: p.hq,
             hkv: p.hkv,
             d: p.head_dim,

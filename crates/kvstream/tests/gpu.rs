@@ -143,7 +143,7 @@ struct Inputs<T> {
 /// kernels must never read a position past a request's length, and a NaN read there would
 /// reach the output (0 * NaN is NaN in the P.V product).
 fn make_inputs<T: Half>(rng: &mut SplitMix64, p: &DecodeProblem, lens: &[usize]) -> Inputs<T> {
-    let (q, q32) = T::random(rng, p.batch * p.hq * p.head_dim);
+    let (q, q32) = T::random(rng, p.batch * p.q_len * p.hq * p.head_dim);
     let (k, k32) = random_cache::<T>(rng, p, lens);
     let (v, v32) = random_cache::<T>(rng, p, lens);
     Inputs {
@@ -179,12 +179,63 @@ fn reference<T>(p: &DecodeProblem, x: &Inputs<T>, lens: &[usize]) -> RefOutput {
     decode_reference(&RefShape::from(p), &x.q32, &x.k32, &x.v32, lens)
 }
 
-/// Inputs on the device. `seqlens` is `None` when every request has `max_len` tokens.
+/// A paged copy of contiguous caches: the pools and the block table.
+struct Paged<T> {
+    k: Vec<T>,
+    v: Vec<T>,
+    table: Vec<i32>,
+}
+
+/// Scatters the contiguous caches of `x` into pools of `p`'s page size, pages in a random order
+/// with spare pages between them. Table entries past a request's last page point at random
+/// pages of other requests (finite data the kernels must not use); positions past the length
+/// inside a request's last page keep the NaN poison.
+fn page_inputs<T: Half>(rng: &mut SplitMix64, p: &DecodeProblem, x: &Inputs<T>) -> Paged<T> {
+    let pg = p.paged.expect("a paged problem");
+    let per_token = p.hkv * p.head_dim;
+    let per_page = pg.page_size * per_token;
+    let pages_per_request = p.max_len.div_ceil(pg.page_size);
+    let mut order: Vec<usize> = (0..pg.num_pages).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let mut k = vec![T::from_raw(POISON); pg.num_pages * per_page];
+    let mut v = k.clone();
+    let mut table = vec![0i32; p.batch * pg.table_stride];
+    for b in 0..p.batch {
+        for j in 0..pg.table_stride {
+            let slot = b * pg.table_stride + j;
+            if j < pages_per_request {
+                let page = order[b * pages_per_request + j];
+                table[slot] = page as i32;
+                let first = j * pg.page_size;
+                let rows = pg.page_size.min(p.max_len - first);
+                let src =
+                    (b * p.max_len + first) * per_token..(b * p.max_len + first + rows) * per_token;
+                let dst = page * per_page;
+                k[dst..dst + src.len()].copy_from_slice(&x.k[src.clone()]);
+                v[dst..dst + src.len()].copy_from_slice(&x.v[src]);
+            } else {
+                table[slot] = order[rng.below(p.batch * pages_per_request)] as i32;
+            }
+        }
+    }
+    Paged { k, v, table }
+}
+
+/// Pages a paged problem needs: every request's pages plus a few spare ones.
+fn pool_pages(batch: usize, max_len: usize, page_size: usize) -> usize {
+    batch * max_len.div_ceil(page_size) + 3
+}
+
+/// Inputs on the device. `seqlens` is `None` when every request has `max_len` tokens; for a
+/// paged problem `k` and `v` are the pools and `table` the block table.
 struct DeviceInputs<T> {
     q: CudaSlice<T>,
     k: CudaSlice<T>,
     v: CudaSlice<T>,
     seqlens: Option<CudaSlice<i32>>,
+    table: Option<CudaSlice<i32>>,
 }
 
 impl<T: Half> DeviceInputs<T> {
@@ -194,6 +245,22 @@ impl<T: Half> DeviceInputs<T> {
             k: upload(stream, &x.k),
             v: upload(stream, &x.v),
             seqlens: seqlens.map(|l| upload(stream, &lens_i32(l))),
+            table: None,
+        }
+    }
+
+    fn upload_paged(
+        stream: &Arc<CudaStream>,
+        x: &Inputs<T>,
+        paged: &Paged<T>,
+        seqlens: Option<&[usize]>,
+    ) -> Self {
+        DeviceInputs {
+            q: upload(stream, &x.q),
+            k: upload(stream, &paged.k),
+            v: upload(stream, &paged.v),
+            seqlens: seqlens.map(|l| upload(stream, &lens_i32(l))),
+            table: Some(upload(stream, &paged.table)),
         }
     }
 }
@@ -212,7 +279,7 @@ struct Output<T> {
 
 impl<T: Half> Outputs<T> {
     fn new(stream: &Arc<CudaStream>, p: &DecodeProblem, with_lse: bool) -> Self {
-        let rows = p.batch * p.hq;
+        let rows = p.batch * p.q_len * p.hq;
         let alloc = "allocating outputs";
         Outputs {
             out: stream.alloc_zeros::<T>(rows * p.head_dim).expect(alloc),
@@ -257,6 +324,7 @@ fn raw_tensors<T: Half>(
         out,
         lse: o.lse.as_mut().map(|l| l.device_ptr_mut(stream).0),
         seqlens: x.seqlens.as_ref().map(|s| s.device_ptr(stream).0),
+        block_table: x.table.as_ref().map(|t| t.device_ptr(stream).0),
     }
 }
 
@@ -268,15 +336,27 @@ fn run_poisoned<T: Half>(
     o: &mut Outputs<T>,
 ) -> Result<Output<T>, String> {
     o.poison(stream);
-    dec.run_slices(
-        stream,
-        &x.q,
-        &x.k,
-        &x.v,
-        &mut o.out,
-        o.lse.as_mut(),
-        x.seqlens.as_ref(),
-    )
+    match &x.table {
+        None => dec.run_slices(
+            stream,
+            &x.q,
+            &x.k,
+            &x.v,
+            &mut o.out,
+            o.lse.as_mut(),
+            x.seqlens.as_ref(),
+        ),
+        Some(table) => dec.run_paged_slices(
+            stream,
+            &x.q,
+            &x.k,
+            &x.v,
+            &mut o.out,
+            o.lse.as_mut(),
+            x.seqlens.as_ref(),
+            table,
+        ),
+    }
     .map_err(|e| format!("run_slices refused a valid call: {e}"))?;
     // Kernel faults surface here, with a message that says so.
     stream
@@ -304,7 +384,14 @@ fn check_output<T: Half>(
     want: &RefOutput,
 ) -> Result<Errors, String> {
     let d = p.head_dim;
-    let at = |row: usize| format!("request {} head {}", row / p.hq, row % p.hq);
+    let at = |row: usize| {
+        format!(
+            "request {} token {} head {}",
+            row / p.hq / p.q_len,
+            row / p.hq % p.q_len,
+            row % p.hq
+        )
+    };
     if let Some(i) = got.out.iter().position(|x| x.to_f64().is_nan()) {
         return Err(format!(
             "out of {} element {} is NaN (bits {:#06x}): never written, or a NaN computed",
@@ -314,7 +401,7 @@ fn check_output<T: Half>(
         ));
     }
     let mut errors = Errors::default();
-    for row in 0..p.batch * p.hq {
+    for row in 0..p.batch * p.q_len * p.hq {
         let out: Vec<f64> = got.out[row * d..(row + 1) * d]
             .iter()
             .map(|x| x.to_f64())
@@ -417,6 +504,10 @@ struct Case {
     splits: Option<usize>,
     lse: bool,
     scale: Option<f32>,
+    /// New tokens per request (multi-token decode when > 1).
+    q_len: usize,
+    /// `Some(page size)`: the cache is paged (shuffled pages).
+    page_size: Option<usize>,
 }
 
 impl Case {
@@ -463,6 +554,13 @@ impl Case {
         let splits = (rng.below(4) != 0).then(|| 1 + rng.below(64));
         let lse = rng.below(4) != 0;
         let scale = (rng.below(5) == 0).then(|| (0.01 + 0.99 * rng.uniform()) as f32);
+        let q_len = if rng.below(3) == 0 {
+            2 + rng.below(7)
+        } else {
+            1
+        };
+        let page_size =
+            (rng.below(3) == 0).then(|| kvstream::problem::SUPPORTED_PAGE_SIZES[rng.below(10)]);
         Case {
             index,
             data_seed: rng.next_u64(),
@@ -476,6 +574,8 @@ impl Case {
             splits,
             lse,
             scale,
+            q_len,
+            page_size,
         }
     }
 
@@ -492,6 +592,13 @@ impl Case {
             Some(s) => p.and_then(|p| p.with_softmax_scale(s)),
             None => p,
         };
+        let p = p.and_then(|p| p.with_q_len(self.q_len));
+        let p = match self.page_size {
+            Some(ps) => {
+                p.and_then(|p| p.with_paged(ps, pool_pages(self.batch, self.max_len, ps), None))
+            }
+            None => p,
+        };
         p.map_err(|e| format!("DecodeProblem refused a valid shape: {e}"))
     }
 
@@ -506,10 +613,15 @@ impl fmt::Display for Case {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "case {} ({}, batch {}, hq {}, hkv {}, d {}, L {}, lens {}, splits {}, lse {}, scale {})",
+            "case {} ({}, batch {}, q_len {}, pages {}, hq {}, hkv {}, d {}, L {}, lens {}, splits {}, lse {}, scale {})",
             self.index,
             self.dtype.name(),
             self.batch,
+            self.q_len,
+            match self.page_size {
+                Some(s) => s.to_string(),
+                None => "contiguous".into(),
+            },
             self.hq,
             self.hkv,
             self.head_dim,
@@ -570,8 +682,17 @@ fn run_case_as<T: Half>(
     };
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
     let lens = case.lens();
-    let x = make_inputs::<T>(&mut SplitMix64::new(case.data_seed), &p, &lens);
-    let dev = DeviceInputs::upload(stream, &x, case.lens.as_deref());
+    let mut rng = SplitMix64::new(case.data_seed);
+    let x = make_inputs::<T>(&mut rng, &p, &lens);
+    let dev = match p.paged {
+        None => DeviceInputs::upload(stream, &x, case.lens.as_deref()),
+        Some(_) => DeviceInputs::upload_paged(
+            stream,
+            &x,
+            &page_inputs(&mut rng, &p, &x),
+            case.lens.as_deref(),
+        ),
+    };
     let mut outs = Outputs::new(stream, &p, case.lse);
 
     let first = run_poisoned(stream, &dec, &dev, &mut outs)?;
@@ -771,10 +892,27 @@ fn mid_problem() -> DecodeProblem {
     DecodeProblem::new(4, 32, 8, 128, 4096, DType::Bf16).expect("a valid problem")
 }
 
-/// Expected run time: a few seconds (three 4 x 4096 references).
+/// Expected run time: a few seconds (three 4 x 4096 references per problem): contiguous, and
+/// paged (page 16) with three new tokens per request, in kernel and cluster reduction.
 #[test]
 #[ignore = "needs an H100/H200 GPU: run with --ignored"]
 fn graph_capture_replays_with_new_lengths() {
+    let p = mid_problem();
+    let paged = p
+        .clone()
+        .with_q_len(3)
+        .and_then(|p| p.with_paged(16, pool_pages(4, 4096, 16), None))
+        .expect("a valid problem");
+    for (p, reduction) in [
+        (p.clone(), Reduction::Kernel),
+        (paged.clone(), Reduction::Kernel),
+        (paged, Reduction::Cluster),
+    ] {
+        graph_replay_case(&p, reduction);
+    }
+}
+
+fn graph_replay_case(p: &DecodeProblem, reduction: Reduction) {
     let (rt, _) = open_gpu();
     let ctx = rt.context().clone();
     // cudarc's automatic event tracking would make slice accesses record and wait on events on
@@ -783,13 +921,14 @@ fn graph_capture_replays_with_new_lengths() {
     // SAFETY: everything below runs on `stream`, synchronised explicitly where it matters.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream().expect("creating a stream");
-    let p = mid_problem();
+    let p = p.clone();
     let dec = make_decoder(
         &rt,
         &p,
         PlanOptions {
             num_splits: Some(8),
             disable_pdl: false,
+            reduction: Some(reduction),
             ..Default::default()
         },
     );
@@ -800,8 +939,14 @@ fn graph_capture_replays_with_new_lengths() {
 
     // Every position holds real data: the lengths change between replays.
     let full = vec![p.max_len; p.batch];
-    let x = make_inputs::<bf16>(&mut SplitMix64::new(0x6AF), &p, &full);
-    let mut dev = DeviceInputs::upload(&stream, &x, Some(&full));
+    let mut rng = SplitMix64::new(0x6AF);
+    let x = make_inputs::<bf16>(&mut rng, &p, &full);
+    let mut dev = match p.paged {
+        None => DeviceInputs::upload(&stream, &x, Some(&full)),
+        Some(_) => {
+            DeviceInputs::upload_paged(&stream, &x, &page_inputs(&mut rng, &p, &x), Some(&full))
+        }
+    };
     let mut graph_out = Outputs::<bf16>::new(&stream, &p, true);
     stream.synchronize().expect("uploads");
 
@@ -820,7 +965,15 @@ fn graph_capture_replays_with_new_lengths() {
 
     let length_sets: [[usize; 4]; 3] = [[0, 4096, 1, 2049], [4096; 4], [17, 0, 4095, 64]];
     for lens in length_sets {
-        let what = format!("lengths {lens:?}");
+        let what = format!(
+            "q_len {}, {}, {reduction:?} reduction, lengths {lens:?}",
+            p.q_len,
+            if p.paged.is_some() {
+                "paged"
+            } else {
+                "contiguous"
+            }
+        );
         // New lengths into the buffer the graph reads.
         overwrite(&stream, &lens_i32(&lens), dev.seqlens.as_mut().unwrap());
         graph_out.poison(&stream);
@@ -974,6 +1127,109 @@ fn cluster_reduction_matches_kernel_reduction() {
                 diff <= 1e-2 * scale,
                 "{what}: cluster vs kernel differ by {diff} (scale {scale})"
             );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3c. Paged caches and multi-token decode
+// ---------------------------------------------------------------------------------------------
+
+/// A paged cache (shuffled pages, spare pages, table entries past the length pointing at other
+/// requests' pages) gives the same bits as the contiguous cache it was scattered from, for every
+/// page size, in both reduction modes and with several split counts; both match the reference.
+/// Expected run time: a few seconds.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn paged_cache_equals_contiguous() {
+    let (rt, stream) = open_gpu();
+    let shapes = [
+        (3, 16, 2, 128, 1000, 1),
+        (2, 32, 4, 64, 3000, 2),
+        (2, 8, 1, 128, 300, 5),
+    ];
+    for (i, &(batch, hq, hkv, d, len, q_len)) in shapes.iter().enumerate() {
+        let base = DecodeProblem::new(batch, hq, hkv, d, len, DType::Bf16)
+            .and_then(|p| p.with_q_len(q_len))
+            .expect("a valid problem");
+        let mut rng = SplitMix64::new(0x9A6E + i as u64);
+        let mut lens: Vec<usize> = (0..batch).map(|_| rng.below(len + 1)).collect();
+        lens[0] = len;
+        lens[batch - 1] = lens[batch - 1].min(3); // a zero or very short request
+        let x = make_inputs::<bf16>(&mut rng, &base, &lens);
+        let want = reference(&base, &x, &lens);
+        let contiguous_dev = DeviceInputs::upload(&stream, &x, Some(&lens));
+        for page_size in kvstream::problem::SUPPORTED_PAGE_SIZES {
+            let paged = base
+                .clone()
+                .with_paged(page_size, pool_pages(batch, len, page_size), None)
+                .expect("a valid paged problem");
+            let pages = page_inputs(&mut rng, &paged, &x);
+            let paged_dev = DeviceInputs::upload_paged(&stream, &x, &pages, Some(&lens));
+            for (splits, reduction) in [
+                (None, None),
+                (Some(3), Some(Reduction::Kernel)),
+                (Some(4), Some(Reduction::Cluster)),
+            ] {
+                let opts = PlanOptions {
+                    num_splits: splits,
+                    reduction,
+                    ..Default::default()
+                };
+                let what = format!("{base:?} lens {lens:?}, page {page_size}, {opts:?}");
+                let c = make_decoder(&rt, &base, opts);
+                let pd = make_decoder(&rt, &paged, opts);
+                let mut o = Outputs::<bf16>::new(&stream, &base, true);
+                let want_bits = run_poisoned(&stream, &c, &contiguous_dev, &mut o)
+                    .unwrap_or_else(|e| panic!("{what}, contiguous: {e}"));
+                let got = run_poisoned(&stream, &pd, &paged_dev, &mut o)
+                    .unwrap_or_else(|e| panic!("{what}, paged: {e}"));
+                check_output(&base, &got, &want).unwrap_or_else(|e| panic!("{what}, paged: {e}"));
+                same_bits(&got, &want_bits, &format!("{what}: paged vs contiguous"))
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+}
+
+/// Multi-token decode: token i of a request sees the cache up to `len - q_len + i`; rows that
+/// see nothing (a request shorter than q_len) give 0 and LSE -inf. Every q_len 1..=8, with the
+/// query rows of one KV head spread over several CTAs when q_len x group > 32.
+/// Expected run time: a few seconds.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn multi_token_decode_is_causal() {
+    let (rt, stream) = open_gpu();
+    for q_len in 1..=kvstream::problem::MAX_Q_LEN {
+        for &(batch, hq, hkv, d, len) in &[
+            (3, 32, 8, 128, 777),
+            (2, 16, 2, 64, 300),
+            (1, 32, 1, 128, 2048),
+        ] {
+            let p = DecodeProblem::new(batch, hq, hkv, d, len, DType::Bf16)
+                .and_then(|p| p.with_q_len(q_len))
+                .expect("a valid problem");
+            let lens: Vec<usize> = [len, 0, 5, q_len.saturating_sub(1)][..batch].to_vec();
+            let mut rng = SplitMix64::new(0x3700 + q_len as u64);
+            let x = make_inputs::<bf16>(&mut rng, &p, &lens);
+            let dev = DeviceInputs::upload(&stream, &x, Some(&lens));
+            let want = reference(&p, &x, &lens);
+            for reduction in [Reduction::Kernel, Reduction::Cluster] {
+                let what = format!("{p:?} lens {lens:?}, {reduction:?}");
+                let dec = make_decoder(
+                    &rt,
+                    &p,
+                    PlanOptions {
+                        num_splits: Some(4),
+                        reduction: Some(reduction),
+                        ..Default::default()
+                    },
+                );
+                let mut o = Outputs::<bf16>::new(&stream, &p, true);
+                let got = run_poisoned(&stream, &dec, &dev, &mut o)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                check_output(&p, &got, &want).unwrap_or_else(|e| panic!("{what}: {e}"));
+            }
         }
     }
 }

@@ -19,8 +19,8 @@ loads the kernels, allocates the split workspace; this may take seconds on a col
 and synchronises the device once); later calls with the same shape reuse it and allocate
 nothing when ``out`` is given (and ``return_lse`` is False).
 
-CUDA graphs: call :func:`decode` once with the same shapes, dtype, ``softmax_scale`` and
-``num_splits`` before capturing (the usual warm-up), then capture; replays may change the
+CUDA graphs: call :func:`decode` once with the same shapes, dtype, ``softmax_scale``,
+``num_splits`` and ``reduction`` before capturing (the usual warm-up), then capture; replays may change the
 contents of ``cache_seqlens``, ``q`` and the caches but not their addresses::
 
     out = torch.empty_like(q)
@@ -45,7 +45,15 @@ from typing import Any, Dict, Optional, Tuple
 
 from . import _native
 
-__all__ = ["decode", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "MAX_GROUP", "MAX_SPLITS"]
+__all__ = [
+    "decode",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_DIMS",
+    "MAX_GROUP",
+    "MAX_SPLITS",
+    "REDUCTIONS",
+    "CLUSTER_SPLITS",
+]
 __version__ = _native.__version__
 
 #: ``str(tensor.dtype)`` of the element types the kernels take, and their native names.
@@ -56,6 +64,10 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_GROUP = 32
 #: Largest forced split count.
 MAX_SPLITS = 128
+#: Split reduction modes ``decode`` accepts for ``reduction`` (besides None: automatic).
+REDUCTIONS = ("kernel", "cluster")
+#: Split counts cluster reduction accepts.
+CLUSTER_SPLITS = (1, 2, 4, 8, 16)
 
 _INT32 = "torch.int32"
 _TENSOR_ATTRS = ("shape", "dtype", "is_cuda", "device", "stride", "is_contiguous", "data_ptr")
@@ -160,7 +172,7 @@ def _decoder_for(key: tuple, make: Any, capturing: bool) -> _Cached:
             "kvstream.decode: no decoder for these shapes yet and the current stream is being "
             "captured into a CUDA graph; creating one compiles kernels and allocates memory, "
             "which capture forbids. Call kvstream.decode once with the same shapes, dtype, "
-            "softmax_scale and num_splits before capturing (warm-up)."
+            "softmax_scale, num_splits and reduction before capturing (warm-up)."
         )
     d = make()
     with _lock:
@@ -175,6 +187,7 @@ def decode(
     cache_seqlens: Any = None,
     softmax_scale: Optional[float] = None,
     num_splits: Optional[int] = None,
+    reduction: Optional[str] = None,
     return_lse: bool = False,
     out: Any = None,
 ) -> Any:
@@ -192,8 +205,15 @@ def decode(
             0 gives an output of zeros and an LSE of ``-inf``). Default: every request uses all
             ``L`` positions. Its values are read on the device only (no host sync).
         softmax_scale: scale of ``q @ k^T`` before the softmax; default ``1 / sqrt(d)``.
-        num_splits: force this many KV splits per (request, KV head), 1..128; default: chosen
-            for the GPU (enough splits to fill every SM).
+        num_splits: force this many KV splits per (request, KV head), 1..128 (one of 1, 2, 4,
+            8, 16 with ``reduction="cluster"``); default: chosen for the GPU (enough splits to
+            fill every SM).
+        reduction: how the splits of one (request, KV head) are merged (irrelevant with one
+            split). ``None`` (default): chosen by the planner: cluster reduction for 2, 4 or 8
+            splits of at most two tiles each, kernel reduction otherwise. ``"kernel"``: each
+            split writes FP32 partials to a workspace and a combine kernel merges them.
+            ``"cluster"``: the splits of one (request, KV head) form a thread-block cluster and
+            merge through distributed shared memory: one launch, no workspace, deterministic.
         return_lse: also return the log-sum-exp (natural log) of the scaled scores,
             ``[batch, hq]`` float32.
         out: optional ``[batch, 1, hq, d]`` contiguous output tensor of q's dtype.
@@ -213,7 +233,7 @@ def decode(
         torch.Size([2, 1, 16, 128])
 
     The call is asynchronous on ``torch.cuda.current_stream()``. Decoders are cached per
-    (shapes, dtype, softmax_scale, num_splits, device); a cached decoder owns one workspace, so
+    (shapes, dtype, softmax_scale, num_splits, reduction, device); a cached decoder owns one workspace, so
     when the same shapes are used from a different stream than the previous call, the new
     stream first waits (on the device, through an event) for the previous stream. See the
     package docs for CUDA graph capture (warm up once before capturing).
@@ -334,6 +354,22 @@ def decode(
             raise ValueError(
                 f"kvstream.decode: num_splits is {num_splits}, allowed: 1..{MAX_SPLITS} or None"
             )
+    if reduction is not None:
+        allowed_modes = " or ".join(repr(m) for m in REDUCTIONS) + " or None"
+        if not isinstance(reduction, str):
+            raise TypeError(
+                f"kvstream.decode: reduction must be a str or None, got {reduction!r} "
+                f"({type(reduction).__name__}), allowed: {allowed_modes}"
+            )
+        if reduction not in REDUCTIONS:
+            raise ValueError(
+                f"kvstream.decode: reduction is {reduction!r}, allowed: {allowed_modes}"
+            )
+        if reduction == "cluster" and num_splits is not None and num_splits not in CLUSTER_SPLITS:
+            raise ValueError(
+                f"kvstream.decode: num_splits is {num_splits} with reduction='cluster', allowed: "
+                f"{', '.join(map(str, CLUSTER_SPLITS))} or None"
+            )
     if not isinstance(return_lse, bool):
         raise TypeError(
             f"kvstream.decode: return_lse must be a bool, got {type(return_lse).__name__}"
@@ -346,12 +382,15 @@ def decode(
     stream = torch.cuda.current_stream(index)
     capturing = torch.cuda.is_current_stream_capturing()
     dtype_name = SUPPORTED_DTYPES[qd]
-    key = (b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits, index, k_strides, v_strides)
+    key = (
+        b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits, reduction, index,
+        k_strides, v_strides,
+    )
 
     def make() -> Any:
         return _native.Decoder(
-            b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits, index,
-            k_strides=k_strides, v_strides=v_strides,
+            b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits,
+            reduction=reduction, device=index, k_strides=k_strides, v_strides=v_strides,
         )
 
     cached = _decoder_for(key, make, capturing)

@@ -5,6 +5,8 @@ SUPPORTED_DTYPES: Dict[str, str]
 SUPPORTED_HEAD_DIMS: Tuple[int, ...]
 MAX_GROUP: int
 MAX_SPLITS: int
+REDUCTIONS: Tuple[str, ...]
+CLUSTER_SPLITS: Tuple[int, ...]
 
 @overload
 def decode(
@@ -15,6 +17,7 @@ def decode(
     cache_seqlens: Optional[Any] = ...,
     softmax_scale: Optional[float] = ...,
     num_splits: Optional[int] = ...,
+    reduction: Optional[str] = ...,
     return_lse: Literal[False] = ...,
     out: Optional[Any] = ...,
 ) -> Any: ...
@@ -27,6 +30,7 @@ def decode(
     cache_seqlens: Optional[Any] = ...,
     softmax_scale: Optional[float] = ...,
     num_splits: Optional[int] = ...,
+    reduction: Optional[str] = ...,
     return_lse: Literal[True],
     out: Optional[Any] = ...,
 ) -> Tuple[Any, Any]: ...

@@ -11,6 +11,7 @@ def validate(
     dtype: str,
     softmax_scale: Optional[float] = None,
     num_splits: Optional[int] = None,
+    reduction: Optional[str] = None,
     k_strides: Optional[Tuple[int, int, int]] = None,
     v_strides: Optional[Tuple[int, int, int]] = None,
 ) -> str: ...
@@ -26,6 +27,7 @@ class Decoder:
         dtype: str,
         softmax_scale: Optional[float] = None,
         num_splits: Optional[int] = None,
+        reduction: Optional[str] = None,
         device: int = 0,
         k_strides: Optional[Tuple[int, int, int]] = None,
         v_strides: Optional[Tuple[int, int, int]] = None,
@@ -42,6 +44,8 @@ class Decoder:
     ) -> None: ...
     @property
     def num_splits(self) -> int: ...
+    @property
+    def reduction(self) -> str: ...
     @property
     def plan(self) -> str: ...
     @property

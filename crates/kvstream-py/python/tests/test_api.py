@@ -102,6 +102,7 @@ def test_decode_signature():
         ("cache_seqlens", P.KEYWORD_ONLY, None),
         ("softmax_scale", P.KEYWORD_ONLY, None),
         ("num_splits", P.KEYWORD_ONLY, None),
+        ("reduction", P.KEYWORD_ONLY, None),
         ("return_lse", P.KEYWORD_ONLY, False),
         ("out", P.KEYWORD_ONLY, None),
     ]
@@ -246,6 +247,44 @@ def test_scalar_options():
     fails(TypeError, "return_lse", return_lse=1)
 
 
+@pytest.mark.parametrize("bad", [1, b"cluster", ["kernel"], True])
+def test_reduction_type(bad):
+    fails(TypeError, "reduction", repr(bad), "'kernel' or 'cluster' or None", reduction=bad)
+
+
+@pytest.mark.parametrize("bad", ["atomic", "Cluster", "", "kernel "])
+def test_reduction_value(bad):
+    fails(ValueError, "reduction", repr(bad), "'kernel' or 'cluster' or None", reduction=bad)
+
+
+@pytest.mark.parametrize("splits", [3, 5, 32, 128])
+def test_cluster_reduction_split_counts(splits):
+    msg = fails(ValueError, "num_splits", str(splits), "cluster", "1, 2, 4, 8, 16",
+                reduction="cluster", num_splits=splits)
+    assert "reduction" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "over",
+    [dict(reduction="kernel"), dict(reduction="kernel", num_splits=3),
+     dict(reduction="cluster"), dict(reduction="cluster", num_splits=16)],
+)
+def test_valid_reduction_passes_validation(over):
+    # Valid: passes validation, then needs torch to launch (absent or not, not a validation error).
+    pos, _ = good()
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError):
+            kvstream.decode(*pos, **over)
+
+
+def test_reduction_constants():
+    assert kvstream.REDUCTIONS == ("kernel", "cluster")
+    assert kvstream.CLUSTER_SPLITS == (1, 2, 4, 8, 16)
+    assert all(n <= kvstream.MAX_SPLITS for n in kvstream.CLUSTER_SPLITS)
+
+
 # ---- native layer: plain values, validated before any GPU is opened ----
 
 @pytest.mark.parametrize(
@@ -262,6 +301,10 @@ def test_scalar_options():
         (dict(softmax_scale=-1.0), "softmax_scale"),
         (dict(num_splits=0), "num_splits"),
         (dict(num_splits=500), "num_splits"),
+        (dict(reduction="atomic"), "reduction"),
+        (dict(reduction="Cluster"), "reduction"),
+        (dict(reduction="cluster", num_splits=3), "num_splits"),
+        (dict(reduction="cluster", num_splits=32), "num_splits"),
         (dict(k_strides=(8, 12, 8)), "k strides"),
         (dict(v_strides=(0, 8, 8)), "v strides"),
     ],
@@ -282,12 +325,33 @@ def test_native_validate_returns_plan():
     assert "num_splits: 1," in _native.validate(1, 16, 2, 128, 131072, "f16", num_splits=1)
 
 
+def test_native_validate_reduction():
+    args = (1, 16, 2, 128, 4096, "bf16")
+    cluster = _native.validate(*args, num_splits=4, reduction="cluster")
+    assert "Cluster" in cluster and "num_splits: 4," in cluster, cluster
+    kernel = _native.validate(*args, num_splits=4, reduction="kernel")
+    assert "Kernel" in kernel and "num_splits: 4," in kernel, kernel
+    # cluster reduction without a split count: a cluster size the planner picks itself
+    assert "Cluster" in _native.validate(*args, reduction="cluster")
+    # kernel reduction takes any split count up to MAX_SPLITS
+    assert "num_splits: 3," in _native.validate(*args, num_splits=3, reduction="kernel")
+    # positional order: ..., softmax_scale, num_splits, reduction
+    assert "Cluster" in _native.validate(*args, None, 2, "cluster")
+    with pytest.raises(ValueError) as e:
+        _native.validate(*args, reduction="atomic")
+    msg = str(e.value)
+    assert "reduction" in msg and "atomic" in msg and "'kernel' or 'cluster'" in msg, msg
+    with pytest.raises(TypeError):
+        _native.validate(*args, reduction=1)
+
+
 def test_native_decoder_without_gpu_is_a_runtime_error():
     try:
-        d = _native.Decoder(1, 16, 2, 128, 4096, "bf16", None, None, 0)
+        d = _native.Decoder(1, 16, 2, 128, 4096, "bf16", None, None, None, 0)
     except RuntimeError as e:
         msg = str(e)
         assert any(w in msg for w in ("driver", "GPU", "NVRTC")), msg
     else:  # a machine with a suitable GPU
         assert d.num_splits >= 1 and "num_splits" in d.plan
+        assert d.reduction in ("kernel", "cluster") and f"reduction='{d.reduction}'" in repr(d)
         pytest.skip("a GPU is present: the no-GPU error path is not reachable here")

@@ -185,3 +185,39 @@ def test_same_shape_on_two_streams_is_ordered():
     assert rel_err(ox, reference(*x, lens, 1 / 128 ** 0.5)[0]) <= TOL
     assert rel_err(oy, reference(*y, lens, 1 / 128 ** 0.5)[0]) <= TOL
     SUMMARY["checks"]["same_shape_two_streams"] = True
+
+
+@pytest.mark.parametrize(
+    "b,hq,hkv,d,L,lens",
+    [(3, 16, 2, 128, 3000, [0, 1777, 3000]), (1, 16, 16, 64, 1024, [1024])],
+)
+def test_cluster_and_kernel_reduction(b, hq, hkv, d, L, lens):
+    q, k, v = make(b, hq, hkv, d, L, torch.bfloat16, seed=41 + b + hkv)
+    lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    scale = 1.0 / d ** 0.5
+    label = f"b{b} hq{hq} hkv{hkv} d{d} L{L}"
+    res = {}
+    for mode in ("cluster", "kernel"):
+        res[mode] = kvstream.decode(q, k, v, cache_seqlens=lens, num_splits=4, reduction=mode,
+                                    return_lse=True)
+        check(q, k, v, lens, *res[mode], scale, f"{label} reduction={mode} splits=4")
+    (oc, lc), (ok, lk) = res["cluster"], res["kernel"]
+    # Both merge in fp32: the outputs differ by at most one bf16 rounding (an ulp, <= 2^-7 of
+    # the value), the LSEs by fp32 rounding.
+    diff = (oc.float() - ok.float()).abs()
+    bound = 2.0 ** -7 * torch.maximum(oc.float().abs(), ok.float().abs()) + 1e-6
+    assert bool((diff <= bound).all()), f"{label}: cluster vs kernel max diff {diff.max().item()}"
+    torch.testing.assert_close(lc, lk, rtol=1e-5, atol=1e-5)
+    # Cluster reduction has no atomics or workspace: a second call is bitwise identical.
+    oc2, lc2 = kvstream.decode(q, k, v, cache_seqlens=lens, num_splits=4, reduction="cluster",
+                               return_lse=True)
+    torch.cuda.synchronize()
+    same = torch.equal(oc, oc2) and torch.equal(lc, lc2)
+    SUMMARY["checks"][f"cluster_deterministic {label}"] = same
+    SUMMARY["checks"][f"cluster_matches_kernel {label}"] = True
+    assert same, f"{label}: two cluster-reduction calls differ"
+    native = kvstream._native.Decoder(b, hq, hkv, d, L, "bf16", num_splits=4, reduction="cluster")
+    assert native.reduction == "cluster" and native.num_splits == 4
+    assert "reduction='cluster'" in repr(native)
+    kernel = kvstream._native.Decoder(b, hq, hkv, d, L, "bf16", num_splits=4, reduction="kernel")
+    assert kernel.reduction == "kernel"
