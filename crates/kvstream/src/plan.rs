@@ -309,8 +309,11 @@ pub fn plan(
         Some(g) => {
             return Err(Error::invalid(
                 "consumer_groups",
-                format!("{g} with {} query heads per KV head", problem.group()),
-                "1, or 2 when the group has at most 16 query heads",
+                format!(
+                    "{g} with {} query rows per KV head (q_len x group)",
+                    problem.columns()
+                ),
+                "1, or 2 when there are at most 16 query rows per KV head",
             ))
         }
         None => consumer_groups(decode.n_tiles, tiles_per_split),

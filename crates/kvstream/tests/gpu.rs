@@ -675,7 +675,7 @@ fn run_case_as<T: Half>(
         } else {
             case.splits
         },
-        consumer_groups: (p.group() <= 16).then_some(1 + case.index % 2),
+        consumer_groups: (p.columns() <= 16).then_some(1 + case.index % 2),
         stages: (case.index % 3 == 0).then_some(2),
         reduction: cluster.then_some(Reduction::Cluster),
         ..Default::default()
