@@ -170,6 +170,11 @@ pub struct PlanOptions {
     pub stages: Option<usize>,
     /// Force the reduction mode. `None`: chosen from the split count ([`auto_reduction`]).
     pub reduction: Option<Reduction>,
+    /// Plan the work partition on the device, from the lengths in device memory, at every call
+    /// (a planner kernel ahead of the decode): the grid is sized from the problem's maxima and
+    /// each request gets splits in proportion to its length, so a captured graph stays balanced
+    /// whatever lengths it is replayed with. Kernel reduction only.
+    pub device_plan: bool,
 }
 
 /// Ring depths a decode kernel can be built with.
