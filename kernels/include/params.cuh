@@ -45,9 +45,16 @@ struct alignas(128) DecodeParams {
     int col_blocks;         // CTAs along the columns of one KV head: ceil(cols / columns per CTA)
     int page_size;          // paged: tokens per page (a power of two); 0: contiguous
     int table_stride;       // paged: entries per block-table row
+    // Device-side plan (plan_work.cu), or null: the grid is (num_splits, hkv * col_blocks, batch)
+    int* work;              // [plan_grid] {request, item in request}: one per decode CTA
+    int* request_plan;      // [batch] {splits, first FP32 partial slot}
+    int plan_grid;          // decode CTAs (grid.x) of a device-planned launch
+    int plan_target;        // CTAs the device plan aims for
+    int plan_tile;          // positions per tile (the decode kernel's TILE_TOKENS)
+    int block_cols;         // columns per decode CTA (8 x n8 tiles): partial slots hold this many
 };
 
-static_assert(sizeof(DecodeParams) == 512, "DecodeParams must match params.rs");
+static_assert(sizeof(DecodeParams) == 640, "DecodeParams must match params.rs");
 
 // Token range [begin, end) of one split. The cache is cut into whole tiles and split s takes
 // tiles [s * tiles / splits, (s + 1) * tiles / splits): run lengths differ by at most one tile,

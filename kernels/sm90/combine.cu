@@ -55,22 +55,36 @@ kvs_combine(const __grid_constant__ DecodeParams p) {
     const int head = (int)(row % p.hq);
     const int token = (int)(row / p.hq % p.q_len);
     const int batch = (int)(row / p.hq / p.q_len);
-    const int splits = p.num_splits;
     const int s_own = threadIdx.x;  // the split whose statistics this thread holds
 
     pdl_wait_for_producer();
 
+    // Where split s of this row left its partials: [split][row] (static plan), or the device
+    // plan's slots [slot][column of the decode CTA] (plan_work.cu). Rows the device plan did
+    // not split were written by the decode kernel itself.
+    int splits = p.num_splits;
+    long long first = row, step = rows;
+    if (p.work) {
+        splits = p.request_plan[2 * batch];
+        if (splits == 1) return;
+        const int column = token * p.group + head % p.group;  // within the KV head's rows
+        const int unit = (head / p.group) * p.col_blocks + column / p.block_cols;
+        first = (long long)(p.request_plan[2 * batch + 1] + unit * splits) * p.block_cols + column % p.block_cols;
+        step = p.block_cols;
+    }
+    auto at = [&](int s) { return first + s * step; };
+
     // Everything the merge reads is issued in one go, before any of it is used: this thread's
     // split statistics and this warp's first IN_FLIGHT partial outputs (decode writes every
     // split's statistics and, for empty splits, a zero O, so no load depends on another).
-    const float m_own = s_own < splits ? p.m_partial[s_own * rows + row] : neg_inf();
-    const float l_own = s_own < splits ? p.l_partial[s_own * rows + row] : 0.f;
+    const float m_own = s_own < splits ? p.m_partial[at(s_own)] : neg_inf();
+    const float l_own = s_own < splits ? p.l_partial[at(s_own)] : 0.f;
     float2 x[IN_FLIGHT][PER_LANE / 2];
     auto load_round = [&](int s0) {
 #pragma unroll
         for (int j = 0; j < IN_FLIGHT; ++j) {
             const int s = s0 + j * WARPS;
-            const float2* o = reinterpret_cast<const float2*>(p.o_partial + (s * rows + row) * HEAD_DIM) +
+            const float2* o = reinterpret_cast<const float2*>(p.o_partial + at(s) * HEAD_DIM) +
                               lane * (PER_LANE / 2);
 #pragma unroll
             for (int i = 0; i < PER_LANE / 2; ++i) x[j][i] = s < splits ? o[i] : make_float2(0.f, 0.f);

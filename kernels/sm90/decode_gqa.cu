@@ -161,6 +161,26 @@ struct Columns {
     }
 };
 
+// ================================ work item ================================================
+// What this CTA computes: from the grid (static plan) or from the device planner's table
+// (plan_work.cu; batch = -1: no work this call).
+struct WorkItem {
+    int batch, kv_head, col_block, split, num_splits;
+    long long slot;  // device plan: FP32 partial slot of this split (requests with splits > 1)
+};
+
+__device__ __forceinline__ WorkItem work_item(const DecodeParams& p) {
+    if (!p.work) {
+        return {(int)blockIdx.z, (int)blockIdx.y / p.col_blocks, (int)blockIdx.y % p.col_blocks,
+                (int)blockIdx.x, p.num_splits, 0};
+    }
+    const int b = p.work[2 * blockIdx.x], j = p.work[2 * blockIdx.x + 1];
+    if (b < 0) return {-1, 0, 0, 0, 1, 0};
+    const int splits = p.request_plan[2 * b], slot_base = p.request_plan[2 * b + 1];
+    const int unit = j / splits;
+    return {b, unit / p.col_blocks, unit % p.col_blocks, j % splits, splits, (long long)slot_base + j};
+}
+
 // ================================ cluster reduction ========================================
 // Protocol (every thread of every CTA of the cluster takes part in both barrier phases):
 //   start    cluster_arrive_relaxed            (phase 1: "my shared memory exists")
@@ -251,10 +271,6 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     float* recv_o = reinterpret_cast<float*>(smem + SharedPlan::recv_o);
     const bool in_cluster = p.cluster_splits > 1;
 
-    const int split = blockIdx.x;
-    const int kv_head = blockIdx.y / p.col_blocks;
-    const int col_block = blockIdx.y % p.col_blocks;
-    const int batch = blockIdx.z;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
@@ -277,17 +293,21 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     // memory before it has finished.
     pdl_wait_for_producer();
 
+    const WorkItem item = work_item(p);
+    if (item.batch < 0) return;  // device plan: more CTAs than work this call
+    const int batch = item.batch, kv_head = item.kv_head, split = item.split;
     // Lengths come from device memory the host never sees: clamp rather than trust them.
     const int len = max(0, min(p.seqlens ? p.seqlens[batch] : p.max_len, p.max_len));
-    const SplitRange range = split_range(len, p.num_splits, split, TILE_TOKENS);
+    const SplitRange range = split_range(len, item.num_splits, split, TILE_TOKENS);
     const int num_tiles = range.end > range.begin
                               ? (range.end - range.begin + TILE_TOKENS - 1) / TILE_TOKENS
                               : 0;
-    const Columns cols = {col_block * GROUP_PAD, min(GROUP_PAD, p.cols - col_block * GROUP_PAD), batch, kv_head};
-    const long long rows = (long long)p.batch * p.q_len * p.hq;  // of LSE and of each split's partials
-    float* m_partial = p.m_partial + split * rows;
-    float* l_partial = p.l_partial + split * rows;
-    float* o_partial = p.o_partial + split * rows * HEAD_DIM;
+    const Columns cols = {item.col_block * GROUP_PAD, min(GROUP_PAD, p.cols - item.col_block * GROUP_PAD),
+                          batch, kv_head};
+    // FP32 partials of column g: static plan [split][output row], device plan [slot][column].
+    const long long partial_base =
+        p.work ? item.slot * GROUP_PAD : split * ((long long)p.batch * p.q_len * p.hq);
+    auto partial_row = [&](int g) { return partial_base + (p.work ? (long long)g : cols.row(p, g)); };
 
     if (num_tiles == 0) {
         // ---------------- empty split: publish neutral statistics and leave ----------------
@@ -297,16 +317,16 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                 cluster_push_stats(cluster, smem_addr(recv_m), smem_addr(recv_l), g, neg_inf(), 0.f);
             }
             cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, cols);
-        } else if (p.num_splits > 1) {
+        } else if (item.num_splits > 1) {
             // Neutral partials, O included: the combine then loads every split unconditionally,
             // all in one round trip, and still reads only what this call wrote.
             for (int g = threadIdx.x; g < cols.count; g += THREADS) {
-                m_partial[cols.row(p, g)] = neg_inf();
-                l_partial[cols.row(p, g)] = 0.f;
+                p.m_partial[partial_row(g)] = neg_inf();
+                p.l_partial[partial_row(g)] = 0.f;
             }
             for (int i = threadIdx.x; i < cols.count * HEAD_DIM / 4; i += THREADS) {
                 const int g = i / (HEAD_DIM / 4), e = i % (HEAD_DIM / 4);
-                reinterpret_cast<float4*>(o_partial + cols.row(p, g) * HEAD_DIM)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+                reinterpret_cast<float4*>(p.o_partial + partial_row(g) * HEAD_DIM)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
             }
         } else {
             // zero-length request: out = 0, LSE = -inf
@@ -576,7 +596,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     named_barrier_sync(1, CONSUMER_THREADS);
 
     // Sum the warps in a fixed order and write: two head-dim elements per thread per step.
-    const bool single_split = p.num_splits == 1;
+    const bool single_split = item.num_splits == 1;
     if (in_cluster) cluster_wait_acquire();  // every peer has started: its shared memory exists
     for (int i = threadIdx.x; i < cols.count * (HEAD_DIM / 2); i += CONSUMER_THREADS) {
         const int g = i / (HEAD_DIM / 2), d = (i % (HEAD_DIM / 2)) * 2;
@@ -603,11 +623,11 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             cluster_push_o(cluster, smem_addr(recv_o), g, d, o0, o1);
             if (d == 0) cluster_push_stats(cluster, smem_addr(recv_m), smem_addr(recv_l), g, m_cta, l_cta);
         } else {
-            const long long row = cols.row(p, g);
-            *reinterpret_cast<float2*>(o_partial + row * HEAD_DIM + d) = make_float2(o0, o1);
+            const long long row = partial_row(g);
+            *reinterpret_cast<float2*>(p.o_partial + row * HEAD_DIM + d) = make_float2(o0, o1);
             if (d == 0) {
-                m_partial[row] = m_cta;
-                l_partial[row] = l_cta;
+                p.m_partial[row] = m_cta;
+                p.l_partial[row] = l_cta;
             }
         }
     }

@@ -164,7 +164,8 @@ fn kernels(dump: Option<&std::path::Path>) -> kvstream::Result<()> {
                 let dyn_smem = match v {
                     kvstream::kernels::AnyVariant::Decode(d) => d.shared_bytes(),
                     kvstream::kernels::AnyVariant::Combine(_)
-                    | kvstream::kernels::AnyVariant::StreamRead(_) => 0,
+                    | kvstream::kernels::AnyVariant::StreamRead(_)
+                    | kvstream::kernels::AnyVariant::PlanWork(_) => 0,
                 };
                 println!(
                     "{:<36} {:>6} {:>6} {:>8} {:>8} {:>9}  {:?} {:.1}s",

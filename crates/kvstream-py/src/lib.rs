@@ -74,6 +74,35 @@ fn runtime(device: usize) -> PyResult<Arc<Runtime>> {
     Ok(rt)
 }
 
+/// The paging of a problem from the Python arguments: all three absent (contiguous caches), or
+/// `page_size` and `num_pages` given (`table_stride` optional: `ceil(max_len / page_size)`).
+fn paging(
+    page_size: Option<i64>,
+    num_pages: Option<i64>,
+    table_stride: Option<i64>,
+) -> PyResult<Option<(usize, usize, Option<usize>)>> {
+    match (page_size, num_pages) {
+        (None, None) if table_stride.is_none() => Ok(None),
+        (Some(ps), Some(np)) => Ok(Some((
+            size("page_size", ps)?,
+            size("num_pages", np)?,
+            table_stride
+                .map(|t| size("block_table stride", t))
+                .transpose()?,
+        ))),
+        (None, _) => Err(to_py(Error::invalid(
+            "page_size",
+            "None",
+            "a page size whenever num_pages or table_stride is given (a paged cache)",
+        ))),
+        (Some(_), None) => Err(to_py(Error::invalid(
+            "num_pages",
+            "None",
+            "the pages in each pool whenever page_size is given (a paged cache)",
+        ))),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn build_problem(
     batch: i64,
@@ -85,6 +114,10 @@ fn build_problem(
     softmax_scale: Option<f64>,
     k_strides: Option<(i64, i64, i64)>,
     v_strides: Option<(i64, i64, i64)>,
+    q_len: i64,
+    page_size: Option<i64>,
+    num_pages: Option<i64>,
+    table_stride: Option<i64>,
 ) -> PyResult<DecodeProblem> {
     let dtype: DType = dtype.parse().map_err(to_py)?;
     let mut p = DecodeProblem::new(
@@ -99,33 +132,80 @@ fn build_problem(
     if let Some(s) = softmax_scale {
         p = p.with_softmax_scale(s as f32).map_err(to_py)?;
     }
+    let q_len = size("q_len", q_len)?;
+    if q_len != 1 {
+        p = p.with_q_len(q_len).map_err(to_py)?;
+    }
+    let paged = paging(page_size, num_pages, table_stride)?;
     if k_strides.is_some() || v_strides.is_some() {
+        if paged.is_some() {
+            let arg = if k_strides.is_some() {
+                "k strides"
+            } else {
+                "v strides"
+            };
+            let given = k_strides.or(v_strides).unwrap_or_default();
+            return Err(to_py(Error::invalid(
+                arg,
+                format!("{given:?}"),
+                "None with a paged cache (the page pools are contiguous)",
+            )));
+        }
         let c = p.k_strides;
         let k = strides("k strides", k_strides, c)?;
         let v = strides("v strides", v_strides, c)?;
         p = p.with_kv_strides(k, v).map_err(to_py)?;
     }
+    if let Some((page_size, num_pages, table_stride)) = paged {
+        p = p
+            .with_paged(page_size, num_pages, table_stride)
+            .map_err(to_py)?;
+    }
     Ok(p)
 }
 
 /// Plan options from the Python arguments: a split count and a reduction mode name
-/// (`"kernel"` or `"cluster"`); `None` leaves each to the planner.
-fn options(num_splits: Option<i64>, reduction: Option<&str>) -> PyResult<PlanOptions> {
+/// (`"kernel"` or `"cluster"`); `None` leaves each to the planner. `device_plan` plans the split
+/// partition on the device at every call; it takes kernel reduction only, so it rejects a forced
+/// `"cluster"` and, with no mode given, asks for kernel reduction.
+fn options(
+    num_splits: Option<i64>,
+    reduction: Option<&str>,
+    device_plan: bool,
+) -> PyResult<PlanOptions> {
+    let mut reduction = reduction
+        .map(str::parse::<Reduction>)
+        .transpose()
+        .map_err(to_py)?;
+    if device_plan {
+        match reduction {
+            Some(Reduction::Cluster) => {
+                return Err(to_py(Error::invalid(
+                    "device_plan",
+                    "True with reduction 'cluster'",
+                    "False, or device_plan with reduction 'kernel' or None (the device plan \
+                     merges splits with the combine kernel)",
+                )))
+            }
+            Some(Reduction::Kernel) => {}
+            None => reduction = Some(Reduction::Kernel),
+        }
+    }
     Ok(PlanOptions {
         num_splits: num_splits.map(|n| size("num_splits", n)).transpose()?,
-        reduction: reduction
-            .map(str::parse::<Reduction>)
-            .transpose()
-            .map_err(to_py)?,
+        reduction,
+        device_plan,
         ..Default::default()
     })
 }
 
 /// Checks a problem without opening a GPU (planned for an H200) and returns its plan as a
 /// string. Raises ValueError naming the field that is out of range. `reduction` forces the
-/// split reduction mode (`"kernel"` or `"cluster"`); `None` lets the planner choose.
+/// split reduction mode (`"kernel"` or `"cluster"`); `None` lets the planner choose. `q_len`
+/// new tokens per request (1..=8); `page_size` and `num_pages` (and optionally `table_stride`)
+/// describe a paged cache; `device_plan` plans the split partition on the device at each call.
 #[pyfunction]
-#[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, k_strides=None, v_strides=None))]
+#[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false))]
 #[allow(clippy::too_many_arguments)]
 fn validate(
     batch: i64,
@@ -139,6 +219,11 @@ fn validate(
     reduction: Option<&str>,
     k_strides: Option<(i64, i64, i64)>,
     v_strides: Option<(i64, i64, i64)>,
+    q_len: i64,
+    page_size: Option<i64>,
+    num_pages: Option<i64>,
+    table_stride: Option<i64>,
+    device_plan: bool,
 ) -> PyResult<String> {
     let p = build_problem(
         batch,
@@ -150,8 +235,13 @@ fn validate(
         softmax_scale,
         k_strides,
         v_strides,
+        q_len,
+        page_size,
+        num_pages,
+        table_stride,
     )?;
-    let plan = plan(&p, DeviceFacts::H200, options(num_splits, reduction)?).map_err(to_py)?;
+    let opts = options(num_splits, reduction, device_plan)?;
+    let plan = plan(&p, DeviceFacts::H200, opts).map_err(to_py)?;
     Ok(format!("{plan:?}"))
 }
 
@@ -161,17 +251,20 @@ fn validate(
 /// kernels, allocate the split workspace of kernel reduction); `run` only enqueues kernels on
 /// the given stream, so it may be captured into a CUDA graph. One decoder must not be in flight
 /// on two streams at once (it owns one workspace). `reduction` forces the split reduction mode
-/// (`"kernel"` or `"cluster"`); `None` lets the planner choose.
+/// (`"kernel"` or `"cluster"`); `None` lets the planner choose. `q_len`, `page_size`,
+/// `num_pages`, `table_stride` and `device_plan` as in `validate`.
 #[pyclass(module = "kvstream._native", frozen)]
 struct Decoder {
     inner: kvstream::Decoder,
     device: usize,
+    /// Whether the split partition is planned on the device at each call.
+    device_plan: bool,
 }
 
 #[pymethods]
 impl Decoder {
     #[new]
-    #[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, device=0, k_strides=None, v_strides=None))]
+    #[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, device=0, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -187,6 +280,11 @@ impl Decoder {
         device: i64,
         k_strides: Option<(i64, i64, i64)>,
         v_strides: Option<(i64, i64, i64)>,
+        q_len: i64,
+        page_size: Option<i64>,
+        num_pages: Option<i64>,
+        table_stride: Option<i64>,
+        device_plan: bool,
     ) -> PyResult<Self> {
         // Everything that can be checked without a GPU is checked first.
         let problem = build_problem(
@@ -199,8 +297,12 @@ impl Decoder {
             softmax_scale,
             k_strides,
             v_strides,
+            q_len,
+            page_size,
+            num_pages,
+            table_stride,
         )?;
-        let opts = options(num_splits, reduction)?;
+        let opts = options(num_splits, reduction, device_plan)?;
         plan(&problem, DeviceFacts::H200, opts).map_err(to_py)?;
         let device = size("device", device)?;
         // Compiling kernels may take seconds on a cold cache: let other threads run.
@@ -212,16 +314,22 @@ impl Decoder {
             .map_err(|_| PyRuntimeError::new_err("kvstream: creating the decoder panicked"))?
             .map_err(to_py)
         })?;
-        Ok(Decoder { inner, device })
+        Ok(Decoder {
+            inner,
+            device,
+            device_plan,
+        })
     }
 
     /// Enqueues one decode on `stream` (a raw `CUstream` as an int, e.g.
-    /// `torch.cuda.current_stream().cuda_stream`). Pointers are device addresses as ints.
+    /// `torch.cuda.current_stream().cuda_stream`). Pointers are device addresses as ints;
+    /// `block_table_ptr` is the int32 `[batch, table_stride]` block table of a paged decoder
+    /// (required exactly when the decoder is paged).
     ///
     /// Unsafe in spirit: the caller (the `kvstream` package) guarantees that the pointers
     /// reference tensors of the decoder's shapes on its device that stay alive until the work
     /// completes.
-    #[pyo3(signature = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr=None, seqlens_ptr=None, stream=0))]
+    #[pyo3(signature = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr=None, seqlens_ptr=None, stream=0, block_table_ptr=None))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -233,6 +341,7 @@ impl Decoder {
         lse_ptr: Option<u64>,
         seqlens_ptr: Option<u64>,
         stream: usize,
+        block_table_ptr: Option<u64>,
     ) -> PyResult<()> {
         let tensors = DecodeTensors {
             q: q_ptr,
@@ -241,7 +350,7 @@ impl Decoder {
             out: out_ptr,
             lse: lse_ptr,
             seqlens: seqlens_ptr,
-            block_table: None,
+            block_table: block_table_ptr,
         };
         let decoder = &self.inner;
         py.detach(move || {
@@ -280,12 +389,43 @@ impl Decoder {
         self.device
     }
 
+    /// New tokens per request.
+    #[getter]
+    fn q_len(&self) -> usize {
+        self.inner.problem().q_len
+    }
+
+    /// Positions per page of a paged decoder; `None` for contiguous caches.
+    #[getter]
+    fn page_size(&self) -> Option<usize> {
+        self.inner.problem().paged.map(|pg| pg.page_size)
+    }
+
+    /// Whether the split partition is planned on the device at each call.
+    #[getter]
+    fn device_plan(&self) -> bool {
+        self.device_plan
+    }
+
     fn __repr__(&self) -> String {
         let p = self.inner.problem();
         let plan = self.inner.plan();
+        let mut extra = String::new();
+        if p.q_len != 1 {
+            extra += &format!(", q_len={}", p.q_len);
+        }
+        if let Some(pg) = p.paged {
+            extra += &format!(
+                ", page_size={}, num_pages={}, table_stride={}",
+                pg.page_size, pg.num_pages, pg.table_stride
+            );
+        }
+        if self.device_plan {
+            extra += ", device_plan=True";
+        }
         format!(
-            "Decoder(batch={}, hq={}, hkv={}, head_dim={}, max_len={}, dtype='{}', num_splits={}, \
-             reduction='{}')",
+            "Decoder(batch={}, hq={}, hkv={}, head_dim={}, max_len={}, dtype='{}'{extra}, \
+             num_splits={}, reduction='{}')",
             p.batch,
             p.hq,
             p.hkv,

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::error::{Error, Result};
-use crate::kernels::{AnyVariant, COMBINE_THREADS};
+use crate::kernels::{AnyVariant, PlanWorkVariant, COMBINE_THREADS};
 use crate::launch::{kv_tensor_map, launch, max_active_clusters, LaunchConfig};
 use crate::params::DecodeParams;
 use crate::plan::{plan, DecodePlan, PlanOptions, Reduction};
@@ -86,6 +86,8 @@ pub struct Decoder {
     plan: DecodePlan,
     decode: LoadedKernel,
     combine: Option<LoadedKernel>,
+    /// The device-side work planner, for device-planned problems.
+    planner: Option<LoadedKernel>,
     /// Owned split workspace and its device address (taken once, so `run` does no stream
     /// bookkeeping on it).
     workspace: Option<(CudaSlice<u8>, u64)>,
@@ -98,6 +100,10 @@ impl Decoder {
         let decode = rt.kernel(AnyVariant::Decode(plan.decode), plan.decode.shared_bytes())?;
         let combine = match plan.combine {
             Some(c) => Some(rt.kernel(AnyVariant::Combine(c), 0)?),
+            None => None,
+        };
+        let planner = match plan.device_plan {
+            Some(_) => Some(rt.kernel(AnyVariant::PlanWork(PlanWorkVariant), 0)?),
             None => None,
         };
         let workspace = match plan.workspace.bytes() {
@@ -122,6 +128,7 @@ impl Decoder {
             plan,
             decode,
             combine,
+            planner,
             workspace,
         };
         if decoder.cluster() {
@@ -213,9 +220,9 @@ impl Decoder {
         }
         rt.bind()?;
         let p = &self.problem;
-        let (ws, (o_off, m_off, l_off)) = match &self.workspace {
+        let (ws, off) = match &self.workspace {
             Some((_, ptr)) => (*ptr, self.plan.workspace.offsets()),
-            None => (0, (0, 0, 0)),
+            None => (0, Default::default()),
         };
         let at = |off: usize| if ws == 0 { 0 } else { ws + off as u64 };
         let tile = self.plan.decode.box_tokens();
@@ -246,9 +253,9 @@ impl Decoder {
             out: t.out,
             lse: t.lse.unwrap_or(0),
             seqlens: t.seqlens.unwrap_or(0),
-            o_partial: at(o_off),
-            m_partial: at(m_off),
-            l_partial: at(l_off),
+            o_partial: at(off.o_partial),
+            m_partial: at(off.m_partial),
+            l_partial: at(off.l_partial),
             block_table: t.block_table.unwrap_or(0),
             q_batch_stride: p.q_len as i64 * row,
             q_token_stride: row,
@@ -279,7 +286,23 @@ impl Decoder {
             col_blocks: self.plan.decode.column_blocks(p) as i32,
             page_size: p.paged.map_or(0, |pg| pg.page_size as i32),
             table_stride: p.paged.map_or(0, |pg| pg.table_stride as i32),
+            work: self.plan.device_plan.map_or(0, |_| at(off.work)),
+            request_plan: self.plan.device_plan.map_or(0, |_| at(off.request_plan)),
+            plan_grid: self.plan.device_plan.map_or(0, |d| d.grid as i32),
+            plan_target: self.plan.device_plan.map_or(0, |d| d.target as i32),
+            plan_tile: self.plan.decode.tile_tokens as i32,
+            block_cols: (self.plan.decode.n_tiles * 8) as i32,
         };
+        if let Some(planner) = &self.planner {
+            let cfg = LaunchConfig {
+                grid: [1, 1, 1],
+                block: [PlanWorkVariant::THREADS, 1, 1],
+                shared_bytes: 0,
+                pdl: self.plan.pdl,
+                cluster: None,
+            };
+            launch(planner.func, &cfg, stream, &params, "the work planner")?;
+        }
         launch(
             self.decode.func,
             &self.decode_config(),

@@ -19,6 +19,7 @@ pub const HEADERS: [(&str, &str); 2] = [
 const DECODE_GQA_SRC: &str = include_str!("../../../kernels/sm90/decode_gqa.cu");
 const COMBINE_SRC: &str = include_str!("../../../kernels/sm90/combine.cu");
 const STREAM_READ_SRC: &str = include_str!("../../../kernels/sm90/stream_read.cu");
+const PLAN_WORK_SRC: &str = include_str!("../../../kernels/sm90/plan_work.cu");
 
 /// Threads per combine CTA: eight warps on one output row (combine.cu).
 pub const COMBINE_THREADS: u32 = 256;
@@ -173,6 +174,30 @@ impl Variant for CombineVariant {
     }
 }
 
+/// The device-side work planner of `plan_work.cu` (one CTA of [`PlanWorkVariant::THREADS`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PlanWorkVariant;
+
+impl PlanWorkVariant {
+    /// Threads of its one CTA.
+    pub const THREADS: u32 = 1024;
+}
+
+impl Variant for PlanWorkVariant {
+    fn name(&self) -> String {
+        format!("plan_work.s{}", plan::MAX_SPLITS)
+    }
+    fn source(&self) -> &'static str {
+        PLAN_WORK_SRC
+    }
+    fn entry(&self) -> &'static str {
+        "kvs_plan_work"
+    }
+    fn defines(&self) -> Vec<(String, String)> {
+        vec![("KVS_MAX_SPLITS".into(), plan::MAX_SPLITS.to_string())]
+    }
+}
+
 /// The streaming-read kernel of `stream_read.cu`: the byte floor and read ceiling that
 /// `kvstream bench` measures next to the decode (bench/METHOD.md). Not used by decode.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -232,6 +257,8 @@ pub enum AnyVariant {
     Combine(CombineVariant),
     /// The streaming-read kernel (benchmark floor).
     StreamRead(StreamReadVariant),
+    /// The device-side work planner.
+    PlanWork(PlanWorkVariant),
 }
 
 impl AnyVariant {
@@ -241,6 +268,7 @@ impl AnyVariant {
             AnyVariant::Decode(v) => v,
             AnyVariant::Combine(v) => v,
             AnyVariant::StreamRead(v) => v,
+            AnyVariant::PlanWork(v) => v,
         }
     }
 }
@@ -272,6 +300,7 @@ pub fn all_variants() -> Vec<AnyVariant> {
         }
     }
     out.push(AnyVariant::StreamRead(StreamReadVariant));
+    out.push(AnyVariant::PlanWork(PlanWorkVariant));
     out
 }
 

@@ -49,7 +49,13 @@ pub struct DecodeParams {
     pub col_blocks: i32,
     pub page_size: i32,
     pub table_stride: i32,
+    pub work: u64,
+    pub request_plan: u64,
+    pub plan_grid: i32,
+    pub plan_target: i32,
+    pub plan_tile: i32,
+    pub block_cols: i32,
 }
 
 // Same number as the static_assert in params.cuh.
-const _: () = assert!(std::mem::size_of::<DecodeParams>() == 512);
+const _: () = assert!(std::mem::size_of::<DecodeParams>() == 640);

@@ -199,28 +199,70 @@ pub fn consumer_groups(n_tiles: usize, tiles_per_split: usize) -> usize {
 /// captured graph replays safely whatever the lengths are.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkspaceLayout {
-    /// `[splits, batch * q_len * hq, d]` unnormalised partial outputs.
+    /// Unnormalised partial outputs: `[splits, batch * q_len * hq, d]` (static plan) or
+    /// `[slots, block columns, d]` (device plan).
     pub o_partial: usize,
-    /// `[splits, batch * q_len * hq]` per-split maxima; the denominators follow with the same
-    /// size.
+    /// Per-split maxima, one per row of `o_partial`; the denominators follow with the same size.
     pub stats: usize,
+    /// Device plan: the work table, int32 `{request, item}` per decode CTA.
+    pub work: usize,
+    /// Device plan: int32 `{splits, first slot}` per request.
+    pub request_plan: usize,
+}
+
+/// Byte offsets of the workspace arrays from its start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkspaceOffsets {
+    /// Of `o_partial`.
+    pub o_partial: usize,
+    /// Of the maxima.
+    pub m_partial: usize,
+    /// Of the denominators.
+    pub l_partial: usize,
+    /// Of the work table.
+    pub work: usize,
+    /// Of the per-request plan.
+    pub request_plan: usize,
 }
 
 impl WorkspaceLayout {
     /// Total bytes, each array starting on a 256-byte boundary.
     pub fn bytes(&self) -> usize {
-        if self.o_partial == 0 {
+        if self.o_partial == 0 && self.work == 0 {
             return 0;
         }
-        align(self.o_partial * 4) + 2 * align(self.stats * 4)
+        let o = self.offsets();
+        o.request_plan + align(self.request_plan * 4)
     }
 
-    /// Byte offsets of (o_partial, m_partial, l_partial) from the workspace start.
-    pub fn offsets(&self) -> (usize, usize, usize) {
-        let m = align(self.o_partial * 4);
-        (0, m, m + align(self.stats * 4))
+    /// Byte offsets of every array from the workspace start.
+    pub fn offsets(&self) -> WorkspaceOffsets {
+        let m_partial = align(self.o_partial * 4);
+        let l_partial = m_partial + align(self.stats * 4);
+        let work = l_partial + align(self.stats * 4);
+        WorkspaceOffsets {
+            o_partial: 0,
+            m_partial,
+            l_partial,
+            work,
+            request_plan: work + align(self.work * 4),
+        }
     }
 }
+
+/// A work partition computed on the device at every call (`plan_work.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DevicePlan {
+    /// Decode CTAs the partition aims for: every split streams at most total tiles / target.
+    pub target: usize,
+    /// Decode CTAs launched: `target + batch * units`, enough for any lengths (CTAs without
+    /// work leave at once).
+    pub grid: usize,
+}
+
+/// Streaming CTAs per SM the device plan aims for. Unlike the batch-1 host heuristic (half the
+/// SMs), a ragged batch planned on the device is usually large: all SMs stream.
+pub const DEVICE_PLAN_CTAS_PER_SM: usize = 1;
 
 fn align(bytes: usize) -> usize {
     bytes.div_ceil(256) * 256
@@ -237,6 +279,8 @@ pub struct DecodePlan {
     pub num_splits: usize,
     /// Decode grid: (splits, hkv x column blocks, batch).
     pub grid: [u32; 3],
+    /// Device-side planning, when asked for ([`PlanOptions::device_plan`]).
+    pub device_plan: Option<DevicePlan>,
     /// FP32 workspace needed by the combine.
     pub workspace: WorkspaceLayout,
     /// Launch with PDL.
@@ -282,6 +326,9 @@ pub fn plan(
     options: PlanOptions,
 ) -> Result<DecodePlan> {
     problem.validate()?;
+    if options.device_plan {
+        return plan_on_device(problem, device, options);
+    }
     let forced_reduction = options.reduction.unwrap_or_default();
     let num_splits = match (options.num_splits, forced_reduction) {
         (Some(n), Reduction::Kernel) if (1..=MAX_SPLITS).contains(&n) => n,
@@ -337,6 +384,7 @@ pub fn plan(
         WorkspaceLayout {
             o_partial: num_splits * rows * problem.head_dim,
             stats: num_splits * rows,
+            ..Default::default()
         }
     } else {
         WorkspaceLayout::default()
@@ -350,9 +398,82 @@ pub fn plan(
             (problem.hkv * decode.column_blocks(problem)) as u32,
             problem.batch as u32,
         ],
+        device_plan: None,
         workspace,
         pdl: !options.disable_pdl,
         reduction,
+    })
+}
+
+/// The plan of a device-planned problem: kernel reduction, a one-dimensional grid sized from the
+/// maxima, slots for the worst case (see `plan_work.cu`).
+fn plan_on_device(
+    problem: &DecodeProblem,
+    device: DeviceFacts,
+    options: PlanOptions,
+) -> Result<DecodePlan> {
+    if options.reduction == Some(Reduction::Cluster) {
+        return Err(Error::invalid(
+            "reduction",
+            "cluster with device_plan",
+            "kernel reduction (the device plan gives each request its own split count; a \
+             cluster has one fixed size)",
+        ));
+    }
+    if let Some(n) = options.num_splits {
+        return Err(Error::invalid(
+            "num_splits",
+            format!("{n} with device_plan"),
+            "none: the device plan chooses each request's splits from its length",
+        ));
+    }
+    let mut decode = DecodeVariant::for_problem(problem);
+    decode.consumer_groups = match options.consumer_groups {
+        Some(g) if DecodeVariant::groups_fit(decode.n_tiles, g) => g,
+        Some(g) => {
+            return Err(Error::invalid(
+                "consumer_groups",
+                g,
+                "1, or 2 with at most 16 query rows per KV head",
+            ))
+        }
+        // device-planned splits are long (total work / SMs) unless the batch is tiny
+        None => consumer_groups(decode.n_tiles, 2),
+    };
+    decode.stages = match options.stages {
+        None => STAGES,
+        Some(s) if SUPPORTED_STAGES.contains(&s) => s,
+        Some(s) => return Err(Error::invalid("stages", s, format!("{SUPPORTED_STAGES:?}"))),
+    };
+    let units = problem.hkv * decode.column_blocks(problem);
+    let target = device.sm_count * DEVICE_PLAN_CTAS_PER_SM;
+    let grid = target + problem.batch * units;
+    if grid > i32::MAX as usize {
+        return Err(Error::invalid(
+            "batch",
+            problem.batch,
+            "fewer requests (the device plan's grid overflows)",
+        ));
+    }
+    let block_cols = decode.n_tiles * 8;
+    let slots = 2 * target;
+    Ok(DecodePlan {
+        decode,
+        combine: Some(CombineVariant {
+            dtype: problem.dtype,
+            head_dim: problem.head_dim,
+        }),
+        num_splits: MAX_SPLITS,
+        grid: [grid as u32, 1, 1],
+        device_plan: Some(DevicePlan { target, grid }),
+        workspace: WorkspaceLayout {
+            o_partial: slots * block_cols * problem.head_dim,
+            stats: slots * block_cols,
+            work: 2 * grid,
+            request_plan: 2 * problem.batch,
+        },
+        pdl: !options.disable_pdl,
+        reduction: Reduction::Kernel,
     })
 }
 
@@ -496,6 +617,40 @@ mod tests {
         assert_eq!(cluster_splits(33), 16);
         assert_eq!(cluster_splits(12), 8);
         assert_eq!(cluster_splits(1), 1);
+    }
+
+    #[test]
+    fn device_plan_sizes_for_any_lengths() {
+        let p = DecodeProblem::new(16, 32, 8, 128, 1 << 20, DType::Bf16).unwrap();
+        let opts = PlanOptions {
+            device_plan: true,
+            ..Default::default()
+        };
+        let pl = plan(&p, DeviceFacts::H200, opts).unwrap();
+        let dp = pl.device_plan.unwrap();
+        assert_eq!(dp.target, 132);
+        assert_eq!(dp.grid, 132 + 16 * 8);
+        assert_eq!(pl.grid, [dp.grid as u32, 1, 1]);
+        assert!(pl.combine.is_some());
+        // 2 x target slots of 8 columns (one n8 tile: group 4)
+        assert_eq!(pl.workspace.stats, 2 * 132 * 8);
+        assert_eq!(pl.workspace.work, 2 * dp.grid);
+        let o = pl.workspace.offsets();
+        assert!(o.m_partial < o.l_partial && o.l_partial < o.work && o.work < o.request_plan);
+        assert_eq!(o.request_plan % 256, 0);
+        assert!(pl.workspace.bytes() >= o.request_plan + 16 * 8);
+        for bad in [
+            PlanOptions {
+                reduction: Some(Reduction::Cluster),
+                ..opts
+            },
+            PlanOptions {
+                num_splits: Some(4),
+                ..opts
+            },
+        ] {
+            assert!(plan(&p, DeviceFacts::H200, bad).is_err());
+        }
     }
 
     #[test]

@@ -668,9 +668,13 @@ fn run_case_as<T: Half>(
     let p = case.problem()?;
     // Alternate the consumer-warp layouts, ring depths and reduction modes over the cases; a
     // cluster holds a power of two of splits, at most MAX_CLUSTER_SPLITS.
+    // One case in six (not a cluster one) is planned on the device instead.
     let cluster = case.index % 4 == 3;
+    let device_plan = case.index % 6 == 5 && !cluster;
     let opts = PlanOptions {
-        num_splits: if cluster {
+        num_splits: if device_plan {
+            None
+        } else if cluster {
             case.splits.map(cluster_splits)
         } else {
             case.splits
@@ -678,6 +682,7 @@ fn run_case_as<T: Half>(
         consumer_groups: (p.columns() <= 16).then_some(1 + case.index % 2),
         stages: (case.index % 3 == 0).then_some(2),
         reduction: cluster.then_some(Reduction::Cluster),
+        device_plan,
         ..Default::default()
     };
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
@@ -903,16 +908,58 @@ fn graph_capture_replays_with_new_lengths() {
         .with_q_len(3)
         .and_then(|p| p.with_paged(16, pool_pages(4, 4096, 16), None))
         .expect("a valid problem");
-    for (p, reduction) in [
-        (p.clone(), Reduction::Kernel),
-        (paged.clone(), Reduction::Kernel),
-        (paged, Reduction::Cluster),
+    let split = |reduction| PlanOptions {
+        num_splits: Some(8),
+        reduction: Some(reduction),
+        ..Default::default()
+    };
+    let device_plan = PlanOptions {
+        device_plan: true,
+        ..Default::default()
+    };
+    let length_sets = [[0, 4096, 1, 2049], [4096; 4], [17, 0, 4095, 64]];
+    for (p, opts) in [
+        (p.clone(), split(Reduction::Kernel)),
+        (paged.clone(), split(Reduction::Kernel)),
+        (paged.clone(), split(Reduction::Cluster)),
+        (p, device_plan),
+        (paged, device_plan),
     ] {
-        graph_replay_case(&p, reduction);
+        graph_replay_case(&p, opts, &length_sets.map(|l| l.to_vec()));
     }
 }
 
-fn graph_replay_case(p: &DecodeProblem, reduction: Reduction) {
+/// The device plan under one captured graph replayed with very different lengths: one long
+/// request and many short ones (the long one moving between replays), all empty, all full.
+/// Expected run time: a few seconds.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn device_plan_balances_skewed_batches() {
+    let (batch, long) = (16, 32_768);
+    let p = DecodeProblem::new(batch, 32, 8, 128, long, DType::Bf16).expect("a valid problem");
+    let skew = |at: usize| -> Vec<usize> {
+        (0..batch)
+            .map(|b| if b == at { long } else { 2048 + 17 * b })
+            .collect()
+    };
+    let sets = vec![
+        skew(0),
+        vec![0; batch],
+        skew(11),
+        (0..batch).map(|b| b * 7 % 300).collect(),
+        skew(15),
+    ];
+    graph_replay_case(
+        &p,
+        PlanOptions {
+            device_plan: true,
+            ..Default::default()
+        },
+        &sets,
+    );
+}
+
+fn graph_replay_case(p: &DecodeProblem, opts: PlanOptions, length_sets: &[Vec<usize>]) {
     let (rt, _) = open_gpu();
     let ctx = rt.context().clone();
     // cudarc's automatic event tracking would make slice accesses record and wait on events on
@@ -922,17 +969,13 @@ fn graph_replay_case(p: &DecodeProblem, reduction: Reduction) {
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream().expect("creating a stream");
     let p = p.clone();
-    let dec = make_decoder(
-        &rt,
-        &p,
-        PlanOptions {
-            num_splits: Some(8),
-            disable_pdl: false,
-            reduction: Some(reduction),
-            ..Default::default()
-        },
-    );
-    assert_eq!(dec.plan().num_splits, 8);
+    let dec = make_decoder(&rt, &p, opts);
+    let reduction = dec.plan().reduction;
+    let planned = if opts.device_plan {
+        "device-planned"
+    } else {
+        "host-planned"
+    };
     // Decoder::new allocated its workspace on the legacy default stream, which our non-blocking
     // stream does not wait for.
     ctx.synchronize().expect("synchronising after Decoder::new");
@@ -963,10 +1006,10 @@ fn graph_replay_case(p: &DecodeProblem, reduction: Reduction) {
         .unwrap_or_else(|e| panic!("ending the capture / instantiating the graph: {e}"))
         .expect("the capture recorded no work");
 
-    let length_sets: [[usize; 4]; 3] = [[0, 4096, 1, 2049], [4096; 4], [17, 0, 4095, 64]];
     for lens in length_sets {
+        let lens = lens.as_slice();
         let what = format!(
-            "q_len {}, {}, {reduction:?} reduction, lengths {lens:?}",
+            "q_len {}, {}, {planned}, {reduction:?} reduction, lengths {lens:?}",
             p.q_len,
             if p.paged.is_some() {
                 "paged"
@@ -975,7 +1018,7 @@ fn graph_replay_case(p: &DecodeProblem, reduction: Reduction) {
             }
         );
         // New lengths into the buffer the graph reads.
-        overwrite(&stream, &lens_i32(&lens), dev.seqlens.as_mut().unwrap());
+        overwrite(&stream, &lens_i32(lens), dev.seqlens.as_mut().unwrap());
         graph_out.poison(&stream);
         graph.launch().expect("launching the graph");
         stream
@@ -998,7 +1041,7 @@ fn graph_replay_case(p: &DecodeProblem, reduction: Reduction) {
             &format!("{what}: graph replay vs eager run"),
         )
         .unwrap_or_else(|e| panic!("{e}"));
-        let errors = check_output(&p, &replayed, &reference(&p, &x, &lens))
+        let errors = check_output(&p, &replayed, &reference(&p, &x, lens))
             .unwrap_or_else(|e| panic!("{what}: graph replay: {e}"));
         println!(
             "graph replay, {what}: max rel err {:.3e}, max lse err {:.3e}",

@@ -1,7 +1,7 @@
 """kvstream: decode attention for LLM inference on NVIDIA Hopper (H100 / H200), from PyTorch.
 
-One new query token per request attends to a long KV cache, in the layouts of FlashAttention-3's
-``flash_attn_with_kvcache``::
+A few new query tokens per request (usually one) attend to a long KV cache, in the layouts of
+FlashAttention-3's ``flash_attn_with_kvcache``::
 
     import torch, kvstream
 
@@ -11,7 +11,24 @@ One new query token per request attends to a long KV cache, in the layouts of Fl
     v_cache = torch.randn(b, L, hkv, d, device="cuda", dtype=torch.bfloat16)
     lens = torch.tensor([8192, 100, 0, 4000], device="cuda", dtype=torch.int32)
     out, lse = kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, return_lse=True)
-    # out: [b, 1, hq, d] bf16; lse: [b, hq] float32 (natural log)
+    # out: [b, 1, hq, d] bf16; lse: [b, 1, hq] float32 (natural log)
+
+``q`` may also be ``[b, hq, d]`` (one token per request; ``out`` is then ``[b, hq, d]`` and
+``lse`` ``[b, hq]``), or carry up to 8 new tokens per request, ``[b, q_len, hq, d]``
+(speculative-decoding verification, multi-token prediction): token ``i`` of request ``r`` sees
+cache positions ``0 .. cache_seqlens[r] - q_len + i`` (the new tokens are the last ``q_len``
+positions of the cache, causal among themselves).
+
+Paged caches (vLLM / FlashAttention-3 ``page_table``): pass ``block_table``, int32
+``[b, max_pages]``; ``k_cache`` and ``v_cache`` are then pools ``[num_pages, page_size, hkv, d]``
+and position ``t`` of request ``r`` lives in page ``block_table[r, t // page_size]``, row
+``t % page_size``::
+
+    k_pool = torch.randn(4096, 16, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_pool = torch.randn_like(k_pool)
+    # 512 pages of 16 positions per request (capacity 8192), anywhere in the pools
+    table = torch.randperm(4096, device="cuda", dtype=torch.int32)[: b * 512].view(b, 512)
+    out = kvstream.decode(q, k_pool, v_pool, cache_seqlens=lens, block_table=table)
 
 There is one entry point, :func:`decode`. It launches on PyTorch's current stream and never
 synchronises with the host. The first call for a shape creates a decoder (plans, compiles or
@@ -20,8 +37,9 @@ and synchronises the device once); later calls with the same shape reuse it and 
 nothing when ``out`` is given (and ``return_lse`` is False).
 
 CUDA graphs: call :func:`decode` once with the same shapes, dtype, ``softmax_scale``,
-``num_splits`` and ``reduction`` before capturing (the usual warm-up), then capture; replays may change the
-contents of ``cache_seqlens``, ``q`` and the caches but not their addresses::
+``num_splits``, ``reduction`` and ``device_plan`` before capturing (the usual warm-up), then
+capture; replays may change the contents of ``cache_seqlens``, ``block_table``, ``q`` and the
+caches but not their addresses::
 
     out = torch.empty_like(q)
     kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, out=out)   # warm-up
@@ -29,6 +47,11 @@ contents of ``cache_seqlens``, ``q`` and the caches but not their addresses::
     with torch.cuda.graph(g):
         kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, out=out)
     lens.copy_(new_lens); g.replay()
+
+The split count of a decoder is planned from the shapes (the cache capacity), so a graph
+replayed with lengths very different from the capacity may leave SMs idle. With
+``device_plan=True`` the partition is planned on the GPU from the lengths in ``cache_seqlens``
+at every call (and every replay): each request gets splits in proportion to its length.
 
 Importing this package needs neither PyTorch nor a GPU; arguments are checked by their
 attributes (``shape``, ``dtype``, ``is_cuda``, ``device``, ``stride``, ``is_contiguous``,
@@ -53,6 +76,8 @@ __all__ = [
     "MAX_SPLITS",
     "REDUCTIONS",
     "CLUSTER_SPLITS",
+    "MAX_Q_LEN",
+    "SUPPORTED_PAGE_SIZES",
 ]
 __version__ = _native.__version__
 
@@ -68,6 +93,10 @@ MAX_SPLITS = 128
 REDUCTIONS = ("kernel", "cluster")
 #: Split counts cluster reduction accepts.
 CLUSTER_SPLITS = (1, 2, 4, 8, 16)
+#: Most new tokens per request (``q.shape[1]`` of a 4-D ``q``).
+MAX_Q_LEN = 8
+#: Page sizes of a paged cache (``k_cache.shape[1]`` when ``block_table`` is given).
+SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 _INT32 = "torch.int32"
 _TENSOR_ATTRS = ("shape", "dtype", "is_cuda", "device", "stride", "is_contiguous", "data_ptr")
@@ -97,6 +126,13 @@ def _rank(name: str, shape: Tuple[int, ...], rank: int, layout: str) -> None:
         raise ValueError(
             f"kvstream.decode: {name} must have {rank} dimensions {layout}, "
             f"got shape {list(shape)}"
+        )
+
+
+def _same_device(name: str, x: Any, dev: Tuple[str, Optional[int]], q: Any) -> None:
+    if _device_key(x) != dev:
+        raise ValueError(
+            f"kvstream.decode: {name} is on {x.device}, allowed: {q.device} (the device of q)"
         )
 
 
@@ -172,7 +208,8 @@ def _decoder_for(key: tuple, make: Any, capturing: bool) -> _Cached:
             "kvstream.decode: no decoder for these shapes yet and the current stream is being "
             "captured into a CUDA graph; creating one compiles kernels and allocates memory, "
             "which capture forbids. Call kvstream.decode once with the same shapes, dtype, "
-            "softmax_scale, num_splits and reduction before capturing (warm-up)."
+            "softmax_scale, num_splits, reduction, block_table shape and device_plan before "
+            "capturing (warm-up)."
         )
     d = make()
     with _lock:
@@ -185,25 +222,41 @@ def decode(
     v_cache: Any,
     *,
     cache_seqlens: Any = None,
+    block_table: Any = None,
     softmax_scale: Optional[float] = None,
     num_splits: Optional[int] = None,
     reduction: Optional[str] = None,
+    device_plan: bool = False,
     return_lse: bool = False,
     out: Any = None,
 ) -> Any:
-    """Decode attention of one query token per request over a KV cache (grouped-query).
+    """Decode attention of a few new query tokens per request over a KV cache (grouped-query).
 
     Args:
-        q: ``[batch, 1, hq, d]`` bf16 or fp16 CUDA tensor, contiguous (one new token per
-            request; ``seqlen_q`` must be 1).
-        k_cache, v_cache: ``[batch, L, hkv, d]`` tensors of q's dtype on q's device; the last
-            dimension contiguous, other strides multiples of 8 elements (a slice of a larger
-            cache along ``batch`` or ``L`` is fine). ``hq`` must be a multiple of ``hkv`` with
-            at most 32 query heads per KV head; ``d`` is 64 or 128.
-        cache_seqlens: optional int32 ``[batch]`` CUDA tensor: request ``i`` attends to
-            positions ``0 .. cache_seqlens[i]`` of its cache (values in ``0..=L``; a length of
-            0 gives an output of zeros and an LSE of ``-inf``). Default: every request uses all
-            ``L`` positions. Its values are read on the device only (no host sync).
+        q: ``[batch, q_len, hq, d]`` bf16 or fp16 CUDA tensor, contiguous: ``q_len`` new tokens
+            per request, 1..8 (``seqlen_q`` of FlashAttention-3); or ``[batch, hq, d]`` for one
+            token per request. Token ``i`` of request ``r`` attends to cache positions
+            ``0 .. len_r - q_len + i`` (the new tokens are the last ``q_len`` positions of the
+            cache, causal among themselves); a token that sees no position gets an output of
+            zeros and an LSE of ``-inf``.
+        k_cache, v_cache: without ``block_table``: ``[batch, L, hkv, d]`` tensors of q's dtype
+            on q's device; the last dimension contiguous, other strides multiples of 8 elements
+            (a slice of a larger cache along ``batch`` or ``L`` is fine). With ``block_table``:
+            contiguous page pools ``[num_pages, page_size, hkv, d]``, ``page_size`` one of
+            ``SUPPORTED_PAGE_SIZES`` (1, 2, 4, ..., 512). ``hq`` must be a multiple of ``hkv``
+            with at most 32 query heads per KV head; ``d`` is 64 or 128.
+        cache_seqlens: optional int32 ``[batch]`` CUDA tensor: request ``r`` has
+            ``cache_seqlens[r]`` positions in its cache, the new tokens included (values in
+            ``0..=L``, or ``0..=max_pages * page_size`` when paged; a length of 0 gives an
+            output of zeros and an LSE of ``-inf``). Default: every request uses all ``L``
+            (``max_pages * page_size``) positions. Its values are read on the device only (no
+            host sync).
+        block_table: optional int32 ``[batch, max_pages]`` contiguous CUDA tensor (FA3's
+            ``page_table``): the cache is paged, and position ``t`` of request ``r`` lives in
+            page ``block_table[r, t // page_size]`` of the pools, row ``t % page_size``. The
+            cache capacity is ``max_pages * page_size``. Every entry a request's length reaches
+            must be a page id in ``0..num_pages - 1``; pages may sit anywhere in the pools, in
+            any order. Its values are read on the device only.
         softmax_scale: scale of ``q @ k^T`` before the softmax; default ``1 / sqrt(d)``.
         num_splits: force this many KV splits per (request, KV head), 1..128 (one of 1, 2, 4,
             8, 16 with ``reduction="cluster"``); default: chosen for the GPU (enough splits to
@@ -214,12 +267,16 @@ def decode(
             split writes FP32 partials to a workspace and a combine kernel merges them.
             ``"cluster"``: the splits of one (request, KV head) form a thread-block cluster and
             merge through distributed shared memory: one launch, no workspace, deterministic.
-        return_lse: also return the log-sum-exp (natural log) of the scaled scores,
-            ``[batch, hq]`` float32.
-        out: optional ``[batch, 1, hq, d]`` contiguous output tensor of q's dtype.
+        device_plan: plan the split partition on the GPU at every call from the lengths in
+            ``cache_seqlens`` (a small planner kernel ahead of the decode), so that ragged
+            batches and CUDA graphs replayed with new lengths stay balanced. Kernel reduction
+            only: ``reduction`` must be ``None`` or ``"kernel"``.
+        return_lse: also return the log-sum-exp (natural log) of the scaled scores, float32:
+            ``[batch, q_len, hq]`` for a 4-D ``q``, ``[batch, hq]`` for a 3-D one.
+        out: optional contiguous output tensor of q's shape and dtype.
 
     Returns:
-        ``out`` (``[batch, 1, hq, d]``, q's dtype), or ``(out, lse)`` if ``return_lse``.
+        ``out`` (q's shape and dtype), or ``(out, lse)`` if ``return_lse``.
 
     Example::
 
@@ -231,20 +288,35 @@ def decode(
         >>> out = kvstream.decode(q, k, v, cache_seqlens=lens)
         >>> out.shape
         torch.Size([2, 1, 16, 128])
+        >>> q4 = torch.randn(2, 4, 16, 128, device="cuda", dtype=torch.float16)  # 4 new tokens
+        >>> out4, lse4 = kvstream.decode(q4, k, v, cache_seqlens=lens, return_lse=True)
+        >>> lse4.shape
+        torch.Size([2, 4, 16])
 
     The call is asynchronous on ``torch.cuda.current_stream()``. Decoders are cached per
-    (shapes, dtype, softmax_scale, num_splits, reduction, device); a cached decoder owns one workspace, so
-    when the same shapes are used from a different stream than the previous call, the new
-    stream first waits (on the device, through an event) for the previous stream. See the
-    package docs for CUDA graph capture (warm up once before capturing).
+    (shapes, q_len, paging, dtype, softmax_scale, num_splits, reduction, device_plan, device);
+    a cached decoder owns one workspace, so when the same shapes are used from a different
+    stream than the previous call, the new stream first waits (on the device, through an
+    event) for the previous stream. See the package docs for CUDA graph capture (warm up once
+    before capturing).
     """
     # ---- validation: everything before touching the GPU or importing torch ----
     qs = _tensor("q", q)
     ks = _tensor("k_cache", k_cache)
     vs = _tensor("v_cache", v_cache)
-    _rank("q", qs, 4, "[batch, 1, hq, head_dim]")
-    _rank("k_cache", ks, 4, "[batch, L, hkv, head_dim]")
-    _rank("v_cache", vs, 4, "[batch, L, hkv, head_dim]")
+    paged = block_table is not None
+    if len(qs) not in (3, 4):
+        raise ValueError(
+            f"kvstream.decode: q must have 3 dimensions [batch, hq, head_dim] or 4 dimensions "
+            f"[batch, q_len, hq, head_dim], got shape {list(qs)}"
+        )
+    cache_layout = (
+        "[num_pages, page_size, hkv, head_dim] (a page pool: block_table is given)"
+        if paged
+        else "[batch, L, hkv, head_dim]"
+    )
+    _rank("k_cache", ks, 4, cache_layout)
+    _rank("v_cache", vs, 4, cache_layout)
     allowed = tuple(SUPPORTED_DTYPES)
     qd = _dtype("q", q, allowed)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -252,12 +324,16 @@ def decode(
             raise TypeError(
                 f"kvstream.decode: {name} has dtype {t.dtype}, allowed: {qd} (the dtype of q)"
             )
-    b, sq, hq, d = qs
-    if sq != 1:
-        raise ValueError(
-            f"kvstream.decode: q must have seqlen_q = 1 (shape [batch, 1, hq, head_dim]), got "
-            f"shape {list(qs)} with seqlen_q = {sq}"
-        )
+    if len(qs) == 4:
+        b, q_len, hq, d = qs
+        if not 1 <= q_len <= MAX_Q_LEN:
+            raise ValueError(
+                f"kvstream.decode: q has q_len = {q_len} new tokens per request (shape "
+                f"{list(qs)} = [batch, q_len, hq, head_dim]), allowed: 1..{MAX_Q_LEN}"
+            )
+    else:
+        b, hq, d = qs
+        q_len = 1
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
             f"kvstream.decode: q has head_dim {d}, allowed: {' or '.join(map(str, SUPPORTED_HEAD_DIMS))}"
@@ -270,7 +346,20 @@ def decode(
             f"{list(ks)}"
         )
     kb, L, hkv, kd = ks
-    if kb != b:
+    if paged:
+        num_pages, page_size = kb, L
+        if num_pages < 1:
+            raise ValueError(
+                f"kvstream.decode: k_cache has num_pages = {num_pages} (shape {list(ks)} = "
+                f"[num_pages, page_size, hkv, head_dim]), allowed: num_pages >= 1"
+            )
+        if page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(
+                f"kvstream.decode: k_cache has page_size = {page_size} (shape {list(ks)} = "
+                f"[num_pages, page_size, hkv, head_dim]: a page pool, as block_table is given), "
+                f"allowed: {', '.join(map(str, SUPPORTED_PAGE_SIZES))}"
+            )
+    elif kb != b:
         raise ValueError(
             f"kvstream.decode: k_cache has batch {kb}, allowed: {b} (the batch of q)"
         )
@@ -278,7 +367,7 @@ def decode(
         raise ValueError(
             f"kvstream.decode: k_cache has head_dim {kd}, allowed: {d} (the head_dim of q)"
         )
-    if L < 1:
+    if not paged and L < 1:
         raise ValueError(f"kvstream.decode: k_cache has L = {L}, allowed: L >= 1")
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(
@@ -292,16 +381,39 @@ def decode(
         )
     dev = _device_key(q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if _device_key(t) != dev:
-            raise ValueError(
-                f"kvstream.decode: {name} is on {t.device}, allowed: {q.device} (the device of q)"
-            )
+        _same_device(name, t, dev, q)
     _contiguous("q", q, qs)
     _aligned("q", q)
-    k_strides = _cache_strides("k_cache", k_cache, ks)
-    v_strides = _cache_strides("v_cache", v_cache, vs)
+    if paged:
+        # The pools are addressed page by page: contiguous, no strides to pass.
+        _contiguous("k_cache", k_cache, ks)
+        _contiguous("v_cache", v_cache, vs)
+        k_strides = v_strides = None
+    else:
+        k_strides = _cache_strides("k_cache", k_cache, ks)
+        v_strides = _cache_strides("v_cache", v_cache, vs)
     _aligned("k_cache", k_cache)
     _aligned("v_cache", v_cache)
+    paging: Optional[Tuple[int, int, int]] = None
+    if paged:
+        ts = _tensor("block_table", block_table)
+        _dtype("block_table", block_table, (_INT32,))
+        _rank("block_table", ts, 2, "[batch, max_pages]")
+        if ts[0] != b or ts[1] < 1:
+            raise ValueError(
+                f"kvstream.decode: block_table has shape {list(ts)}, allowed: [{b}, max_pages] "
+                f"with max_pages >= 1 (one row of page ids per request)"
+            )
+        _same_device("block_table", block_table, dev, q)
+        _contiguous("block_table", block_table, ts)
+        max_pages = ts[1]
+        L = max_pages * page_size
+        if L > 2**31 - 1:
+            raise ValueError(
+                f"kvstream.decode: block_table has {max_pages} pages of {page_size} positions "
+                f"per request, a capacity of {L}, allowed: at most 2^31-1 positions"
+            )
+        paging = (page_size, num_pages, max_pages)
     if cache_seqlens is not None:
         ss = _tensor("cache_seqlens", cache_seqlens)
         _dtype("cache_seqlens", cache_seqlens, (_INT32,))
@@ -310,11 +422,7 @@ def decode(
                 f"kvstream.decode: cache_seqlens has shape {list(ss)}, allowed: [{b}] (one "
                 f"length per request)"
             )
-        if _device_key(cache_seqlens) != dev:
-            raise ValueError(
-                f"kvstream.decode: cache_seqlens is on {cache_seqlens.device}, allowed: "
-                f"{q.device} (the device of q)"
-            )
+        _same_device("cache_seqlens", cache_seqlens, dev, q)
         _contiguous("cache_seqlens", cache_seqlens, ss)
     if out is not None:
         os_ = _tensor("out", out)
@@ -326,10 +434,7 @@ def decode(
             raise ValueError(
                 f"kvstream.decode: out has shape {list(os_)}, allowed: {list(qs)} (the shape of q)"
             )
-        if _device_key(out) != dev:
-            raise ValueError(
-                f"kvstream.decode: out is on {out.device}, allowed: {q.device} (the device of q)"
-            )
+        _same_device("out", out, dev, q)
         _contiguous("out", out, os_)
         _aligned("out", out)
     if softmax_scale is not None:
@@ -370,6 +475,17 @@ def decode(
                 f"kvstream.decode: num_splits is {num_splits} with reduction='cluster', allowed: "
                 f"{', '.join(map(str, CLUSTER_SPLITS))} or None"
             )
+    if not isinstance(device_plan, bool):
+        raise TypeError(
+            f"kvstream.decode: device_plan must be a bool, got {device_plan!r} "
+            f"({type(device_plan).__name__})"
+        )
+    if device_plan and reduction == "cluster":
+        raise ValueError(
+            "kvstream.decode: device_plan is True with reduction='cluster', allowed: "
+            "device_plan=True with reduction='kernel' or None (kernel reduction only), or "
+            "device_plan=False"
+        )
     if not isinstance(return_lse, bool):
         raise TypeError(
             f"kvstream.decode: return_lse must be a bool, got {type(return_lse).__name__}"
@@ -384,13 +500,16 @@ def decode(
     dtype_name = SUPPORTED_DTYPES[qd]
     key = (
         b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits, reduction, index,
-        k_strides, v_strides,
+        k_strides, v_strides, q_len, paging, device_plan,
     )
 
     def make() -> Any:
+        page_size_, num_pages_, table_stride_ = paging if paging is not None else (None,) * 3
         return _native.Decoder(
             b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits,
             reduction=reduction, device=index, k_strides=k_strides, v_strides=v_strides,
+            q_len=q_len, page_size=page_size_, num_pages=num_pages_,
+            table_stride=table_stride_, device_plan=device_plan,
         )
 
     cached = _decoder_for(key, make, capturing)
@@ -404,7 +523,8 @@ def decode(
         cached.stream = stream
     if out is None:
         out = torch.empty(qs, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq), dtype=torch.float32, device=q.device) if return_lse else None
+    lse_shape = (b, q_len, hq) if len(qs) == 4 else (b, hq)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
     cached.decoder.run(
         int(q.data_ptr()),
         int(k_cache.data_ptr()),
@@ -413,5 +533,6 @@ def decode(
         None if lse is None else int(lse.data_ptr()),
         None if cache_seqlens is None else int(cache_seqlens.data_ptr()),
         int(stream.cuda_stream),
+        block_table_ptr=None if block_table is None else int(block_table.data_ptr()),
     )
     return (out, lse) if return_lse else out

@@ -7,6 +7,8 @@ MAX_GROUP: int
 MAX_SPLITS: int
 REDUCTIONS: Tuple[str, ...]
 CLUSTER_SPLITS: Tuple[int, ...]
+MAX_Q_LEN: int
+SUPPORTED_PAGE_SIZES: Tuple[int, ...]
 
 @overload
 def decode(
@@ -15,9 +17,11 @@ def decode(
     v_cache: Any,
     *,
     cache_seqlens: Optional[Any] = ...,
+    block_table: Optional[Any] = ...,
     softmax_scale: Optional[float] = ...,
     num_splits: Optional[int] = ...,
     reduction: Optional[str] = ...,
+    device_plan: bool = ...,
     return_lse: Literal[False] = ...,
     out: Optional[Any] = ...,
 ) -> Any: ...
@@ -28,9 +32,11 @@ def decode(
     v_cache: Any,
     *,
     cache_seqlens: Optional[Any] = ...,
+    block_table: Optional[Any] = ...,
     softmax_scale: Optional[float] = ...,
     num_splits: Optional[int] = ...,
     reduction: Optional[str] = ...,
+    device_plan: bool = ...,
     return_lse: Literal[True],
     out: Optional[Any] = ...,
 ) -> Tuple[Any, Any]: ...

@@ -14,6 +14,11 @@ def validate(
     reduction: Optional[str] = None,
     k_strides: Optional[Tuple[int, int, int]] = None,
     v_strides: Optional[Tuple[int, int, int]] = None,
+    q_len: int = 1,
+    page_size: Optional[int] = None,
+    num_pages: Optional[int] = None,
+    table_stride: Optional[int] = None,
+    device_plan: bool = False,
 ) -> str: ...
 
 class Decoder:
@@ -31,6 +36,11 @@ class Decoder:
         device: int = 0,
         k_strides: Optional[Tuple[int, int, int]] = None,
         v_strides: Optional[Tuple[int, int, int]] = None,
+        q_len: int = 1,
+        page_size: Optional[int] = None,
+        num_pages: Optional[int] = None,
+        table_stride: Optional[int] = None,
+        device_plan: bool = False,
     ) -> None: ...
     def run(
         self,
@@ -41,6 +51,7 @@ class Decoder:
         lse_ptr: Optional[int] = None,
         seqlens_ptr: Optional[int] = None,
         stream: int = 0,
+        block_table_ptr: Optional[int] = None,
     ) -> None: ...
     @property
     def num_splits(self) -> int: ...
@@ -50,3 +61,9 @@ class Decoder:
     def plan(self) -> str: ...
     @property
     def device(self) -> int: ...
+    @property
+    def q_len(self) -> int: ...
+    @property
+    def page_size(self) -> Optional[int]: ...
+    @property
+    def device_plan(self) -> bool: ...

@@ -1,0 +1,110 @@
+// Device-side work planner: reads the request lengths from device memory and writes the work
+// partition the decode kernel's CTAs follow, at every call, so that a grid sized from the
+// problem's maxima (and captured into a CUDA graph) stays balanced whatever the lengths are.
+//
+// Units are (request b, KV head, column block); a unit of request b streams
+// tiles_b = ceil(len_b / TILE) tiles. With T the total over all units and `target` the CTAs the
+// plan aims for (p.plan_target), every split streams at most C = ceil(T / target) tiles:
+//   n_b = clamp(ceil(tiles_b / C), 1, MAX_SPLITS)     splits of every unit of request b
+// so a long request gets many splits and a short one a single CTA. Items (one decode CTA each)
+// are numbered request-major: item k = (b, j), j = unit * n_b + split, and CTAs past the last
+// item find b = -1 and leave at once. Requests with n_b > 1 also get FP32 partial slots, one per
+// item, numbered the same way (slot = slot_base_b + j); the combine merges them.
+//   items <= target + batch * units   (each request rounds up by less than one split per unit)
+//   slots <= 2 * target               (a split request has tiles_b > C, so n_b < 2 tiles_b / C)
+// Both bounds are what the host sizes the grid and the workspace with.
+//
+// Writes (every entry, every call: nothing is zeroed beforehand):
+//   p.work[k]          = {b, j} for k < items, {-1, 0} up to the grid size p.plan_grid
+//   p.request_plan[b]  = {n_b, slot_base_b}
+//
+// One CTA of THREADS threads; requests are scanned in chunks of THREADS with a carried prefix.
+// Compile-time configuration: KVS_MAX_SPLITS.
+#include "ptx.cuh"
+#include "params.cuh"
+
+namespace kvs {
+constexpr int THREADS = 1024;
+constexpr int WARPS = THREADS / 32;
+constexpr int MAX_SPLITS = KVS_MAX_SPLITS;
+
+// Exclusive prefix sum over the CTA of one 64-bit value per thread; `total` gets the sum.
+__device__ __forceinline__ long long block_exclusive_scan(long long x, long long* warp_sums,
+                                                         long long& total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    long long incl = x;
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+        const long long y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += y;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    long long before = 0;
+    total = 0;
+    for (int w = 0; w < WARPS; ++w) {
+        if (w < warp) before += warp_sums[w];
+        total += warp_sums[w];
+    }
+    __syncthreads();  // warp_sums is reused by the next scan
+    return before + incl - x;
+}
+
+__device__ __forceinline__ int request_len(const DecodeParams& p, int b) {
+    return max(0, min(p.seqlens ? p.seqlens[b] : p.max_len, p.max_len));
+}
+}  // namespace kvs
+
+using namespace kvs;
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+kvs_plan_work(const __grid_constant__ DecodeParams p) {
+    __shared__ long long warp_sums[WARPS];
+    // The lengths may be written by the kernel before this one.
+    pdl_wait_for_producer();
+    const long long units = (long long)p.hkv * p.col_blocks;
+
+    // ---- total tiles over all units ----
+    long long total_tiles = 0;
+    for (int b0 = 0; b0 < p.batch; b0 += THREADS) {
+        const int b = b0 + threadIdx.x;
+        const long long tiles = b < p.batch ? (request_len(p, b) + p.plan_tile - 1) / p.plan_tile : 0;
+        long long chunk;
+        block_exclusive_scan(tiles, warp_sums, chunk);
+        total_tiles += chunk;
+    }
+    total_tiles *= units;
+    const long long per_split = max(1ll, (total_tiles + p.plan_target - 1) / p.plan_target);
+
+    // ---- splits per request, items and slots, request-major ----
+    long long item_carry = 0, slot_carry = 0;
+    for (int b0 = 0; b0 < p.batch; b0 += THREADS) {
+        const int b = b0 + threadIdx.x;
+        int splits = 1;
+        if (b < p.batch) {
+            const long long tiles = (request_len(p, b) + p.plan_tile - 1) / p.plan_tile;
+            splits = (int)min((long long)MAX_SPLITS, max(1ll, (tiles + per_split - 1) / per_split));
+        }
+        const long long items = b < p.batch ? splits * units : 0;
+        const long long slots = splits > 1 ? items : 0;
+        long long items_chunk, slots_chunk;
+        const long long item_base = item_carry + block_exclusive_scan(items, warp_sums, items_chunk);
+        const long long slot_base = slot_carry + block_exclusive_scan(slots, warp_sums, slots_chunk);
+        if (b < p.batch) {
+            p.request_plan[2 * b] = splits;
+            p.request_plan[2 * b + 1] = (int)slot_base;
+            for (long long j = 0; j < items; ++j) {
+                p.work[2 * (item_base + j)] = b;
+                p.work[2 * (item_base + j) + 1] = (int)j;
+            }
+        }
+        item_carry += items_chunk;
+        slot_carry += slots_chunk;
+    }
+    // ---- CTAs without work ----
+    for (long long k = item_carry + threadIdx.x; k < p.plan_grid; k += THREADS) {
+        p.work[2 * k] = -1;
+        p.work[2 * k + 1] = 0;
+    }
+    pdl_release_dependents();
+}
