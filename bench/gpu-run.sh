@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare (default: demo
+# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare serving (default: demo
 # sanitize sass gputests pytests peers). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
 # FA3 wheel travels in .whl/); both pack their outputs into $OUT/<part>-results.tar.gz.
@@ -51,9 +51,9 @@ if want gputests; then
   G=.carry/bin/gpu-tests
   KVSTREAM_GPU_SUMMARY=$O/gpu-summary.json timeout 400 $G --ignored --test-threads=1 2>&1 | tee $O/gpu-tests.log | tail -25
   for tool in memcheck racecheck; do
-    echo "== $tool on the GPU suite (12 random cases + graph + zero-length + cluster reduction)"
-    KVSTREAM_GPU_CASES=12 timeout 400 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
-      random_cases graph_capture zero_length cluster_reduction 2>&1 | tail -6
+    echo "== $tool on the GPU suite (24 random cases, graphs, zero lengths, cluster reduction, paged, multi-token, device plan)"
+    KVSTREAM_GPU_CASES=24 timeout 400 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
+      random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan 2>&1 | tail -6
   done
 fi
 if want pytests; then
@@ -72,6 +72,16 @@ if want compare; then
     python3 bench/compare.py --matrix bench/matrix.json --commit "${COMMIT:-unknown}" ${COMPARE_ARGS:-} \
     2>&1 | tee $O/compare.txt | tail -80
   tar czf $O/compare-results.tar.gz bench/results bench/RESULTS.md 2>/dev/null
+fi
+if want serving; then
+  # serving rows (skew under one graph with the device plan, paged vs contiguous, multi-token)
+  timeout 400 $B bench --matrix bench/serving.json ${SERVING_ARGS:-} --no-plots \
+    --json bench/results/kvstream-serving-latest.json 2>&1 | tee $O/kvstream-serving.txt | tail -40
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout 300 \
+    python3 bench/serving_peers.py --json bench/results/serving-peers-latest.json \
+    --floors bench/results/kvstream-serving-latest.json --commit "${COMMIT:-unknown}" 2>&1 | tee $O/serving-peers.txt | tail -20
+  tar czf $O/serving-results.tar.gz bench/results/kvstream-serving-latest.json bench/results/serving-peers-latest.json 2>/dev/null
 fi
 if want peers; then
   timeout 300 python3 bench/peer_sdpa.py --shape 1,16,2,128,4096 --shape 1,16,2,128,131072

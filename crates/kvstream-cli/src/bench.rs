@@ -73,6 +73,9 @@ pub struct BenchArgs {
     /// `kvstream/cluster-nopdl`).
     #[arg(long)]
     pub no_pdl: bool,
+    /// Also time the device-side planner (`kvstream/device-plan`).
+    #[arg(long)]
+    pub device_plan: bool,
     /// Results file (METHOD.md format); rewritten after every shape.
     #[arg(long, default_value = "bench/results/kvstream-bench-latest.json")]
     pub json: PathBuf,
@@ -116,10 +119,28 @@ fn problem_of(s: &Shape) -> kvstream::Result<DecodeProblem> {
     if s.dtype != "bf16" {
         return Err(Error::invalid("dtype", &s.dtype, "bf16"));
     }
-    if s.q_len != 1 {
-        return Err(Error::invalid("q_len", s.q_len, "1"));
+    if s.long_len.is_some() && s.page_size.is_none() {
+        return Err(Error::invalid(
+            "long_len",
+            format!("{:?} without page_size", s.long_len),
+            "a skewed batch on a paged cache (a contiguous one would hold batch x long_len)",
+        ));
     }
-    DecodeProblem::new(s.batch, s.hq, s.hkv, s.d, s.len, DType::Bf16)
+    let p = DecodeProblem::new(s.batch, s.hq, s.hkv, s.d, s.max_len(), DType::Bf16)?
+        .with_q_len(s.q_len)?;
+    match s.page_size {
+        Some(page) => p.with_paged(page, pool_tokens(s) / page, None),
+        None => Ok(p),
+    }
+}
+
+/// Cache positions one pool set holds: every request's length (rounded up to whole pages when
+/// paged). The same in every set: sets only move the long request of a skewed batch.
+fn pool_tokens(s: &Shape) -> usize {
+    match s.page_size {
+        Some(page) => s.lens(0).iter().map(|l| l.div_ceil(page) * page).sum(),
+        None => s.batch * s.max_len(),
+    }
 }
 
 /// The kvstream implementations timed per shape: the default plan first, then the forced
@@ -172,11 +193,48 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
             },
         ));
     }
+    if args.device_plan {
+        forced.push((
+            "kvstream/device-plan".to_string(),
+            PlanOptions {
+                device_plan: true,
+                ..Default::default()
+            },
+        ));
+    }
     for (key, opts) in forced {
         if !out.iter().any(|(k, _)| *k == key) {
             out.push((key, opts));
         }
     }
+    out
+}
+
+/// The implementations of one shape: a skewed batch is what the device plan is for, so there
+/// `kvstream` plans on the device and the host plan is timed as `kvstream/host-plan`.
+fn shape_implementations(
+    shape: &Shape,
+    impls: &[(String, PlanOptions)],
+) -> Vec<(String, PlanOptions)> {
+    if shape.long_len.is_none() {
+        return impls.to_vec();
+    }
+    let mut out = vec![
+        (
+            "kvstream".to_string(),
+            PlanOptions {
+                device_plan: true,
+                ..Default::default()
+            },
+        ),
+        ("kvstream/host-plan".to_string(), PlanOptions::default()),
+    ];
+    out.extend(
+        impls
+            .iter()
+            .filter(|(k, o)| k != "kvstream" && !o.device_plan)
+            .cloned(),
+    );
     out
 }
 
@@ -251,7 +309,14 @@ pub fn run(args: &BenchArgs) -> Result<(), String> {
     for (i, shape) in shapes.iter().enumerate() {
         bar.set_message(shape.id.clone());
         let t = Instant::now();
-        let row = bench_shape(&rt, &stream, &reader, shape, &impls, rounds);
+        let row = bench_shape(
+            &rt,
+            &stream,
+            &reader,
+            shape,
+            &shape_implementations(shape, &impls),
+            rounds,
+        );
         let line = format!(
             "[{}/{}] {} ({:.1} s): {}",
             i + 1,
@@ -542,11 +607,12 @@ pub struct Arena {
 }
 
 impl Arena {
-    /// The pool of `problem` (sets from K + V bytes per set, bench/METHOD.md).
-    pub fn of(problem: &DecodeProblem) -> Self {
+    /// The pool of `problem` with `tokens` cache positions per set (sets from K + V bytes per
+    /// set, bench/METHOD.md).
+    pub fn of(problem: &DecodeProblem, tokens: usize) -> Self {
         let e = problem.dtype.size();
-        let kv_set = problem.batch * problem.max_len * problem.hkv * problem.head_dim * e;
-        let q_set = problem.batch * problem.hq * problem.head_dim * e;
+        let kv_set = tokens * problem.hkv * problem.head_dim * e;
+        let q_set = problem.batch * problem.q_len * problem.hq * problem.head_dim * e;
         Arena {
             sets: pool_sets(2 * kv_set),
             kv_set,
@@ -565,9 +631,31 @@ impl Arena {
     }
 }
 
-/// Requests whose K/V are generated on the host (the rest repeat them).
-pub fn generated_requests(batch: usize, request_elems: usize) -> usize {
-    (HOST_KV_ELEMS / request_elems.max(1)).clamp(1, batch.max(1))
+/// Cache positions whose K/V are generated on the host; the pool repeats them (position f of a
+/// set holds generated position f % generated).
+pub fn generated_tokens(pool_tokens: usize, token_elems: usize) -> usize {
+    (HOST_KV_ELEMS / token_elems.max(1)).clamp(1, pool_tokens.max(1))
+}
+
+/// The block table of pool set `set` (empty for a contiguous cache): the set's pages shuffled,
+/// handed out to the requests in order of their lengths in that set; unused entries point at
+/// page 0.
+fn block_table(shape: &Shape, p: &DecodeProblem, set: usize, rng: &mut SplitMix64) -> Vec<i32> {
+    let Some(pg) = p.paged else {
+        return Vec::new();
+    };
+    let mut order: Vec<i32> = (0..pg.num_pages as i32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let mut table = vec![0i32; p.batch * pg.table_stride];
+    let mut next = order.into_iter();
+    for (b, len) in shape.lens(set).into_iter().enumerate() {
+        for j in 0..len.div_ceil(pg.page_size) {
+            table[b * pg.table_stride + j] = next.next().expect("the pool holds every page");
+        }
+    }
+    table
 }
 
 /// Copies `[0, filled)` of the region at `base` over `[filled, total)` by doubling.
@@ -591,13 +679,13 @@ unsafe fn replicate(
     Ok(())
 }
 
-/// Host copy of set 0: Q for every request, K and V for the generated requests.
+/// Host copy of set 0: Q for every request, K and V for the generated positions.
 struct HostSet {
     q: (Vec<half::bf16>, Vec<f32>),
     k: (Vec<half::bf16>, Vec<f32>),
     v: (Vec<half::bf16>, Vec<f32>),
-    /// Requests with generated K/V; request b uses generated request b % gen.
-    gen: usize,
+    /// Generated positions; the pool repeats them.
+    gen_tokens: usize,
 }
 
 fn bench_shape(
@@ -617,9 +705,9 @@ fn bench_shape(
             return row;
         }
     };
-    let io = problem.io_bytes(problem.batch * problem.max_len);
+    let io = problem.io_bytes(shape.lens(0).iter().sum());
     let mut row = Row::for_shape(shape, io as u64);
-    if let Err(e) = measure_shape(rt, stream, reader, &problem, impls, rounds, &mut row) {
+    if let Err(e) = measure_shape(rt, stream, reader, shape, &problem, impls, rounds, &mut row) {
         for (key, _) in impls {
             row.results
                 .entry(key.clone())
@@ -631,16 +719,18 @@ fn bench_shape(
     row
 }
 
+#[allow(clippy::too_many_arguments)]
 fn measure_shape(
     rt: &Arc<Runtime>,
     stream: &Arc<CudaStream>,
     reader: &StreamReader,
+    shape: &Shape,
     p: &DecodeProblem,
     impls: &[(String, PlanOptions)],
     rounds: usize,
     row: &mut Row,
 ) -> kvstream::Result<()> {
-    let arena = Arena::of(p);
+    let arena = Arena::of(p, pool_tokens(shape));
     let io = row.io_bytes as usize;
     let floor_sets = pool_sets(io);
     // the floor reads its pool from the arena's start: it fits because io >= K + V per set
@@ -655,15 +745,37 @@ fn measure_shape(
     let set_at = |region: u64, per_set: usize, s: usize| region + (s * per_set) as u64;
 
     // ---- set 0 on the host, then the whole pool by device copies ----
-    let req_elems = p.max_len * p.hkv * p.head_dim;
-    let gen = generated_requests(p.batch, req_elems);
+    let token_elems = p.hkv * p.head_dim;
+    let gen_tokens = generated_tokens(pool_tokens(shape), token_elems);
     let mut rng = SplitMix64::new(0x6b76_7374 ^ row.io_bytes);
     let host = HostSet {
-        q: random_bf16(&mut rng, p.batch * p.hq * p.head_dim, 1.0),
-        k: random_bf16(&mut rng, gen * req_elems, 1.0),
-        v: random_bf16(&mut rng, gen * req_elems, 1.0),
-        gen,
+        q: random_bf16(&mut rng, p.batch * p.q_len * p.hq * p.head_dim, 1.0),
+        k: random_bf16(&mut rng, gen_tokens * token_elems, 1.0),
+        v: random_bf16(&mut rng, gen_tokens * token_elems, 1.0),
+        gen_tokens,
     };
+    // ---- per set: lengths (skewed batches) and block tables (paged caches) ----
+    let tables: Vec<Vec<i32>> = (0..arena.sets)
+        .map(|s| block_table(shape, p, s, &mut rng))
+        .collect();
+    let lens_host: Vec<i32> = (0..arena.sets)
+        .flat_map(|s| shape.lens(s).into_iter().map(|l| l as i32))
+        .collect();
+    let table_host: Vec<i32> = tables.concat();
+    let lens_dev = match shape.long_len {
+        Some(_) => Some(driver("uploading lengths", stream.clone_htod(&lens_host))?),
+        None => None,
+    };
+    let table_dev = match p.paged {
+        Some(_) => Some(driver(
+            "uploading block tables",
+            stream.clone_htod(&table_host),
+        )?),
+        None => None,
+    };
+    let lens_at = lens_dev.as_ref().map(|d| d.device_ptr(stream).0);
+    let table_at = table_dev.as_ref().map(|d| d.device_ptr(stream).0);
+    let table_set = p.paged.map_or(0, |pg| p.batch * pg.table_stride * 4);
     // SAFETY: every copy stays inside its region of the arena; the host vectors outlive the
     // synchronisation below.
     unsafe {
@@ -694,8 +806,8 @@ fn measure_shape(
         v: set_at(v_off, arena.kv_set, s),
         out: set_at(o_off, arena.q_set, s),
         lse: None,
-        seqlens: None,
-        block_table: None,
+        seqlens: lens_at.map(|a| set_at(a, p.batch * 4, s)),
+        block_table: table_at.map(|a| set_at(a, table_set, s)),
     };
 
     // ---- check every implementation on set 0, capture the ones that pass ----
@@ -712,7 +824,7 @@ fn measure_shape(
         };
         // SAFETY: set 0's pointers cover the problem's sizes.
         let checked = unsafe { decoder.run(&tensors(0), stream.cu_stream()) }.and_then(|()| {
-            let refs = reference.get_or_insert_with(|| reference_rows(p, &host));
+            let refs = reference.get_or_insert_with(|| reference_rows(shape, p, &host, &tables[0]));
             let got = download_rows(stream, o_off, p, &refs.0)?;
             Ok(relative_error(&got, &refs.1))
         });
@@ -762,6 +874,7 @@ fn measure_shape(
         let t = timings[i];
         let plan = decoder.plan();
         let mode = match (plan.num_splits, plan.reduction, plan.pdl) {
+            _ if plan.device_plan.is_some() => "device-plan",
             (1, _, _) => "single",
             (_, kvstream::Reduction::Kernel, true) => "kernel+pdl",
             (_, kvstream::Reduction::Kernel, false) => "kernel",
@@ -790,9 +903,11 @@ fn measure_shape(
     );
     row.extra
         .insert("pool_sets".into(), serde_json::json!(arena.sets));
-    if host.gen < p.batch {
-        row.extra
-            .insert("distinct_kv_requests".into(), serde_json::json!(host.gen));
+    if host.gen_tokens < pool_tokens(shape) {
+        row.extra.insert(
+            "distinct_kv_positions".into(),
+            serde_json::json!(host.gen_tokens),
+        );
     }
     drop(floor);
     drop(timed);
@@ -801,34 +916,60 @@ fn measure_shape(
     Ok(())
 }
 
-/// Requests checked against the reference: the first and the last.
-fn checked_requests(batch: usize) -> Vec<usize> {
-    if batch > 1 {
-        vec![0, batch - 1]
-    } else {
-        vec![0]
-    }
+/// Requests checked against the reference: the first and the last, except a skewed batch's
+/// long request (its f64 reference alone would take minutes; the GPU tests cover it).
+fn checked_requests(shape: &Shape) -> Vec<usize> {
+    let long = shape.long_len.map(|_| 0); // the long request of set 0
+    let mut reqs = vec![0, shape.batch - 1, 1.min(shape.batch - 1)];
+    reqs.retain(|&b| Some(b) != long);
+    reqs.sort_unstable();
+    reqs.dedup();
+    reqs.truncate(2);
+    reqs
 }
 
-/// The f64 reference output rows `[hq, d]` of the checked requests of set 0, concatenated.
-fn reference_rows(p: &DecodeProblem, host: &HostSet) -> (Vec<usize>, Vec<f64>) {
-    let reqs = checked_requests(p.batch);
-    // one request at a time: only the checked requests are computed
-    let shape = RefShape {
-        batch: 1,
-        ..RefShape::from(p)
-    };
-    let q_req = p.hq * p.head_dim;
-    let kv_req = p.max_len * p.hkv * p.head_dim;
+/// The f64 reference output rows `[q_len, hq, d]` of the checked requests of set 0,
+/// concatenated: each request's K/V gathered from the pool as the kernels see it.
+fn reference_rows(
+    shape: &Shape,
+    p: &DecodeProblem,
+    host: &HostSet,
+    table: &[i32],
+) -> (Vec<usize>, Vec<f64>) {
+    let reqs = checked_requests(shape);
+    let lens = shape.lens(0);
+    let q_req = p.q_len * p.hq * p.head_dim;
+    let te = p.hkv * p.head_dim;
     let mut out = Vec::with_capacity(reqs.len() * q_req);
     for &b in &reqs {
-        let g = b % host.gen;
+        let len = lens[b];
+        // pool position of request b's position t, then the generated position it repeats
+        let source = |t: usize| -> usize {
+            let flat = match p.paged {
+                Some(pg) => {
+                    table[b * pg.table_stride + t / pg.page_size] as usize * pg.page_size
+                        + t % pg.page_size
+                }
+                None => b * p.max_len + t,
+            };
+            flat % host.gen_tokens
+        };
+        let gather = |src: &[f32]| -> Vec<f32> {
+            (0..len)
+                .flat_map(|t| src[source(t) * te..(source(t) + 1) * te].iter().copied())
+                .collect()
+        };
+        let shape = RefShape {
+            batch: 1,
+            max_len: len,
+            ..RefShape::from(p)
+        };
         let r = decode_reference(
             &shape,
             &host.q.1[b * q_req..(b + 1) * q_req],
-            &host.k.1[g * kv_req..(g + 1) * kv_req],
-            &host.v.1[g * kv_req..(g + 1) * kv_req],
-            &[p.max_len],
+            &gather(&host.k.1),
+            &gather(&host.v.1),
+            &[len],
         );
         out.extend(r.out);
     }
@@ -842,7 +983,7 @@ fn download_rows(
     p: &DecodeProblem,
     reqs: &[usize],
 ) -> kvstream::Result<Vec<f64>> {
-    let q_req = p.hq * p.head_dim;
+    let q_req = p.q_len * p.hq * p.head_dim;
     let mut got = Vec::with_capacity(reqs.len() * q_req);
     for &b in reqs {
         let mut host = vec![half::bf16::ZERO; q_req];
@@ -942,26 +1083,56 @@ mod tests {
 
     #[test]
     fn arena_holds_the_pool_and_the_floor() {
-        let m = Matrix::load(std::path::Path::new(&matrix_path())).unwrap();
-        for s in &m.shapes {
-            let p = problem_of(s).unwrap();
-            let a = Arena::of(&p);
-            let io = p.io_bytes(p.batch * p.max_len);
-            assert_eq!(a.sets, pool_sets(2 * a.kv_set), "{}", s.id);
-            assert!(pool_sets(io) * io <= a.bytes(), "{}", s.id);
-            assert_eq!(io % 16, 0);
-            let [k, v, q, o] = a.offsets();
-            assert!(k < v && v < q && q < o && o < a.bytes());
-            assert!([k, v, q, o].iter().all(|x| x % 256 == 0));
-            assert_eq!((a.kv_set % 16, a.q_set % 16), (0, 0));
-            let g = generated_requests(p.batch, p.max_len * p.hkv * p.head_dim);
-            assert!(g >= 1 && g <= p.batch);
-            assert!(
-                g * p.max_len * p.hkv * p.head_dim
-                    <= HOST_KV_ELEMS.max(p.max_len * p.hkv * p.head_dim)
-            );
+        let serving = matrix_path().replace("matrix.json", "serving.json");
+        for path in [matrix_path(), serving] {
+            let m = Matrix::load(std::path::Path::new(&path)).unwrap();
+            for s in &m.shapes {
+                let p = problem_of(s).unwrap_or_else(|e| panic!("{}: {e}", s.id));
+                let tokens = pool_tokens(s);
+                let a = Arena::of(&p, tokens);
+                let io = p.io_bytes(s.lens(0).iter().sum());
+                assert_eq!(a.sets, pool_sets(2 * a.kv_set), "{}", s.id);
+                assert!(pool_sets(io) * io <= a.bytes(), "{}", s.id);
+                assert_eq!(io % 16, 0);
+                let [k, v, q, o] = a.offsets();
+                assert!(k < v && v < q && q < o && o < a.bytes());
+                assert!([k, v, q, o].iter().all(|x| x % 256 == 0));
+                assert_eq!((a.kv_set % 16, a.q_set % 16), (0, 0));
+                let te = p.hkv * p.head_dim;
+                let g = generated_tokens(tokens, te);
+                assert!(g >= 1 && g <= tokens);
+                assert!(g * te <= HOST_KV_ELEMS.max(te));
+                let reqs = checked_requests(s);
+                assert!(!reqs.is_empty() && reqs.len() <= 2);
+                if s.long_len.is_some() {
+                    assert!(
+                        !reqs.contains(&0),
+                        "{}: the long request is not checked",
+                        s.id
+                    );
+                    for set in 0..a.sets {
+                        let t = block_table(s, &p, set, &mut SplitMix64::new(set as u64));
+                        let pg = p.paged.unwrap();
+                        let mut used: Vec<i32> = s
+                            .lens(set)
+                            .iter()
+                            .enumerate()
+                            .flat_map(|(b, l)| {
+                                t[b * pg.table_stride
+                                    ..b * pg.table_stride + l.div_ceil(pg.page_size)]
+                                    .to_vec()
+                            })
+                            .collect();
+                        used.sort_unstable();
+                        assert_eq!(
+                            used,
+                            (0..pg.num_pages as i32).collect::<Vec<_>>(),
+                            "{}",
+                            s.id
+                        );
+                    }
+                }
+            }
         }
-        assert_eq!(checked_requests(1), [0]);
-        assert_eq!(checked_requests(64), [0, 63]);
     }
 }

@@ -31,9 +31,31 @@ pub struct Shape {
     pub len: usize,
     /// Element type name.
     pub dtype: String,
+    /// Paged cache with pages of this many positions (shuffled pages); contiguous when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_size: Option<usize>,
+    /// Skewed batch: one request has this many positions and the others `L`; which request is
+    /// long changes from set to set (every call of a replay sees other lengths). Needs pages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub long_len: Option<usize>,
 }
 
 impl Shape {
+    /// Cache positions of each request in pool set `set`.
+    pub fn lens(&self, set: usize) -> Vec<usize> {
+        (0..self.batch)
+            .map(|b| match self.long_len {
+                Some(long) if b == set % self.batch => long,
+                _ => self.len,
+            })
+            .collect()
+    }
+
+    /// Cache capacity per request: the longest length any set gives a request.
+    pub fn max_len(&self) -> usize {
+        self.long_len.unwrap_or(0).max(self.len)
+    }
+
     /// A bf16 shape from `batch,hq,hkv,d,L` (the `--shape` syntax).
     pub fn parse_cli(spec: &str) -> Result<Self, String> {
         let nums: Vec<usize> = spec
@@ -57,6 +79,8 @@ impl Shape {
             d,
             len,
             dtype: "bf16".into(),
+            page_size: None,
+            long_len: None,
         })
     }
 }
@@ -193,6 +217,13 @@ pub struct Row {
 impl Row {
     /// The row of `shape` before anything is measured.
     pub fn for_shape(shape: &Shape, io_bytes: u64) -> Self {
+        let mut extra = BTreeMap::new();
+        if let Some(p) = shape.page_size {
+            extra.insert("page_size".into(), serde_json::json!(p));
+        }
+        if let Some(l) = shape.long_len {
+            extra.insert("long_len".into(), serde_json::json!(l));
+        }
         Row {
             id: shape.id.clone(),
             group: Some(shape.group.clone()),
@@ -206,7 +237,7 @@ impl Row {
             io_bytes,
             floor_us: None,
             results: BTreeMap::new(),
-            extra: BTreeMap::new(),
+            extra,
         }
     }
 

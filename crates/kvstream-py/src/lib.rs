@@ -166,34 +166,19 @@ fn build_problem(
 
 /// Plan options from the Python arguments: a split count and a reduction mode name
 /// (`"kernel"` or `"cluster"`); `None` leaves each to the planner. `device_plan` plans the split
-/// partition on the device at every call; it takes kernel reduction only, so it rejects a forced
-/// `"cluster"` and, with no mode given, asks for kernel reduction.
+/// partition on the device at every call (the planner then rejects a forced split count and
+/// cluster reduction).
 fn options(
     num_splits: Option<i64>,
     reduction: Option<&str>,
     device_plan: bool,
 ) -> PyResult<PlanOptions> {
-    let mut reduction = reduction
-        .map(str::parse::<Reduction>)
-        .transpose()
-        .map_err(to_py)?;
-    if device_plan {
-        match reduction {
-            Some(Reduction::Cluster) => {
-                return Err(to_py(Error::invalid(
-                    "device_plan",
-                    "True with reduction 'cluster'",
-                    "False, or device_plan with reduction 'kernel' or None (the device plan \
-                     merges splits with the combine kernel)",
-                )))
-            }
-            Some(Reduction::Kernel) => {}
-            None => reduction = Some(Reduction::Kernel),
-        }
-    }
     Ok(PlanOptions {
         num_splits: num_splits.map(|n| size("num_splits", n)).transpose()?,
-        reduction,
+        reduction: reduction
+            .map(str::parse::<Reduction>)
+            .transpose()
+            .map_err(to_py)?,
         device_plan,
         ..Default::default()
     })

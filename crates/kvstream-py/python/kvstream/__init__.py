@@ -268,9 +268,10 @@ def decode(
             ``"cluster"``: the splits of one (request, KV head) form a thread-block cluster and
             merge through distributed shared memory: one launch, no workspace, deterministic.
         device_plan: plan the split partition on the GPU at every call from the lengths in
-            ``cache_seqlens`` (a small planner kernel ahead of the decode), so that ragged
-            batches and CUDA graphs replayed with new lengths stay balanced. Kernel reduction
-            only: ``reduction`` must be ``None`` or ``"kernel"``.
+            ``cache_seqlens`` (a small planner kernel ahead of the decode): each request gets
+            splits in proportion to its length, so ragged batches and CUDA graphs replayed with
+            new lengths stay balanced. Kernel reduction only: ``reduction`` must be ``None`` or
+            ``"kernel"``, and ``num_splits`` ``None``.
         return_lse: also return the log-sum-exp (natural log) of the scaled scores, float32:
             ``[batch, q_len, hq]`` for a 4-D ``q``, ``[batch, hq]`` for a 3-D one.
         out: optional contiguous output tensor of q's shape and dtype.
@@ -485,6 +486,11 @@ def decode(
             "kvstream.decode: device_plan is True with reduction='cluster', allowed: "
             "device_plan=True with reduction='kernel' or None (kernel reduction only), or "
             "device_plan=False"
+        )
+    if device_plan and num_splits is not None:
+        raise ValueError(
+            f"kvstream.decode: num_splits is {num_splits} with device_plan=True, allowed: None "
+            f"(the device plan chooses each request's splits from its length)"
         )
     if not isinstance(return_lse, bool):
         raise TypeError(

@@ -100,9 +100,11 @@ def test_decode_signature():
         ("k_cache", P.POSITIONAL_OR_KEYWORD, P.empty),
         ("v_cache", P.POSITIONAL_OR_KEYWORD, P.empty),
         ("cache_seqlens", P.KEYWORD_ONLY, None),
+        ("block_table", P.KEYWORD_ONLY, None),
         ("softmax_scale", P.KEYWORD_ONLY, None),
         ("num_splits", P.KEYWORD_ONLY, None),
         ("reduction", P.KEYWORD_ONLY, None),
+        ("device_plan", P.KEYWORD_ONLY, False),
         ("return_lse", P.KEYWORD_ONLY, False),
         ("out", P.KEYWORD_ONLY, None),
     ]
@@ -167,14 +169,45 @@ def test_seqlens_shape_device_cpu_type():
 
 @pytest.mark.parametrize(
     "name,shape",
-    [("q", (B, HQ, D)), ("k_cache", (B, L, HKV)), ("v_cache", (B, L, HKV, D, 1))],
+    [("q", (B, 1, 1, HQ, D)), ("q", (HQ, D)), ("k_cache", (B, L, HKV)), ("v_cache", (B, L, HKV, D, 1))],
 )
 def test_wrong_rank(name, shape):
     fails(ValueError, name, "4 dimensions", **{name: FakeTensor(shape)})
 
 
-def test_seqlen_q_must_be_one():
-    fails(ValueError, "q", "seqlen_q", q=FakeTensor((B, 2, HQ, D)))
+def passes_validation(*pos, **kw):
+    """A valid call: passes validation, then needs torch to launch (absent here or not: never a
+    validation error)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError):
+            kvstream.decode(*pos, **kw)
+
+
+@pytest.mark.parametrize("q_len", [0, 9, 16])
+def test_q_len_range(q_len):
+    msg = fails(ValueError, "q", "q_len", str(q_len), "1..8", q=FakeTensor((B, q_len, HQ, D)))
+    assert f"[{B}, {q_len}, {HQ}, {D}]" in msg, msg
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 5, 8])
+def test_multi_token_q_passes_validation(q_len):
+    pos, _ = good(q=FakeTensor((B, q_len, HQ, D)))
+    passes_validation(*pos, out=FakeTensor((B, q_len, HQ, D)), cache_seqlens=FakeTensor((B,), I32))
+
+
+def test_three_dim_q():
+    pos, _ = good(q=FakeTensor((B, HQ, D)))
+    passes_validation(*pos, out=FakeTensor((B, HQ, D)))
+    # out keeps q's rank
+    fails(ValueError, "out", "shape", f"[{B}, {HQ}, {D}]", q=FakeTensor((B, HQ, D)),
+          out=FakeTensor((B, 1, HQ, D)))
+    fails(ValueError, "q", "head_dim", "96", q=FakeTensor((B, HQ, 96)))
+    fails(ValueError, "hq", "hkv", q=FakeTensor((B, 12, D)), k_cache=FakeTensor((B, L, 5, D)),
+          v_cache=FakeTensor((B, L, 5, D)))
+    fails(ValueError, "k_cache", "batch", q=FakeTensor((3, HQ, D)))
+    fails(ValueError, "q", "contiguous", q=FakeTensor((B, HQ, D), strides=(HQ * D, 1, HQ)))
 
 
 def test_heads_not_a_multiple():
@@ -270,19 +303,131 @@ def test_cluster_reduction_split_counts(splits):
      dict(reduction="cluster"), dict(reduction="cluster", num_splits=16)],
 )
 def test_valid_reduction_passes_validation(over):
-    # Valid: passes validation, then needs torch to launch (absent or not, not a validation error).
     pos, _ = good()
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError):
-            kvstream.decode(*pos, **over)
+    passes_validation(*pos, **over)
 
 
 def test_reduction_constants():
     assert kvstream.REDUCTIONS == ("kernel", "cluster")
     assert kvstream.CLUSTER_SPLITS == (1, 2, 4, 8, 16)
     assert all(n <= kvstream.MAX_SPLITS for n in kvstream.CLUSTER_SPLITS)
+
+
+def test_multi_token_and_paging_constants():
+    assert kvstream.MAX_Q_LEN == 8
+    assert kvstream.SUPPORTED_PAGE_SIZES == tuple(1 << i for i in range(10))
+    assert {"MAX_Q_LEN", "SUPPORTED_PAGE_SIZES"} <= set(kvstream.__all__)
+
+
+# ---- paged caches: pools [num_pages, page_size, hkv, d] and an int32 block table ----
+
+NP, PS, MP = 40, 16, 16  # pages in the pools, page size, pages per request (capacity 256)
+
+
+def paged(**over):
+    """Arguments of a valid paged call (a dict of keyword arguments plus q, k_cache, v_cache)."""
+    args = dict(
+        q=FakeTensor((B, 1, HQ, D)),
+        k_cache=FakeTensor((NP, PS, HKV, D)),
+        v_cache=FakeTensor((NP, PS, HKV, D)),
+        block_table=FakeTensor((B, MP), I32),
+    )
+    args.update(over)
+    return args
+
+
+def paged_fails(exc, *words, **over):
+    args = paged(**over)
+    with pytest.raises(exc) as e:
+        kvstream.decode(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
+    msg = str(e.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    return msg
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64, 256, 512])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_paged_passes_validation(ps, q_len):
+    # The pool's page count is independent of the batch.
+    args = paged(q=FakeTensor((B, q_len, HQ, D)), k_cache=FakeTensor((7, ps, HKV, D)),
+                 v_cache=FakeTensor((7, ps, HKV, D)), cache_seqlens=FakeTensor((B,), I32))
+    passes_validation(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
+
+
+@pytest.mark.parametrize("ps", [0, 3, 24, 1024])
+def test_paged_page_size(ps):
+    shape = (NP, ps, HKV, D)
+    paged_fails(ValueError, "k_cache", "page_size", str(ps), "1, 2, 4", "512", "block_table",
+                k_cache=FakeTensor(shape), v_cache=FakeTensor(shape))
+
+
+def test_paged_pool_shapes():
+    paged_fails(ValueError, "k_cache", "num_pages", k_cache=FakeTensor((0, PS, HKV, D)),
+                v_cache=FakeTensor((0, PS, HKV, D)))
+    paged_fails(ValueError, "v_cache", "shape of k_cache", v_cache=FakeTensor((NP + 1, PS, HKV, D)))
+    paged_fails(ValueError, "k_cache", "4 dimensions", "num_pages, page_size",
+                k_cache=FakeTensor((NP * PS, HKV, D)))
+    paged_fails(ValueError, "k_cache", "head_dim", k_cache=FakeTensor((NP, PS, HKV, 64)),
+                v_cache=FakeTensor((NP, PS, HKV, 64)))
+    paged_fails(ValueError, "hq", "hkv", k_cache=FakeTensor((NP, PS, 3, D)), v_cache=FakeTensor((NP, PS, 3, D)))
+    paged_fails(TypeError, "v_cache", "torch.float16", v_cache=FakeTensor((NP, PS, HKV, D), F16))
+    paged_fails(ValueError, "v_cache", "cuda:1", v_cache=FakeTensor((NP, PS, HKV, D), device=FakeDevice("cuda", 1)))
+
+
+def test_paged_pools_must_be_contiguous():
+    # A slice of a larger pool along the page axis is contiguous; one along the rows is not.
+    rows = (2 * PS * HKV * D, HKV * D, D, 1)
+    paged_fails(ValueError, "k_cache", "contiguous", k_cache=FakeTensor((NP, PS, HKV, D), strides=rows))
+    paged_fails(ValueError, "v_cache", "contiguous", v_cache=FakeTensor((NP, PS, HKV, D), strides=rows))
+
+
+@pytest.mark.parametrize("dt", [I64, F32, BF16])
+def test_block_table_dtype(dt):
+    paged_fails(TypeError, "block_table", str(dt), "torch.int32", block_table=FakeTensor((B, MP), dt))
+
+
+def test_block_table_shape_device_layout():
+    paged_fails(TypeError, "block_table", block_table=[[0, 1], [2, 3]])
+    paged_fails(ValueError, "block_table", "2 dimensions", "[batch, max_pages]",
+                block_table=FakeTensor((B * MP,), I32))
+    paged_fails(ValueError, "block_table", f"[3, {MP}]", f"[{B}, max_pages]",
+                block_table=FakeTensor((3, MP), I32))
+    paged_fails(ValueError, "block_table", "max_pages >= 1", block_table=FakeTensor((B, 0), I32))
+    paged_fails(ValueError, "block_table", "cpu",
+                block_table=FakeTensor((B, MP), I32, FakeDevice("cpu", None)))
+    paged_fails(ValueError, "block_table", "cuda:1", "cuda:0",
+                block_table=FakeTensor((B, MP), I32, FakeDevice("cuda", 1)))
+    paged_fails(ValueError, "block_table", "contiguous",
+                block_table=FakeTensor((B, MP), I32, strides=(1, B)))
+
+
+def test_block_table_capacity():
+    # 2^23 pages of 512 positions: a capacity of 2^32 positions, past int32.
+    msg = paged_fails(ValueError, "block_table", "2^31-1", k_cache=FakeTensor((NP, 512, HKV, D)),
+                      v_cache=FakeTensor((NP, 512, HKV, D)), block_table=FakeTensor((B, 1 << 23), I32))
+    assert str(1 << 32) in msg, msg
+
+
+def test_paged_seqlens_and_out():
+    paged_fails(ValueError, "cache_seqlens", f"[{B}]", cache_seqlens=FakeTensor((NP,), I32))
+    paged_fails(ValueError, "out", "shape", out=FakeTensor((NP, 1, HQ, D)))
+
+
+@pytest.mark.parametrize("bad", [1, 0, None, "yes"])
+def test_device_plan_type(bad):
+    fails(TypeError, "device_plan", repr(bad), "bool", device_plan=bad)
+
+
+def test_device_plan_needs_kernel_reduction_and_no_split_count():
+    fails(ValueError, "device_plan", "cluster", "'kernel' or None", device_plan=True, reduction="cluster")
+    fails(ValueError, "num_splits", "8", "device_plan", "None", device_plan=True, num_splits=8)
+    pos, _ = good()
+    passes_validation(*pos, device_plan=True)
+    passes_validation(*pos, device_plan=True, reduction="kernel", cache_seqlens=FakeTensor((B,), I32))
+    passes_validation(*pos, device_plan=False, reduction="cluster", num_splits=8)
+    args = paged(q=FakeTensor((B, 4, HQ, D)), device_plan=True)
+    passes_validation(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
 
 
 # ---- native layer: plain values, validated before any GPU is opened ----
@@ -307,6 +452,21 @@ def test_reduction_constants():
         (dict(reduction="cluster", num_splits=32), "num_splits"),
         (dict(k_strides=(8, 12, 8)), "k strides"),
         (dict(v_strides=(0, 8, 8)), "v strides"),
+        (dict(q_len=0), "q_len"),
+        (dict(q_len=9), "q_len"),
+        (dict(q_len=-1), "q_len"),
+        (dict(page_size=3, num_pages=100), "page_size"),
+        (dict(page_size=1024, num_pages=100), "page_size"),
+        (dict(page_size=16, num_pages=0), "num_pages"),
+        (dict(page_size=16, num_pages=100, table_stride=255), "block_table stride"),
+        (dict(page_size=16, num_pages=100, table_stride=-1), "block_table stride"),
+        (dict(page_size=16), "num_pages"),
+        (dict(num_pages=100), "page_size"),
+        (dict(table_stride=256), "page_size"),
+        (dict(page_size=16, num_pages=100, k_strides=(4096 * 256, 256, 128)), "k strides"),
+        (dict(page_size=16, num_pages=100, v_strides=(4096 * 256, 256, 128)), "v strides"),
+        (dict(device_plan=True, reduction="cluster"), "reduction"),
+        (dict(device_plan=True, num_splits=4), "num_splits"),
     ],
 )
 def test_native_decoder_rejects_fields(over, field):
@@ -345,6 +505,30 @@ def test_native_validate_reduction():
         _native.validate(*args, reduction=1)
 
 
+def test_native_validate_multi_token_paged_device_plan():
+    args = (4, 32, 8, 128, 4096, "bf16")
+    # positional callers of the old signature are unaffected by the new trailing arguments
+    assert "num_splits: 2," in _native.validate(*args, None, 2, "kernel", None, None)
+    assert "num_splits: 2," in _native.validate(*args, None, 2, "kernel", None, None, 4)
+    for q_len in range(1, 9):
+        assert "num_splits" in _native.validate(*args, q_len=q_len)
+    for ps in kvstream.SUPPORTED_PAGE_SIZES:
+        pages = 4 * (4096 // ps)
+        assert "num_splits" in _native.validate(*args, page_size=ps, num_pages=pages)
+        assert "num_splits" in _native.validate(*args, page_size=ps, num_pages=1,
+                                                table_stride=4096 // ps + 5, q_len=3)
+    # the device plan takes kernel reduction, also where the planner would pick a cluster
+    assert "Cluster" in _native.validate(1, 16, 2, 64, 1024, "bf16")
+    assert "Kernel" in _native.validate(1, 16, 2, 64, 1024, "bf16", device_plan=True)
+    assert "Kernel" in _native.validate(*args, reduction="kernel", device_plan=True)
+    assert "Kernel" in _native.validate(*args, q_len=8, page_size=64, num_pages=256,
+                                        device_plan=True)
+    with pytest.raises(ValueError) as e:
+        _native.validate(*args, page_size=16, num_pages=10, table_stride=100)
+    msg = str(e.value)
+    assert "block_table stride" in msg and "100" in msg and "256" in msg, msg
+
+
 def test_native_decoder_without_gpu_is_a_runtime_error():
     try:
         d = _native.Decoder(1, 16, 2, 128, 4096, "bf16", None, None, None, 0)
@@ -354,4 +538,20 @@ def test_native_decoder_without_gpu_is_a_runtime_error():
     else:  # a machine with a suitable GPU
         assert d.num_splits >= 1 and "num_splits" in d.plan
         assert d.reduction in ("kernel", "cluster") and f"reduction='{d.reduction}'" in repr(d)
+        assert d.q_len == 1 and d.page_size is None and d.device_plan is False
+        pytest.skip("a GPU is present: the no-GPU error path is not reachable here")
+
+
+def test_native_decoder_new_arguments_without_gpu():
+    kw = dict(q_len=4, page_size=16, num_pages=600, table_stride=300, device_plan=True)
+    try:
+        d = _native.Decoder(2, 16, 2, 128, 4096, "bf16", None, None, None, 0, None, None, **kw)
+    except RuntimeError as e:
+        msg = str(e)
+        assert any(w in msg for w in ("driver", "GPU", "NVRTC")), msg
+    else:  # a machine with a suitable GPU
+        assert d.q_len == 4 and d.page_size == 16 and d.device_plan is True
+        r = repr(d)
+        assert "q_len=4" in r and "page_size=16" in r and "table_stride=300" in r, r
+        assert "device_plan=True" in r and d.reduction == "kernel", r
         pytest.skip("a GPU is present: the no-GPU error path is not reachable here")

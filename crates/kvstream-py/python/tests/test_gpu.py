@@ -1,8 +1,9 @@
 """GPU tests of kvstream.decode (H100 / H200); skipped unless torch sees a CUDA device.
 
-Correctness against torch's scaled_dot_product_attention in fp32 with per-request length
-masks, LSE, CUDA graph capture and replay with new lengths, and two streams in flight at once.
-If KVSTREAM_PY_GPU_SUMMARY names a file, a JSON summary of every check is written there.
+Correctness against an fp32 torch reference (masked softmax with per-request lengths and the
+causal rule among new tokens), LSE, multi-token decode, paged caches (shuffled page pools),
+device planning, CUDA graph capture and replay with new lengths, and two streams in flight at
+once. If KVSTREAM_PY_GPU_SUMMARY names a file, a JSON summary of every check is written there.
 """
 
 import json
@@ -35,46 +36,66 @@ def _summary():
 
 
 def reference(q, k, v, lens, scale):
-    """fp32 out [b, 1, hq, d] and lse [b, hq]; zero-length requests give 0 and -inf."""
-    b, _, hq, d = q.shape
+    """fp32 out (q's shape) and lse ([b, q_len, hq] for q [b, q_len, hq, d], [b, hq] for q
+    [b, hq, d]) over contiguous caches [b, L, hkv, d].
+
+    Token i of request r sees cache positions 0 .. lens[r] - q_len + i (masked past that); a
+    token that sees nothing gives 0 and -inf.
+    """
+    three = q.dim() == 3
+    q4 = q.unsqueeze(1) if three else q
+    b, s, hq, d = q4.shape
     L, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    qf = q.float().transpose(1, 2)                                  # [b, hq, 1, d]
-    kf = k.float().transpose(1, 2).repeat_interleave(g, dim=1)      # [b, hq, L, d]
-    vf = v.float().transpose(1, 2).repeat_interleave(g, dim=1)
-    pos = torch.arange(L, device=q.device)
-    mask = pos[None, :] < lens[:, None].long()                      # [b, L]
-    m4 = mask[:, None, None, :]
-    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=m4, scale=scale)
-    scores = (qf @ kf.transpose(-1, -2)).squeeze(2) * scale          # [b, hq, L]
-    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    empty = lens == 0
-    out = torch.where(empty[:, None, None, None], torch.zeros_like(out), out)
-    return out.transpose(1, 2), lse
+    dev = q.device
+    # query head h = kvh * g + j uses KV head kvh: rows (j, token) of KV head kvh
+    qf = q4.float().reshape(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * s, d)
+    kf = k.float().transpose(1, 2)                                  # [b, hkv, L, d]
+    vf = v.float().transpose(1, 2)
+    scores = (qf @ kf.transpose(-1, -2)) * scale                    # [b, hkv, g * s, L]
+    last = lens.long()[:, None] - s + torch.arange(s, device=dev)[None, :]      # [b, s]
+    mask = torch.arange(L, device=dev)[None, None, :] <= last[:, :, None]      # [b, s, L]
+    mask = mask[:, None].expand(b, g, s, L).reshape(b, 1, g * s, L)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                           # [b, hkv, g * s]
+    shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    out = torch.exp(scores - shift[..., None]) @ vf                 # [b, hkv, g * s, d]
+    out = out.reshape(b, hkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d)
+    lse = lse.reshape(b, hkv, g, s).permute(0, 3, 1, 2).reshape(b, s, hq)
+    return (out[:, 0], lse[:, 0]) if three else (out, lse)
+
+
+def live_rows(q, lens):
+    """Which query rows see at least one position: [b, q_len] for a 4-D q, [b] for a 3-D one."""
+    s = q.shape[1] if q.dim() == 4 else 1
+    seen = lens.long()[:, None] - s + 1 + torch.arange(s, device=lens.device)[None, :]
+    live = seen > 0
+    return live if q.dim() == 4 else live[:, 0]
 
 
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def make(b, hq, hkv, d, L, dtype, seed):
+def make(b, hq, hkv, d, L, dtype, seed, q_len=1):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float32, generator=gen).to(dtype)  # noqa: E731
-    return r(b, 1, hq, d), r(b, L, hkv, d), r(b, L, hkv, d)
+    return r(b, q_len, hq, d), r(b, L, hkv, d), r(b, L, hkv, d)
 
 
 def check(q, k, v, lens, out, lse, scale, label):
+    """out and lse of a call on contiguous caches k, v (or their paged copy) vs the reference."""
+    assert out.shape == q.shape and lse.shape == q.shape[:-1], label
     ref_out, ref_lse = reference(q, k, v, lens, scale)
     e = rel_err(out, ref_out)
-    live = lens > 0
+    live = live_rows(q, lens)
     el = rel_err(lse[live], ref_lse[live]) if bool(live.any()) else 0.0
     dead_ok = bool((out[~live] == 0).all()) and bool(torch.isneginf(lse[~live]).all())
     SUMMARY["cases"].append({"case": label, "rel_err": e, "lse_rel_err": el, "empty_rows_ok": dead_ok})
     assert torch.isfinite(out.float()).all(), label
     assert e <= TOL, f"{label}: rel err {e}"
     assert el <= 1e-3, f"{label}: lse rel err {el}"
-    assert dead_ok, f"{label}: zero-length requests must give 0 and -inf"
+    assert dead_ok, f"{label}: rows that see no position must give 0 and -inf"
 
 
 def cases():
@@ -99,8 +120,13 @@ def test_matches_sdpa(b, hq, hkv, d, L, dtype):
         lens[-1] = L
     scale = 1.0 / d ** 0.5
     out, lse = kvstream.decode(q, k, v, cache_seqlens=lens, return_lse=True)
-    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, hq)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (b, 1, hq)
     check(q, k, v, lens, out, lse, scale, f"b{b} hq{hq} hkv{hkv} d{d} L{L} {dtype}")
+    # q as [b, hq, d]: the same call, out [b, hq, d] and lse [b, hq]
+    out3, lse3 = kvstream.decode(q[:, 0], k, v, cache_seqlens=lens, return_lse=True)
+    assert out3.shape == (b, hq, d) and lse3.shape == (b, hq)
+    torch.cuda.synchronize()
+    assert torch.equal(out3, out[:, 0]) and torch.equal(lse3, lse[:, 0])
 
 
 def test_no_seqlens_custom_scale_forced_splits_and_out():
@@ -221,3 +247,201 @@ def test_cluster_and_kernel_reduction(b, hq, hkv, d, L, lens):
     assert "reduction='cluster'" in repr(native)
     kernel = kvstream._native.Decoder(b, hq, hkv, d, L, "bf16", num_splits=4, reduction="kernel")
     assert kernel.reduction == "kernel"
+
+
+# ---- multi-token decode: q [b, q_len, hq, d], causal among the new tokens ----
+
+MULTI_TOKEN = {  # q_len: (hq, hkv, d, dtype); groups 1-32 and both head dims across q_len 1-8
+    1: (16, 2, 128, torch.bfloat16),
+    2: (32, 4, 64, torch.float16),
+    3: (16, 16, 128, torch.bfloat16),
+    4: (32, 8, 128, torch.float16),
+    5: (8, 1, 64, torch.bfloat16),
+    6: (40, 8, 128, torch.bfloat16),
+    7: (32, 1, 64, torch.float16),
+    8: (32, 2, 128, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("q_len", sorted(MULTI_TOKEN))
+def test_multi_token_matches_reference(q_len):
+    hq, hkv, d, dtype = MULTI_TOKEN[q_len]
+    b, L = 5, 3000
+    q, k, v = make(b, hq, hkv, d, L, dtype, seed=500 + q_len, q_len=q_len)
+    # the full cache, a long and a short request, one shorter than q_len (its first tokens see
+    # nothing), one empty
+    lens = torch.tensor([L, 2049, 70, q_len // 2, 0], device="cuda", dtype=torch.int32)
+    scale = 1.0 / d ** 0.5
+    label = f"q_len{q_len} hq{hq} hkv{hkv} d{d} {dtype}"
+    out, lse = kvstream.decode(q, k, v, cache_seqlens=lens, return_lse=True)
+    assert out.shape == (b, q_len, hq, d) and out.dtype == dtype and lse.shape == (b, q_len, hq)
+    check(q, k, v, lens, out, lse, scale, label)
+    # the rows of the request shorter than q_len: the first q_len - len see nothing
+    short = q_len // 2
+    assert bool((out[3, : q_len - short] == 0).all()), label
+    assert bool(torch.isneginf(lse[3, : q_len - short]).all()), label
+    # forced splits, both reductions, into a given out
+    for splits, mode in ((1, None), (4, "kernel"), (4, "cluster"), (8, None)):
+        o = torch.empty_like(q)
+        res, lse2 = kvstream.decode(q, k, v, cache_seqlens=lens, num_splits=splits,
+                                    reduction=mode, out=o, return_lse=True)
+        assert res.data_ptr() == o.data_ptr()
+        check(q, k, v, lens, o, lse2, scale, f"{label} splits={splits} reduction={mode}")
+    # without cache_seqlens every request has L tokens
+    full = torch.full((b,), L, device="cuda", dtype=torch.int32)
+    out, lse = kvstream.decode(q, k, v, softmax_scale=0.07, return_lse=True)
+    check(q, k, v, full, out, lse, 0.07, f"{label} no cache_seqlens")
+
+
+def test_multi_token_rows_equal_single_token_calls():
+    # Token i of a q_len-token call is a single-token call over the first len - q_len + i + 1
+    # positions (another kernel variant, with other query rows per KV head: compare within
+    # tolerance).
+    b, hq, hkv, d, L, q_len = 2, 16, 2, 128, 1024, 4
+    q, k, v = make(b, hq, hkv, d, L, torch.bfloat16, seed=601, q_len=q_len)
+    lens = torch.tensor([1000, 3], device="cuda", dtype=torch.int32)
+    out = kvstream.decode(q, k, v, cache_seqlens=lens)
+    for i in range(q_len):
+        seen = (lens - q_len + i + 1).clamp_min(0).to(torch.int32)
+        one = kvstream.decode(q[:, i].contiguous(), k, v, cache_seqlens=seen)
+        assert rel_err(out[:, i], one) <= TOL, f"token {i}"
+
+
+# ---- paged caches: pools [num_pages, page_size, hkv, d] and a block table ----
+
+def poison_past(x, lens):
+    """A copy of a contiguous cache with NaN at every position at or past each request's length
+    (data the kernels must never use)."""
+    y = x.clone()
+    pos = torch.arange(x.shape[1], device=x.device)
+    y[pos[None, :] >= lens.long()[:, None]] = float("nan")
+    return y
+
+
+def to_pages(k, v, page_size, seed, extra_cols=0, spare=3):
+    """Scatters contiguous caches [b, L, hkv, d] (L a multiple of page_size) into shuffled pools
+    [num_pages, page_size, hkv, d] with `spare` NaN pages nobody owns. Returns the pools and the
+    int32 block table [b, L / page_size + extra_cols]; extra columns name pages of other
+    requests (finite data past the capacity of the caches, never reached)."""
+    b, L, hkv, d = k.shape
+    assert L % page_size == 0
+    per = L // page_size
+    num_pages = b * per + spare
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_pages, generator=gen).to(k.device)
+    table = order[: b * per].view(b, per)
+    pools = []
+    for x in (k, v):
+        pool = torch.full((num_pages, page_size, hkv, d), float("nan"), dtype=x.dtype,
+                          device=x.device)
+        pool[table.reshape(-1)] = x.reshape(b * per, page_size, hkv, d)
+        pools.append(pool)
+    if extra_cols:
+        junk = order[torch.randint(0, b * per, (b, extra_cols), generator=gen).to(k.device)]
+        table = torch.cat([table, junk], dim=1)
+    return pools[0], pools[1], table.to(torch.int32).contiguous()
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_paged_matches_contiguous_and_reference(page_size, q_len):
+    b, hq, hkv, d, L = 3, 16, 2, 128, 2048    # L: a multiple of every page size here
+    dtype = torch.bfloat16 if q_len == 1 else torch.float16
+    q, k, v = make(b, hq, hkv, d, L, dtype, seed=700 + page_size + q_len, q_len=q_len)
+    # lengths ending inside a page, on a page boundary, short, and empty
+    lens = torch.tensor([2000, 2 * page_size, 0], device="cuda", dtype=torch.int32)
+    kp, vp = poison_past(k, lens), poison_past(v, lens)
+    k_pool, v_pool, table = to_pages(kp, vp, page_size, seed=page_size)
+    scale = 1.0 / d ** 0.5
+    label = f"paged p{page_size} q_len{q_len}"
+    for splits, mode in ((None, None), (1, None), (4, "kernel"), (4, "cluster")):
+        kw = dict(cache_seqlens=lens, num_splits=splits, reduction=mode, return_lse=True)
+        out, lse = kvstream.decode(q, k_pool, v_pool, block_table=table, **kw)
+        check(q, k, v, lens, out, lse, scale, f"{label} splits={splits} reduction={mode}")
+        # same problem and plan on the contiguous (equally poisoned) caches: bitwise equal
+        out_c, lse_c = kvstream.decode(q, kp, vp, **kw)
+        torch.cuda.synchronize()
+        same = torch.equal(out, out_c) and torch.equal(lse, lse_c)
+        SUMMARY["checks"][f"paged_equals_contiguous {label} splits={splits} {mode}"] = same
+        assert same, f"{label} splits={splits} reduction={mode}: paged differs from contiguous"
+
+
+def test_paged_wide_table_no_seqlens_and_3d_q():
+    b, hq, hkv, d, L, page_size = 2, 32, 8, 64, 1024, 16
+    q, k, v = make(b, hq, hkv, d, L, torch.float16, seed=801)
+    k_pool, v_pool, table = to_pages(k, v, page_size, seed=5, extra_cols=7)
+    lens = torch.tensor([L, 333], device="cuda", dtype=torch.int32)
+    out, lse = kvstream.decode(q, k_pool, v_pool, block_table=table, cache_seqlens=lens,
+                               return_lse=True)
+    check(q, k, v, lens, out, lse, 1 / 8, "paged, table wider than the cache")
+    # without cache_seqlens every request has max_pages * page_size positions: here the whole
+    # table, so give it exactly the cache's pages
+    k_pool, v_pool, table = to_pages(k, v, page_size, seed=6)
+    out, lse = kvstream.decode(q[:, 0], k_pool, v_pool, block_table=table, return_lse=True)
+    full = torch.full((b,), L, device="cuda", dtype=torch.int32)
+    check(q[:, 0], k, v, full, out, lse, 1 / 8, "paged, no cache_seqlens, q [b, hq, d]")
+
+
+# ---- device plan: the split partition planned on the GPU from the device lengths ----
+
+@pytest.mark.parametrize("q_len,paged", [(1, False), (4, False), (2, True)])
+def test_device_plan_ragged_lengths(q_len, paged):
+    b, hq, hkv, d, L = 10, 32, 8, 128, 16384
+    q, k, v = make(b, hq, hkv, d, L, torch.bfloat16, seed=900 + q_len, q_len=q_len)
+    # one long request, many short ones, one empty
+    lens = torch.tensor([16384, 37, 1, 0, 100, 64, 500, 9, 129, 2], device="cuda",
+                        dtype=torch.int32)
+    label = f"device_plan q_len{q_len} paged={paged}"
+    if paged:
+        k_pool, v_pool, table = to_pages(k, v, 64, seed=9)
+        run = lambda **kw: kvstream.decode(q, k_pool, v_pool, block_table=table, **kw)  # noqa: E731
+    else:
+        run = lambda **kw: kvstream.decode(q, k, v, **kw)  # noqa: E731
+    for mode in (None, "kernel"):
+        out, lse = run(cache_seqlens=lens, device_plan=True, reduction=mode, return_lse=True)
+        check(q, k, v, lens, out, lse, 1.0 / d ** 0.5, f"{label} reduction={mode}")
+    full = torch.full((b,), L, device="cuda", dtype=torch.int32)
+    out, lse = run(device_plan=True, return_lse=True)
+    check(q, k, v, full, out, lse, 1.0 / d ** 0.5, f"{label} no cache_seqlens")
+
+
+@pytest.mark.parametrize("q_len,paged", [(1, False), (3, True)])
+def test_device_plan_graph_replay_with_new_lengths(q_len, paged):
+    b, hq, hkv, d, L, page_size = 6, 16, 2, 128, 8192, 64
+    q, k, v = make(b, hq, hkv, d, L, torch.bfloat16, seed=1000 + q_len, q_len=q_len)
+    lens = torch.tensor([8192, 10, 0, 300, 1, 64], device="cuda", dtype=torch.int32)
+    if paged:
+        k_pool, v_pool, table = to_pages(k, v, page_size, seed=10)
+        args = (q, k_pool, v_pool)
+        extra = dict(block_table=table)
+    else:
+        args, extra = (q, k, v), {}
+    kw = dict(cache_seqlens=lens, device_plan=True, **extra)
+    out = torch.empty_like(q)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kvstream.decode(*args, out=out, return_lse=True, **kw)   # warm-up creates the decoder
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _, lse = kvstream.decode(*args, out=out, return_lse=True, **kw)
+    results = []
+    for i, new in enumerate(([1, 2, 3, 4, 5, 6], [8192, 0, 8191, 17, 4096, 2],
+                             [0, 0, 0, 0, 0, 8192], [5000] * 6)):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        if paged:   # the pages move too: a new shuffle into the same pools and table
+            kp2, vp2, t2 = to_pages(k, v, page_size, seed=11 + i)
+            k_pool.copy_(kp2)
+            v_pool.copy_(vp2)
+            table.copy_(t2)
+        g.replay()
+        eager, eager_lse = kvstream.decode(*args, return_lse=True, **kw)
+        torch.cuda.synchronize()
+        same = torch.equal(out, eager) and torch.equal(lse, eager_lse)
+        results.append(same)
+        assert same, f"replay with lengths {new} differs from the eager call"
+        check(q, k, v, lens, out, lse, 1 / d ** 0.5, f"device_plan graph q_len{q_len} "
+              f"paged={paged} lens={new}")
+    SUMMARY["checks"][f"device_plan_graph_replay_equals_eager q_len{q_len} paged={paged}"] = all(results)

@@ -1,0 +1,156 @@
+"""Times kvstream next to FlashAttention-3 on the serving rows that FA3 can run on the same data.
+
+* ``skew``: 32/8 heads, d 128, bf16, a paged cache (pages of 64 positions, shuffled) holding one
+  request of 1,048,576 positions and fifteen of 2,048. kvstream plans the split partition on
+  the device (``device_plan=True``); FA3 gets the same pool, ``page_table`` and
+  ``cache_seqlens`` (its own scheduler, ``num_splits=0``). The long request moves between the
+  two calls of every replay, so one captured graph sees two different length vectors.
+* ``mtp``: multi-token decode, 32/8 d128 L 32768 batch 8, q_len 1, 2, 4, 8 (causal among the new
+  tokens in both libraries).
+
+Method as bench/compare.py (bench/METHOD.md): CUDA graphs of every call over the pool's sets,
+warm-up, rounds in alternating order, median per call. Outputs of the two libraries are
+compared to each other (relative error of the whole output) next to every timing.
+Writes a JSON file in the results format (``--json``); the byte floor of each row comes from
+``kvstream bench --matrix bench/serving.json`` (same bytes), joined by id when given
+``--floors``.
+
+    python3 bench/serving_peers.py --json bench/results/serving-peers-latest.json \
+        --floors bench/results/kvstream-serving-latest.json
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare  # noqa: E402  (timer, graph capture and results helpers shared with compare.py)
+
+HQ, HKV, D = 32, 8, 128
+
+
+def skew_pool(torch, sets, long_len=1 << 20, short_len=2048, batch=16, page=64, seed=7):
+    """Pool pages, per-set tables and lengths: request s % batch is the long one in set s."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lens = [[long_len if b == s % batch else short_len for b in range(batch)] for s in range(sets)]
+    pages = sum(-(-n // page) for n in lens[0])
+    max_pages = -(-long_len // page)
+    k = torch.randn(sets, pages, page, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(sets, pages, page, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(sets, batch, 1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    tables = torch.zeros(sets, batch, max_pages, device="cuda", dtype=torch.int32)
+    for s in range(sets):
+        order = torch.randperm(pages, device="cuda", generator=g).to(torch.int32)
+        at = 0
+        for b, n in enumerate(lens[s]):
+            used = -(-n // page)
+            tables[s, b, :used] = order[at:at + used]
+            at += used
+    seqlens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    io = 2 * batch * HQ * D * 2 + 2 * sum(lens[0]) * HKV * D * 2
+    return dict(q=q, k=k, v=v, table=tables, seqlens=seqlens, io=io, lens=lens)
+
+
+def mtp_pool(torch, sets, q_len, batch=8, length=32768, seed=11):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k = torch.randn(sets, batch, length, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(sets, batch, length, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(sets, batch, q_len, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    seqlens = torch.full((sets, batch), length, device="cuda", dtype=torch.int32)
+    io = 2 * batch * q_len * HQ * D * 2 + 2 * batch * length * HKV * D * 2
+    return dict(q=q, k=k, v=v, table=None, seqlens=seqlens, io=io)
+
+
+def calls(kvstream, fa3, pool):
+    import torch
+
+    out = torch.empty_like(pool["q"])
+    table = pool["table"]
+
+    def kv(s):
+        return kvstream.decode(pool["q"][s], pool["k"][s], pool["v"][s],
+                               cache_seqlens=pool["seqlens"][s],
+                               block_table=None if table is None else table[s],
+                               device_plan=table is not None, out=out[s])
+
+    def fa(s):
+        return fa3(pool["q"][s], pool["k"][s], pool["v"][s], cache_seqlens=pool["seqlens"][s],
+                   page_table=None if table is None else table[s], causal=True, num_splits=0)
+
+    return {"kvstream": kv, "fa3": fa}
+
+
+def measure(row, pool, handles, rounds):
+    import torch
+
+    sets = pool["q"].shape[0]
+    graphs, outs, results = {}, {}, {}
+    for name, call in calls(*handles, pool).items():
+        try:
+            graph, o = compare.capture(call, sets)
+            graphs[name] = (graph, sets)
+            outs[name] = o
+        except Exception as e:  # a peer that cannot run the row is reported, not fatal
+            results[name] = {"error": compare.short_error(e)}
+    if graphs:
+        times = compare.time_graphs(graphs, rounds)
+        for name, t in times.items():
+            t = sorted(t)
+            med = t[len(t) // 2]
+            results[name] = {"us": med, "min_us": t[0], "gbps": pool["io"] / med / 1e3}
+    if "kvstream" in outs and "fa3" in outs:
+        a = torch.stack([x.float() for x in outs["kvstream"]])
+        b = torch.stack([x.float() for x in outs["fa3"]]).reshape(a.shape)
+        err = ((a - b).norm() / b.norm()).item()
+        results["kvstream"]["rel_err_vs_fa3"] = err
+        if not err < 2e-2:
+            results["kvstream"]["error"] = f"differs from FA3: rel err {err:.3e}"
+    row["results"] = results
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default="bench/results/serving-peers-latest.json")
+    ap.add_argument("--floors", help="kvstream bench results of bench/serving.json (floor_us)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--commit", default=os.environ.get("KVSTREAM_COMMIT", "unknown"))
+    args = ap.parse_args()
+    import torch
+    import kvstream
+    from fa3_fwd_interface import flash_attn_with_kvcache as fa3
+
+    floors = {}
+    if args.floors and os.path.exists(args.floors):
+        floors = {r["id"]: r.get("floor_us") for r in json.load(open(args.floors))["rows"]}
+    rows = []
+    specs = [("skew-b16-L2048-long1048576-p64", dict(batch=16, q_len=1, L=2048, long_len=1 << 20,
+                                                      page_size=64), lambda: skew_pool(torch, 2))]
+    for q_len in (1, 2, 4, 8):
+        specs.append((f"mtp-q{q_len}-b8-L32768", dict(batch=8, q_len=q_len, L=32768),
+                      lambda q_len=q_len: mtp_pool(torch, 2, q_len)))
+    for rid, shape, make in specs:
+        pool = make()
+        row = dict(id=rid, hq=HQ, hkv=HKV, d=D, dtype="bf16", io_bytes=pool["io"], **shape)
+        row["floor_us"] = floors.get(rid)
+        measure(row, pool, (kvstream, fa3), args.rounds)
+        res = row["results"]
+        k, f = res.get("kvstream", {}).get("us"), res.get("fa3", {}).get("us")
+        line = f"{rid:34s} kvstream {k if k is None else round(k, 2)} us, fa3 {f if f is None else round(f, 2)} us"
+        if k and f:
+            line += f", speedup {f / k:.2f}x"
+        if k and row["floor_us"]:
+            line += f", kvstream / floor {k / row['floor_us']:.3f}"
+        print(line, {n: r.get("error") for n, r in res.items() if r.get("error")} or "", flush=True)
+        rows.append(row)
+        del pool
+        torch.cuda.empty_cache()
+    doc = {"date": datetime.date.today().isoformat(), "commit": args.commit,
+           "gpu": torch.cuda.get_device_name(), "rows": rows}
+    compare.write_json(args.json, doc)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
