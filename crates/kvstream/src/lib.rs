@@ -1,14 +1,18 @@
 //! kvstream: decode attention for LLM inference on NVIDIA Hopper (sm_90a).
 //!
-//! One new query token per request attends to a long cached K/V. The kernels use the swap-AB
-//! formulation (S^T = K Q^T, O^T = V^T P^T: KV positions on the MMA M dimension, the query-head
-//! group on N), split the cache across CTAs to fill the GPU, and merge the splits with an FP32
-//! combine kernel chained by programmatic dependent launch. They are CUDA C++ with inline PTX,
-//! embedded here and compiled at first use by NVRTC to sm_90a CUBINs (cached on disk).
+//! One to eight new query tokens per request attend to a long cached K/V, contiguous or paged.
+//! The kernels use the swap-AB formulation (S^T = K Q^T, O^T = V^T P^T: KV positions on the MMA
+//! M dimension, the query rows of one KV head on N), split the cache across CTAs to fill the GPU,
+//! and merge the splits with an FP32 combine kernel chained by programmatic dependent launch or
+//! inside a thread-block cluster through distributed shared memory. Ragged batches can be
+//! partitioned on the device at every call (a planner kernel ahead of the decode). They are CUDA
+//! C++ with inline PTX, embedded here and compiled at first use by NVRTC to sm_90a CUBINs
+//! (cached on disk).
 //!
 //! Layers, top to bottom:
 //! - [`problem`]: shapes, dtype, strides; validation with errors that name the argument;
-//! - [`plan`]: split count, kernel variant, grid, workspace (every heuristic lives there);
+//! - [`plan`]: split count, reduction mode, kernel variant, grid, workspace (every heuristic
+//!   lives there, with the measurements behind it);
 //! - [`kernels`] and [`jit`]: the embedded sources, their variants, NVRTC and the disk cache;
 //! - [`launch`] and [`runtime`]: `cuLaunchKernelEx` with PDL / cluster attributes, loaded modules;
 //! - [`decode`]: the public operation, [`Decoder`];
