@@ -162,11 +162,13 @@ def parse_plan(plan):
         raise ValueError(f"no num_splits in plan {plan[:200]!r}")
     splits = int(m.group(1))
     pdl = re.findall(r"\bpdl:\s*(true|false)", plan)
-    # `pdl` is DecodePlan's last field: the last match is the plan's own.
+    # `pdl` and `reduction` are DecodePlan's last fields: the last matches are the plan's own.
     with_pdl = not pdl or pdl[-1] == "true"
+    reduction = re.findall(r"\breduction:\s*(Kernel|Cluster)", plan)
+    mode = "cluster" if reduction and reduction[-1] == "Cluster" else "kernel"
     if splits <= 1:
         return splits, "single"
-    return splits, "kernel+pdl" if with_pdl else "kernel"
+    return splits, f"{mode}+pdl" if with_pdl else mode
 
 
 def short_error(e):
