@@ -1,6 +1,11 @@
 //! `kvstream demo`: one decode on the GPU, checked against the f64 reference and timed the way
 //! the benchmark method prescribes (CUDA graph over a rotating pool of >= 512 MiB of KV, median
 //! of rounds). Without a GPU it says so and runs the CPU reference instead.
+//!
+//! The problem may have several new tokens per request (`q_len`: q, out and the LSE carry
+//! `batch * q_len * hq` rows, all checked) and a paged cache: the demo then scatters the
+//! contiguous caches it generates into page pools in a shuffled order and passes the block
+//! table. Every request has the full `max_len` tokens.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,7 +17,7 @@ use kvstream::reference::{
     RefShape, SplitMix64,
 };
 use kvstream::{
-    DType, DecodeProblem, DecodeTensors, Decoder, DeviceFacts, Element, Error, Runtime,
+    DType, DecodeProblem, DecodeTensors, Decoder, DeviceFacts, Element, Error, PagedKv, Runtime,
 };
 
 use crate::timing::{self, alloc, driver};
@@ -90,7 +95,73 @@ fn cpu_demo() -> kvstream::Result<()> {
 
 type RandomFn<T> = fn(&mut SplitMix64, usize, f32) -> (Vec<T>, Vec<f32>);
 
-fn gpu_demo<T: Element + Copy>(
+/// Paged copies of contiguous `[batch, max_len, hkv, d]` caches: pools
+/// `[num_pages, page_size, hkv, d]` and the block table `[batch, table_stride]`.
+struct PagedCopy<T> {
+    k: Vec<T>,
+    v: Vec<T>,
+    table: Vec<i32>,
+}
+
+/// Scatters the contiguous caches `k` and `v` of `p` into page pools of `pg`: every request
+/// gets its own pages, in a shuffled order across the pool; pages nobody owns and the rows past
+/// `max_len` in a request's last page are zero. Table entries past a request's last page name
+/// pages of other requests (never reached: every position is below `max_len`).
+fn page_caches<T: Copy + Default>(
+    rng: &mut SplitMix64,
+    p: &DecodeProblem,
+    pg: PagedKv,
+    k: &[T],
+    v: &[T],
+) -> kvstream::Result<PagedCopy<T>> {
+    let per_request = p.max_len.div_ceil(pg.page_size);
+    let needed = p.batch * per_request;
+    if pg.num_pages < needed {
+        return Err(Error::invalid(
+            "num_pages",
+            pg.num_pages,
+            format!(
+                "at least batch x ceil(len / page_size) = {needed} (the demo gives every request \
+                 its own pages)"
+            ),
+        ));
+    }
+    let per_token = p.hkv * p.head_dim;
+    let per_page = pg.page_size * per_token;
+    let mut order: Vec<usize> = (0..pg.num_pages).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let mut pools = (
+        vec![T::default(); pg.num_pages * per_page],
+        vec![T::default(); pg.num_pages * per_page],
+    );
+    let mut table = vec![0i32; p.batch * pg.table_stride];
+    for b in 0..p.batch {
+        for j in 0..pg.table_stride {
+            let page = if j < per_request {
+                let page = order[b * per_request + j];
+                let first = j * pg.page_size;
+                let rows = pg.page_size.min(p.max_len - first);
+                let src = (b * p.max_len + first) * per_token;
+                let (dst, n) = (page * per_page, rows * per_token);
+                pools.0[dst..dst + n].copy_from_slice(&k[src..src + n]);
+                pools.1[dst..dst + n].copy_from_slice(&v[src..src + n]);
+                page
+            } else {
+                order[rng.below(needed)]
+            };
+            table[b * pg.table_stride + j] = page as i32;
+        }
+    }
+    Ok(PagedCopy {
+        k: pools.0,
+        v: pools.1,
+        table,
+    })
+}
+
+fn gpu_demo<T: Element + Copy + Default>(
     rt: &Arc<Runtime>,
     problem: DecodeProblem,
     opts: kvstream::PlanOptions,
@@ -107,20 +178,46 @@ fn gpu_demo<T: Element + Copy>(
     let decoder = Decoder::new(rt, problem.clone(), opts)?;
     let setup = t.elapsed();
     let p = &problem;
-    let q_elems = p.batch * p.hq * p.head_dim;
-    let kv_elems = p.batch * p.max_len * p.hkv * p.head_dim;
+    let rows = p.batch * p.q_len * p.hq; // q, out: [batch, q_len, hq, d]; lse: [batch, q_len, hq]
+    let q_elems = rows * p.head_dim;
+    let cache_elems = p.batch * p.max_len * p.hkv * p.head_dim;
+    // one set's K (or V) on the device: the contiguous cache, or the page pool
+    let kv_elems = match p.paged {
+        Some(pg) => pg.num_pages * pg.page_size * p.hkv * p.head_dim,
+        None => cache_elems,
+    };
     let kv_set_bytes = 2 * kv_elems * p.dtype.size();
     let sets = timing::pool_sets(kv_set_bytes);
 
     let mut rng = SplitMix64::new(2024);
     let (q_h, q_f) = random(&mut rng, q_elems, 1.0);
-    let (k_h, k_f) = random(&mut rng, kv_elems, 1.0);
-    let (v_h, v_f) = random(&mut rng, kv_elems, 1.0);
+    let (k_h, k_f) = random(&mut rng, cache_elems, 1.0);
+    let (v_h, v_f) = random(&mut rng, cache_elems, 1.0);
+    // Paged: every set's pools hold the same pages at the same places, so one table serves all.
+    let paged = match p.paged {
+        Some(pg) => Some(page_caches(&mut rng, p, pg, &k_h, &v_h)?),
+        None => None,
+    };
+    let (k_up, v_up) = match &paged {
+        Some(pc) => (&pc.k, &pc.v),
+        None => (&k_h, &v_h),
+    };
     let mut q = alloc::<T>(&stream, sets * q_elems, "q")?;
     let mut k = alloc::<T>(&stream, sets * kv_elems, "k")?;
     let mut v = alloc::<T>(&stream, sets * kv_elems, "v")?;
     let mut out = alloc::<T>(&stream, sets * q_elems, "out")?;
-    let mut lse = alloc::<f32>(&stream, p.batch * p.hq, "lse")?;
+    let mut lse = alloc::<f32>(&stream, rows, "lse")?;
+    let table = match &paged {
+        Some(pc) => {
+            let mut t = alloc::<i32>(&stream, pc.table.len(), "block_table")?;
+            driver(
+                "uploading block_table",
+                stream.memcpy_htod(&pc.table, &mut t),
+            )?;
+            Some(t)
+        }
+        None => None,
+    };
     for s in 0..sets {
         driver(
             "uploading q",
@@ -128,11 +225,11 @@ fn gpu_demo<T: Element + Copy>(
         )?;
         driver(
             "uploading k",
-            stream.memcpy_htod(&k_h, &mut k.slice_mut(s * kv_elems..(s + 1) * kv_elems)),
+            stream.memcpy_htod(k_up, &mut k.slice_mut(s * kv_elems..(s + 1) * kv_elems)),
         )?;
         driver(
             "uploading v",
-            stream.memcpy_htod(&v_h, &mut v.slice_mut(s * kv_elems..(s + 1) * kv_elems)),
+            stream.memcpy_htod(v_up, &mut v.slice_mut(s * kv_elems..(s + 1) * kv_elems)),
         )?;
     }
     let elem = p.dtype.size() as u64;
@@ -140,6 +237,7 @@ fn gpu_demo<T: Element + Copy>(
     let (qb, kb, vb) = (base(&q), base(&k), base(&v));
     let ob = out.device_ptr_mut(&stream).0;
     let lse_ptr = lse.device_ptr_mut(&stream).0;
+    let table_ptr = table.as_ref().map(|t| t.device_ptr(&stream).0);
     let tensors = |s: usize, with_lse: bool| DecodeTensors {
         q: qb + (s * q_elems) as u64 * elem,
         k: kb + (s * kv_elems) as u64 * elem,
@@ -147,7 +245,7 @@ fn gpu_demo<T: Element + Copy>(
         out: ob + (s * q_elems) as u64 * elem,
         lse: with_lse.then_some(lse_ptr),
         seqlens: None,
-        block_table: None,
+        block_table: table_ptr,
     };
 
     // ---- check set 0 against the f64 reference ----
@@ -163,6 +261,8 @@ fn gpu_demo<T: Element + Copy>(
         &v_f,
         &vec![p.max_len; p.batch],
     );
+    // every row: batch x q_len x hq outputs of d values (relative_error insists on equal
+    // lengths) and as many LSEs
     let err = relative_error(&got, &reference.out);
     let lse_err = got_lse
         .iter()
@@ -179,19 +279,30 @@ fn gpu_demo<T: Element + Copy>(
     let io = p.io_bytes(p.batch * p.max_len) as f64;
 
     let pl = decoder.plan();
+    let layout = match p.paged {
+        Some(pg) => format!(
+            ", paged ({} pages of {}, table stride {}, shuffled)",
+            pg.num_pages, pg.page_size, pg.table_stride
+        ),
+        None => String::new(),
+    };
     println!(
-        "kvstream decode on {}: batch {}, {}/{} heads, d {}, L {}, {}",
+        "kvstream decode on {}: batch {}, q_len {}, {}/{} heads, d {}, L {}, {}{layout}",
         ctx.name().unwrap_or_default(),
         p.batch,
+        p.q_len,
         p.hq,
         p.hkv,
         p.head_dim,
         p.max_len,
         p.dtype.name()
     );
+    let splits = match pl.device_plan {
+        Some(dp) => format!("device-planned splits ({} CTAs aimed at)", dp.target),
+        None => format!("{} split(s)", pl.num_splits),
+    };
     println!(
-        "  plan: {} split(s), grid {:?}, {}, kernel {} ({} regs); setup {:.0} ms",
-        pl.num_splits,
+        "  plan: {splits}, grid {:?}, {}, kernel {} ({} regs); setup {:.0} ms",
         pl.grid,
         if pl.combine.is_some() {
             "decode + combine (PDL)"
@@ -202,15 +313,26 @@ fn gpu_demo<T: Element + Copy>(
         decoder.decode_registers(),
         setup.as_secs_f64() * 1e3
     );
-    println!("  check vs f64 reference: rel err {err:.2e} (limit {TOLERANCE:.0e}), max |lse err| {lse_err:.2e}");
+    println!("  check vs f64 reference ({rows} rows): rel err {err:.2e} (limit {TOLERANCE:.0e}), max |lse err| {lse_err:.2e}");
     if let Some((median, min, n)) = timing {
         println!(
             "  time: {median:.2} us median ({min:.2} us min) over {n} rounds of {sets} calls; {:.0} GB/s ({:.1} MB moved per call)",
             io / median / 1e3,
             io / 1e6
         );
+        // ids of plain single-token contiguous problems are unchanged
+        let mut variant = String::new();
+        if p.q_len != 1 {
+            variant += &format!("-q{}", p.q_len);
+        }
+        if let Some(pg) = p.paged {
+            variant += &format!("-p{}", pg.page_size);
+        }
+        if pl.device_plan.is_some() {
+            variant += "-dp";
+        }
         println!(
-            "RESULT id=b{}-h{}-{}-d{}-L{} us={median:.3} GBps={:.1} splits={} rel_err={err:.3e}",
+            "RESULT id=b{}-h{}-{}-d{}-L{}{variant} us={median:.3} GBps={:.1} splits={} rel_err={err:.3e}",
             p.batch,
             p.hq,
             p.hkv,
@@ -258,5 +380,64 @@ fn lse_distance(a: f64, b: f64) -> f64 {
         } else {
             d
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Gathering the pages back through the table gives the contiguous caches; every request
+    /// owns distinct pages; entries past a request's pages are valid page ids.
+    #[test]
+    fn paged_copy_round_trips() {
+        for (len, page_size, extra) in [(100, 16, 0), (64, 1, 3), (37, 64, 2), (512, 512, 0)] {
+            let p = DecodeProblem::new(3, 4, 2, 64, len, DType::Bf16)
+                .unwrap()
+                .with_q_len(2)
+                .unwrap();
+            let per_request = len.div_ceil(page_size);
+            let p = p
+                .with_paged(page_size, 3 * per_request + 5, Some(per_request + extra))
+                .unwrap();
+            let pg = p.paged.unwrap();
+            let per_token = p.hkv * p.head_dim;
+            let n = p.batch * len * per_token;
+            let k: Vec<u32> = (0..n as u32).map(|x| x + 1).collect();
+            let v: Vec<u32> = k.iter().map(|x| x * 3).collect();
+            let pc = page_caches(&mut SplitMix64::new(1), &p, pg, &k, &v).unwrap();
+            assert_eq!(pc.k.len(), pg.num_pages * page_size * per_token);
+            assert_eq!(pc.table.len(), p.batch * pg.table_stride);
+            let mut owned = std::collections::HashSet::new();
+            for b in 0..p.batch {
+                let row = &pc.table[b * pg.table_stride..(b + 1) * pg.table_stride];
+                for t in 0..len {
+                    let page = row[t / page_size] as usize;
+                    let at = (page * page_size + t % page_size) * per_token;
+                    let src = (b * len + t) * per_token;
+                    assert_eq!(pc.k[at..at + per_token], k[src..src + per_token]);
+                    assert_eq!(pc.v[at..at + per_token], v[src..src + per_token]);
+                }
+                for &page in &row[..per_request] {
+                    assert!(owned.insert(page), "page {page} owned twice");
+                }
+                assert!(row.iter().all(|&x| (x as usize) < pg.num_pages));
+            }
+        }
+    }
+
+    #[test]
+    fn paged_copy_needs_a_page_per_request_page() {
+        let p = DecodeProblem::new(2, 4, 2, 64, 64, DType::F16)
+            .unwrap()
+            .with_paged(16, 7, None)
+            .unwrap();
+        let n = 2 * 64 * 2 * 64;
+        let (k, v) = (vec![0u16; n], vec![0u16; n]);
+        let msg = page_caches(&mut SplitMix64::new(1), &p, p.paged.unwrap(), &k, &v)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(msg.contains("num_pages") && msg.contains("8"), "{msg}");
     }
 }

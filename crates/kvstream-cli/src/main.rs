@@ -56,24 +56,40 @@ pub struct ShapeArgs {
     /// Force the reduction mode of the splits: kernel or cluster (default: chosen by the plan).
     #[arg(long)]
     pub reduction: Option<String>,
+    /// New query tokens per request (1..=8): multi-token decode.
+    #[arg(long, default_value_t = 1)]
+    pub q_len: usize,
+    /// Paged KV cache with this page size (1, 2, 4, ..., 512); the pools hold every request's
+    /// pages plus a few spare ones.
+    #[arg(long)]
+    pub page_size: Option<usize>,
+    /// Plan the split partition on the device at each call (kernel reduction, no --splits).
+    #[arg(long)]
+    pub device_plan: bool,
 }
 
 impl ShapeArgs {
     /// The validated problem and plan options.
     pub fn problem(&self) -> kvstream::Result<(DecodeProblem, PlanOptions)> {
         let dtype: DType = self.dtype.parse()?;
-        let p = DecodeProblem::new(
+        let mut p = DecodeProblem::new(
             self.batch,
             self.hq,
             self.hkv,
             self.head_dim,
             self.len,
             dtype,
-        )?;
+        )?
+        .with_q_len(self.q_len)?;
+        if let Some(page) = self.page_size {
+            let pages = self.batch * self.len.div_ceil(page.max(1)) + 3;
+            p = p.with_paged(page, pages, None)?;
+        }
         let opts = PlanOptions {
             num_splits: self.splits,
             consumer_groups: self.consumer_groups,
             reduction: self.reduction.as_deref().map(str::parse).transpose()?,
+            device_plan: self.device_plan,
             ..Default::default()
         };
         Ok((p, opts))

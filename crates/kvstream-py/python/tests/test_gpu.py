@@ -16,8 +16,6 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device visible to torch", allow_module_level=True)
 
-import torch.nn.functional as F  # noqa: E402
-
 import kvstream  # noqa: E402
 
 TOL = 1e-2
