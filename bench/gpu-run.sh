@@ -23,6 +23,8 @@ if want demo; then
   run $B demo --batch 3 --hq 12 --hkv 2 --len 65 --splits 1
   run $B demo --batch 2 --hq 10 --hkv 2 --head-dim 64 --len 4097 --dtype bf16
   run $B demo --batch 128 --hq 32 --hkv 8 --len 4096
+  run $B demo --batch 8 --hq 32 --hkv 8 --len 32768 --q-len 4 --page-size 16
+  run $B demo --batch 16 --hq 32 --hkv 8 --len 8192 --device-plan --page-size 64
 fi
 if want sanitize; then
   for tool in memcheck racecheck synccheck; do
