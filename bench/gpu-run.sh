@@ -64,7 +64,7 @@ if want pytests; then
     python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests 2>&1 | tail -8
 fi
 if want bench; then
-  timeout 400 $B bench ${BENCH_ARGS:---modes} --json bench/results/kvstream-bench-latest.json \
+  timeout 300 $B bench ${BENCH_ARGS:---modes} --json bench/results/kvstream-bench-latest.json \
     --plots bench/results 2>&1 | tee $O/kvstream-bench.txt | tail -70
   tar czf $O/bench-results.tar.gz bench/results/kvstream-bench-latest.json bench/results/*.svg bench/results/*.png 2>/dev/null
 fi
@@ -77,10 +77,10 @@ if want compare; then
 fi
 if want serving; then
   # serving rows (skew under one graph with the device plan, paged vs contiguous, multi-token)
-  timeout 400 $B bench --matrix bench/serving.json ${SERVING_ARGS:-} --no-plots \
+  timeout 200 $B bench --matrix bench/serving.json ${SERVING_ARGS:-} --no-plots \
     --json bench/results/kvstream-serving-latest.json 2>&1 | tee $O/kvstream-serving.txt | tail -40
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
-  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout 300 \
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout 150 \
     python3 bench/serving_peers.py --json bench/results/serving-peers-latest.json \
     --floors bench/results/kvstream-serving-latest.json --commit "${COMMIT:-unknown}" 2>&1 | tee $O/serving-peers.txt | tail -20
   tar czf $O/serving-results.tar.gz bench/results/kvstream-serving-latest.json bench/results/serving-peers-latest.json 2>/dev/null

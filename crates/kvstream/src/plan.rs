@@ -81,6 +81,10 @@ pub const MIN_TILES_PER_SPLIT: usize = 1;
 /// Streaming CTAs per SM the heuristic aims for (as a fraction: numerator / denominator); half
 /// the SMs saturate HBM on the H200.
 pub const TARGET_CTAS_PER_SM: (usize, usize) = (1, 2);
+/// Streaming CTAs per SM for multi-token decode: q_len x group query rows per CTA multiply the
+/// MMA and softmax work per byte (q_len 4 at 32/8 heads: one CTA per (request, KV head) pulled
+/// 27 GB/s where single-token CTAs pull 55-70), so these aim for a full wave.
+pub const MULTI_TOKEN_CTAS_PER_SM: usize = 1;
 /// Most splits per (request, KV head): bounds the workspace and the combine's loop.
 pub const MAX_SPLITS: usize = 128;
 
@@ -305,7 +309,11 @@ impl DeviceFacts {
 pub fn heuristic_splits(problem: &DecodeProblem, device: DeviceFacts) -> usize {
     let column_blocks = DecodeVariant::for_problem(problem).column_blocks(problem);
     let ctas = problem.batch * problem.hkv * column_blocks;
-    let target = device.sm_count * TARGET_CTAS_PER_SM.0 / TARGET_CTAS_PER_SM.1;
+    let target = if problem.q_len > 1 {
+        device.sm_count * MULTI_TOKEN_CTAS_PER_SM
+    } else {
+        device.sm_count * TARGET_CTAS_PER_SM.0 / TARGET_CTAS_PER_SM.1
+    };
     let fill = (target / ctas).max(1);
     let tiles = problem.max_len.div_ceil(tile_tokens(problem.head_dim));
     let longest_useful = (tiles / MIN_TILES_PER_SPLIT).max(1);
