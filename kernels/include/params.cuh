@@ -52,6 +52,7 @@ struct alignas(128) DecodeParams {
     int plan_target;        // CTAs the device plan aims for
     int plan_tile;          // positions per tile (the decode kernel's TILE_TOKENS)
     int block_cols;         // columns per decode CTA (8 x n8 tiles): partial slots hold this many
+    int plan_slots;         // FP32 partial slots in the workspace (device plan)
 };
 
 static_assert(sizeof(DecodeParams) == 640, "DecodeParams must match params.rs");

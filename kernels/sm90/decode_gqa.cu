@@ -114,7 +114,12 @@ struct SharedPlan {
     static constexpr int recv_m = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;
     static constexpr int recv_l = recv_m + 4 * MAX_CLUSTER_CTAS * GROUP_PAD;
     static constexpr int recv_o = recv_l + 4 * MAX_CLUSTER_CTAS * GROUP_PAD;
-    static constexpr int bytes = recv_o + 4 * GROUP_PAD * HEAD_DIM;
+    // per-column tables (Columns)
+    static constexpr int col_q = recv_o + 4 * GROUP_PAD * HEAD_DIM;
+    static constexpr int col_out = col_q + 8 * GROUP_PAD;
+    static constexpr int col_row = col_out + 8 * GROUP_PAD;
+    static constexpr int col_visible = col_row + 8 * GROUP_PAD;
+    static constexpr int bytes = col_visible + 4 * GROUP_PAD;
 };
 
 static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
@@ -135,31 +140,40 @@ __device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk) {
 // Column c of a CTA is query row (token i, head h) of its KV head with
 // cb * GROUP_PAD + c = i * group + h (token-major), cb = the CTA's column block.
 struct Columns {
-    int first;  // KV-head-local column index of the CTA's column 0
     int count;  // valid columns in this CTA (<= GROUP_PAD)
-    int batch, kv_head;
+    // Per column, worked out once per CTA (runtime divisions by the group size are too slow to
+    // repeat per element): element offsets of its Q and output rows, its output row index
+    // (LSE and split partials) and how many cache positions it may see.
+    const long long* q_off;
+    const long long* out_off;
+    const long long* out_row;
+    const int* visible_len;
 
-    __device__ __forceinline__ int token(const DecodeParams& p, int c) const { return (first + c) / p.group; }
-    __device__ __forceinline__ int head(const DecodeParams& p, int c) const {
-        return kv_head * p.group + (first + c) % p.group;
-    }
-    // Output row (b * q_len + i) * hq + h: index of LSE and of the split partials.
-    __device__ __forceinline__ long long row(const DecodeParams& p, int c) const {
-        return ((long long)batch * p.q_len + token(p, c)) * p.hq + head(p, c);
-    }
+    __device__ __forceinline__ long long row(int c) const { return out_row[c]; }
     __device__ __forceinline__ u16* out(const DecodeParams& p, int c) const {
-        return reinterpret_cast<u16*>(p.out) + batch * p.o_batch_stride + token(p, c) * p.o_token_stride +
-               head(p, c) * p.o_head_stride;
+        return reinterpret_cast<u16*>(p.out) + out_off[c];
     }
     __device__ __forceinline__ const u16* q(const DecodeParams& p, int c) const {
-        return reinterpret_cast<const u16*>(p.q) + batch * p.q_batch_stride + token(p, c) * p.q_token_stride +
-               head(p, c) * p.q_head_stride;
+        return reinterpret_cast<const u16*>(p.q) + q_off[c];
     }
     // Cache positions column c may see: [0, len - q_len + token] (causal among the new tokens).
-    __device__ __forceinline__ int visible(const DecodeParams& p, int c, int len) const {
-        return len - p.q_len + 1 + token(p, c);
-    }
+    __device__ __forceinline__ int visible(int c) const { return visible_len[c]; }
 };
+
+// Fills the column tables of `Columns` (threads 0 .. GROUP_PAD - 1; the caller synchronises).
+// CTA column c is KV-head row first + c = token * group + h.
+__device__ __forceinline__ void fill_columns(const DecodeParams& p, int first, int count, int batch,
+                                             int kv_head, int len, long long* q_off, long long* out_off,
+                                             long long* out_row, int* visible_len) {
+    const int c = threadIdx.x;
+    if (c >= GROUP_PAD) return;
+    const int token = c < count ? (first + c) / p.group : 0;
+    const int head = kv_head * p.group + (c < count ? (first + c) % p.group : 0);
+    q_off[c] = batch * p.q_batch_stride + token * p.q_token_stride + head * p.q_head_stride;
+    out_off[c] = batch * p.o_batch_stride + token * p.o_token_stride + head * p.o_head_stride;
+    out_row[c] = ((long long)batch * p.q_len + token) * p.hq + head;
+    visible_len[c] = len - p.q_len + 1 + token;
+}
 
 // ================================ work item ================================================
 // What this CTA computes: from the grid (static plan) or from the device planner's table
@@ -244,7 +258,7 @@ __device__ __forceinline__ void cluster_merge_slice(const DecodeParams& p, const
         const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
         *reinterpret_cast<u32*>(cols.out(p, g) + c.rank * c.slice + e) = pack_half2<IS_F16>(o0 * inv, o1 * inv);
         if (p.lse && c.rank == 0 && e == 0) {
-            p.lse[cols.row(p, g)] =
+            p.lse[cols.row(g)] =
                 l_sum > 0.f ? (m_max + __log2f(l_sum)) * 0.69314718055994531f : neg_inf();
         }
     }
@@ -302,12 +316,18 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     const int num_tiles = range.end > range.begin
                               ? (range.end - range.begin + TILE_TOKENS - 1) / TILE_TOKENS
                               : 0;
-    const Columns cols = {item.col_block * GROUP_PAD, min(GROUP_PAD, p.cols - item.col_block * GROUP_PAD),
-                          batch, kv_head};
+    long long* col_q = reinterpret_cast<long long*>(smem + SharedPlan::col_q);
+    long long* col_out = reinterpret_cast<long long*>(smem + SharedPlan::col_out);
+    long long* col_row = reinterpret_cast<long long*>(smem + SharedPlan::col_row);
+    int* col_visible = reinterpret_cast<int*>(smem + SharedPlan::col_visible);
+    const int first_col = item.col_block * GROUP_PAD;
+    const Columns cols = {min(GROUP_PAD, p.cols - first_col), col_q, col_out, col_row, col_visible};
+    fill_columns(p, first_col, cols.count, batch, kv_head, len, col_q, col_out, col_row, col_visible);
+    __syncthreads();
     // FP32 partials of column g: static plan [split][output row], device plan [slot][column].
     const long long partial_base =
         p.work ? item.slot * GROUP_PAD : split * ((long long)p.batch * p.q_len * p.hq);
-    auto partial_row = [&](int g) { return partial_base + (p.work ? (long long)g : cols.row(p, g)); };
+    auto partial_row = [&](int g) { return partial_base + (p.work ? (long long)g : cols.row(g)); };
 
     if (num_tiles == 0) {
         // ---------------- empty split: publish neutral statistics and leave ----------------
@@ -334,7 +354,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                 cols.out(p, i / HEAD_DIM)[i % HEAD_DIM] = 0;
             }
             if (p.lse) {
-                for (int g = threadIdx.x; g < cols.count; g += THREADS) p.lse[cols.row(p, g)] = neg_inf();
+                for (int g = threadIdx.x; g < cols.count; g += THREADS) p.lse[cols.row(g)] = neg_inf();
             }
         }
         pdl_release_dependents();
@@ -447,7 +467,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const int c = nt * 8 + 2 * (lane % 4) + j;
-            limit[nt][j] = c < cols.count ? min(range.end, cols.visible(p, c, len)) : range.end;
+            limit[nt][j] = c < cols.count ? min(range.end, cols.visible(c)) : range.end;
         }
 
     // ldmatrix lane addressing (see ptx.cuh): K as row-major A, V^T via .trans, Q as col B.
@@ -616,7 +636,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             const float inv = l_cta > 0.f ? 1.f / l_cta : 0.f;
             *reinterpret_cast<u32*>(cols.out(p, g) + d) = pack_half2<IS_F16>(o0 * inv, o1 * inv);
             if (p.lse && d == 0) {
-                p.lse[cols.row(p, g)] =
+                p.lse[cols.row(g)] =
                     l_cta > 0.f ? (m_cta + __log2f(l_cta)) * 0.69314718055994531f : neg_inf();
             }
         } else if (in_cluster) {

@@ -3,15 +3,20 @@
 // problem's maxima (and captured into a CUDA graph) stays balanced whatever the lengths are.
 //
 // Units are (request b, KV head, column block); a unit of request b streams
-// tiles_b = ceil(len_b / TILE) tiles. With T the total over all units and `target` the CTAs the
-// plan aims for (p.plan_target), every split streams at most C = ceil(T / target) tiles:
-//   n_b = clamp(ceil(tiles_b / C), 1, MAX_SPLITS)     splits of every unit of request b
-// so a long request gets many splits and a short one a single CTA. Items (one decode CTA each)
+// tiles_b = ceil(len_b / TILE) tiles. With T the total over all units and P = p.plan_target the
+// CTAs that stream at once, the fair share is C0 = ceil(T / P) tiles. Units of at most C0 tiles
+// ("short") take one CTA each; together they need about S = ceil(T_short / C0) CTA slots, which
+// they share as they finish one after another. The long units split the remaining P - S slots:
+//   C = ceil(T_long / (P - S)),   n_b = clamp(ceil(tiles_b / C), 1, MAX_SPLITS)
+// so the long splits fill one wave instead of spilling a few CTAs into a second one (one
+// request of 2^20 positions and fifteen of 2048 at 32/8 heads: 128 long CTAs + 120 short ones on
+// 132 SMs, not 136 + 120). Items (one decode CTA each)
 // are numbered request-major: item k = (b, j), j = unit * n_b + split, and CTAs past the last
 // item find b = -1 and leave at once. Requests with n_b > 1 also get FP32 partial slots, one per
 // item, numbered the same way (slot = slot_base_b + j); the combine merges them.
 //   items <= target + batch * units   (each request rounds up by less than one split per unit)
-//   slots <= 2 * target               (a split request has tiles_b > C, so n_b < 2 tiles_b / C)
+//   slots <= p.plan_slots             (the host's capacity; a request that would overflow it runs
+//                                      unsplit: slower, never wrong)
 // Both bounds are what the host sizes the grid and the workspace with.
 //
 // Writes (every entry, every call: nothing is zeroed beforehand):
@@ -24,7 +29,7 @@
 #include "params.cuh"
 
 namespace kvs {
-constexpr int THREADS = 1024;
+constexpr int THREADS = 512;
 constexpr int WARPS = THREADS / 32;
 constexpr int MAX_SPLITS = KVS_MAX_SPLITS;
 
@@ -74,7 +79,22 @@ kvs_plan_work(const __grid_constant__ DecodeParams p) {
         total_tiles += chunk;
     }
     total_tiles *= units;
-    const long long per_split = max(1ll, (total_tiles + p.plan_target - 1) / p.plan_target);
+    const long long fair = max(1ll, (total_tiles + p.plan_target - 1) / p.plan_target);
+
+    // ---- tiles of the short units, and the split length of the long ones ----
+    long long short_tiles = 0;
+    for (int b0 = 0; b0 < p.batch; b0 += THREADS) {
+        const int b = b0 + threadIdx.x;
+        const long long tiles = b < p.batch ? (request_len(p, b) + p.plan_tile - 1) / p.plan_tile : 0;
+        long long chunk;
+        block_exclusive_scan(tiles <= fair ? tiles : 0, warp_sums, chunk);
+        short_tiles += chunk;
+    }
+    short_tiles *= units;
+    const long long short_slots = (short_tiles + fair - 1) / fair;
+    const long long long_slots = max(1ll, p.plan_target - short_slots);
+    const long long per_split =
+        max(1ll, (total_tiles - short_tiles + long_slots - 1) / long_slots);
 
     // ---- splits per request, items and slots, request-major ----
     long long item_carry = 0, slot_carry = 0;
@@ -83,13 +103,20 @@ kvs_plan_work(const __grid_constant__ DecodeParams p) {
         int splits = 1;
         if (b < p.batch) {
             const long long tiles = (request_len(p, b) + p.plan_tile - 1) / p.plan_tile;
-            splits = (int)min((long long)MAX_SPLITS, max(1ll, (tiles + per_split - 1) / per_split));
+            if (tiles > fair)
+                splits = (int)min((long long)MAX_SPLITS, max(1ll, (tiles + per_split - 1) / per_split));
         }
+        long long slots_chunk;
+        long long slots = splits > 1 ? splits * units : 0;
+        long long slot_base = slot_carry + block_exclusive_scan(slots, warp_sums, slots_chunk);
+        if (slot_base + slots > p.plan_slots) {  // out of partial slots: this request runs unsplit
+            splits = 1;
+            slots = 0;
+        }
+        slot_base = slot_carry + block_exclusive_scan(slots, warp_sums, slots_chunk);
         const long long items = b < p.batch ? splits * units : 0;
-        const long long slots = splits > 1 ? items : 0;
-        long long items_chunk, slots_chunk;
+        long long items_chunk;
         const long long item_base = item_carry + block_exclusive_scan(items, warp_sums, items_chunk);
-        const long long slot_base = slot_carry + block_exclusive_scan(slots, warp_sums, slots_chunk);
         if (b < p.batch) {
             p.request_plan[2 * b] = splits;
             p.request_plan[2 * b + 1] = (int)slot_base;

@@ -292,6 +292,7 @@ impl Decoder {
             plan_target: self.plan.device_plan.map_or(0, |d| d.target as i32),
             plan_tile: self.plan.decode.tile_tokens as i32,
             block_cols: (self.plan.decode.n_tiles * 8) as i32,
+            plan_slots: self.plan.device_plan.map_or(0, |d| d.slots as i32),
         };
         if let Some(planner) = &self.planner {
             let cfg = LaunchConfig {

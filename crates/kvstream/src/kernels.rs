@@ -98,7 +98,9 @@ impl DecodeVariant {
         let stats = 2 * 4 * (4 * self.consumer_groups) * self.n_tiles * 8;
         // what cluster peers push (m, l per rank and head; O of this CTA's head-dim slice)
         let cluster_inbox = 4 * self.n_tiles * 8 * (2 * plan::MAX_CLUSTER_SPLITS + self.head_dim);
-        1024 + ring_region + q + barriers + stats + cluster_inbox
+        // per-column tables: Q and output offsets, output row (8 bytes each), visible length
+        let columns = 28 * self.n_tiles * 8;
+        1024 + ring_region + q + barriers + stats + cluster_inbox + columns
     }
 
     /// TMA box of one K or V load: 64 head dims x `tile_tokens` positions.
@@ -180,7 +182,7 @@ pub struct PlanWorkVariant;
 
 impl PlanWorkVariant {
     /// Threads of its one CTA.
-    pub const THREADS: u32 = 1024;
+    pub const THREADS: u32 = 512;
 }
 
 impl Variant for PlanWorkVariant {

@@ -55,6 +55,7 @@ pub struct DecodeParams {
     pub plan_target: i32,
     pub plan_tile: i32,
     pub block_cols: i32,
+    pub plan_slots: i32,
 }
 
 // Same number as the static_assert in params.cuh.

@@ -262,6 +262,8 @@ pub struct DevicePlan {
     /// Decode CTAs launched: `target + batch * units`, enough for any lengths (CTAs without
     /// work leave at once).
     pub grid: usize,
+    /// FP32 partial slots in the workspace (a request that would need more runs unsplit).
+    pub slots: usize,
 }
 
 /// Streaming CTAs per SM the device plan aims for. Unlike the batch-1 host heuristic (half the
@@ -464,7 +466,9 @@ fn plan_on_device(
         ));
     }
     let block_cols = decode.n_tiles * 8;
-    let slots = 2 * target;
+    // split requests need about target + their units slots; 3 x target covers every batch the
+    // planner splits (it falls back to one split per unit beyond this)
+    let slots = 3 * target;
     Ok(DecodePlan {
         decode,
         combine: Some(CombineVariant {
@@ -473,7 +477,11 @@ fn plan_on_device(
         }),
         num_splits: MAX_SPLITS,
         grid: [grid as u32, 1, 1],
-        device_plan: Some(DevicePlan { target, grid }),
+        device_plan: Some(DevicePlan {
+            target,
+            grid,
+            slots,
+        }),
         workspace: WorkspaceLayout {
             o_partial: slots * block_cols * problem.head_dim,
             stats: slots * block_cols,
@@ -640,8 +648,9 @@ mod tests {
         assert_eq!(dp.grid, 132 + 16 * 8);
         assert_eq!(pl.grid, [dp.grid as u32, 1, 1]);
         assert!(pl.combine.is_some());
-        // 2 x target slots of 8 columns (one n8 tile: group 4)
-        assert_eq!(pl.workspace.stats, 2 * 132 * 8);
+        // 3 x target slots of 8 columns (one n8 tile: group 4)
+        assert_eq!(pl.workspace.stats, 3 * 132 * 8);
+        assert_eq!(dp.slots, 3 * 132);
         assert_eq!(pl.workspace.work, 2 * dp.grid);
         let o = pl.workspace.offsets();
         assert!(o.m_partial < o.l_partial && o.l_partial < o.work && o.work < o.request_plan);
