@@ -365,26 +365,7 @@ pub fn plan(
     let reduction = options
         .reduction
         .unwrap_or_else(|| auto_reduction(num_splits, tiles_per_split));
-    let mut decode = DecodeVariant::for_problem(problem);
-    decode.consumer_groups = match options.consumer_groups {
-        Some(g) if DecodeVariant::groups_fit(decode.n_tiles, g) => g,
-        Some(g) => {
-            return Err(Error::invalid(
-                "consumer_groups",
-                format!(
-                    "{g} with {} query rows per KV head (q_len x group)",
-                    problem.columns()
-                ),
-                "1, or 2 when there are at most 16 query rows per KV head",
-            ))
-        }
-        None => consumer_groups(decode.n_tiles, tiles_per_split),
-    };
-    decode.stages = match options.stages {
-        None => STAGES,
-        Some(s) if SUPPORTED_STAGES.contains(&s) => s,
-        Some(s) => return Err(Error::invalid("stages", s, format!("{SUPPORTED_STAGES:?}"))),
-    };
+    let decode = decode_variant(problem, options, tiles_per_split)?;
     let combine = (num_splits > 1 && reduction == Reduction::Kernel).then_some(CombineVariant {
         dtype: problem.dtype,
         head_dim: problem.head_dim,
@@ -415,6 +396,36 @@ pub fn plan(
     })
 }
 
+/// The decode kernel variant for `problem`: forced or chosen consumer groups (for splits of
+/// `tiles_per_split` tiles) and ring depth.
+fn decode_variant(
+    problem: &DecodeProblem,
+    options: PlanOptions,
+    tiles_per_split: usize,
+) -> Result<DecodeVariant> {
+    let mut decode = DecodeVariant::for_problem(problem);
+    decode.consumer_groups = match options.consumer_groups {
+        Some(g) if DecodeVariant::groups_fit(decode.n_tiles, g) => g,
+        Some(g) => {
+            return Err(Error::invalid(
+                "consumer_groups",
+                format!(
+                    "{g} with {} query rows per KV head (q_len x group)",
+                    problem.columns()
+                ),
+                "1, or 2 when there are at most 16 query rows per KV head",
+            ))
+        }
+        None => consumer_groups(decode.n_tiles, tiles_per_split),
+    };
+    decode.stages = match options.stages {
+        None => STAGES,
+        Some(s) if SUPPORTED_STAGES.contains(&s) => s,
+        Some(s) => return Err(Error::invalid("stages", s, format!("{SUPPORTED_STAGES:?}"))),
+    };
+    Ok(decode)
+}
+
 /// The plan of a device-planned problem: kernel reduction, a one-dimensional grid sized from the
 /// maxima, slots for the worst case (see `plan_work.cu`).
 fn plan_on_device(
@@ -437,24 +448,8 @@ fn plan_on_device(
             "none: the device plan chooses each request's splits from its length",
         ));
     }
-    let mut decode = DecodeVariant::for_problem(problem);
-    decode.consumer_groups = match options.consumer_groups {
-        Some(g) if DecodeVariant::groups_fit(decode.n_tiles, g) => g,
-        Some(g) => {
-            return Err(Error::invalid(
-                "consumer_groups",
-                g,
-                "1, or 2 with at most 16 query rows per KV head",
-            ))
-        }
-        // device-planned splits are long (total work / SMs) unless the batch is tiny
-        None => consumer_groups(decode.n_tiles, 2),
-    };
-    decode.stages = match options.stages {
-        None => STAGES,
-        Some(s) if SUPPORTED_STAGES.contains(&s) => s,
-        Some(s) => return Err(Error::invalid("stages", s, format!("{SUPPORTED_STAGES:?}"))),
-    };
+    // device-planned splits are long (total work / SMs) unless the batch is tiny
+    let decode = decode_variant(problem, options, 2)?;
     let units = problem.hkv * decode.column_blocks(problem);
     let target = device.sm_count * DEVICE_PLAN_CTAS_PER_SM;
     let grid = target + problem.batch * units;
