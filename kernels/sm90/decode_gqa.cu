@@ -49,6 +49,9 @@
 //   KVS_TILE_TOKENS  KV positions per ring stage (multiple of 16 * 4)
 //   KVS_STAGES       ring depth
 //   KVS_CONSUMER_GROUPS  1 or 2 groups of four consumer warps
+//   KVS_PAGED        0: contiguous cache (lane 0 streams whole tiles); 1: paged cache (the
+//                    producer lanes stream page runs); separate variants keep the common
+//                    contiguous kernel as small as it was before paging existed
 #include "ptx.cuh"
 #include "params.cuh"
 
@@ -61,6 +64,7 @@ constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
 constexpr int STAGES = KVS_STAGES;
 
 constexpr int CONSUMER_GROUPS = KVS_CONSUMER_GROUPS;
+constexpr bool PAGED = KVS_PAGED;
 constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
@@ -167,8 +171,10 @@ __device__ __forceinline__ void fill_columns(const DecodeParams& p, int first, i
                                              long long* out_row, int* visible_len) {
     const int c = threadIdx.x;
     if (c >= GROUP_PAD) return;
-    const int token = c < count ? (first + c) / p.group : 0;
-    const int head = kv_head * p.group + (c < count ? (first + c) % p.group : 0);
+    // single-token decode (the common case) needs no division: column c is head c of the group
+    const int row = c < count ? first + c : 0;
+    const int token = p.q_len == 1 ? 0 : row / p.group;
+    const int head = kv_head * p.group + (p.q_len == 1 ? row : row % p.group);
     q_off[c] = batch * p.q_batch_stride + token * p.q_token_stride + head * p.q_head_stride;
     out_off[c] = batch * p.o_batch_stride + token * p.o_token_stride + head * p.o_head_stride;
     out_row[c] = ((long long)batch * p.q_len + token) * p.hq + head;
@@ -185,6 +191,7 @@ struct WorkItem {
 
 __device__ __forceinline__ WorkItem work_item(const DecodeParams& p) {
     if (!p.work) {
+        if (p.col_blocks == 1) return {(int)blockIdx.z, (int)blockIdx.y, 0, (int)blockIdx.x, p.num_splits, 0};
         return {(int)blockIdx.z, (int)blockIdx.y / p.col_blocks, (int)blockIdx.y % p.col_blocks,
                 (int)blockIdx.x, p.num_splits, 0};
     }
@@ -260,6 +267,82 @@ __device__ __forceinline__ void cluster_merge_slice(const DecodeParams& p, const
         if (p.lse && c.rank == 0 && e == 0) {
             p.lse[cols.row(g)] =
                 l_sum > 0.f ? (m_max + __log2f(l_sum)) * 0.69314718055994531f : neg_inf();
+        }
+    }
+}
+
+// ================================ producer ================================================
+// Ring protocol as in the header comment: per tile, wait for the stage to be free (from the
+// second lap), then K boxes on the stage's K barrier and V boxes on its V barrier. Positions past
+// the request's length are loaded too (zeros past max_len or from page id -1, whatever the cache
+// holds otherwise); the consumers mask them.
+struct ProducerRing {
+    unsigned char* ring;
+    u64* k_full;
+    u64* v_full;
+    u64* empty;
+    u64 policy;
+};
+
+// Contiguous cache: one lane, one box per 64 head dims per tile.
+__device__ __forceinline__ void produce_contiguous(const DecodeParams& p, const ProducerRing& r,
+                                                   SplitRange range, int num_tiles, int batch,
+                                                   int kv_head) {
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        const int stage = tile % STAGES;
+        if (tile >= STAGES) mbarrier_wait(&r.empty[stage], ((tile / STAGES) - 1) & 1);
+        unsigned char* k_dst = r.ring + stage * STAGE_BYTES;
+        unsigned char* v_dst = k_dst + TILE_BYTES;
+        const int tile_begin = range.begin + tile * TILE_TOKENS;
+        mbarrier_arrive_expect_tx(&r.k_full[stage], TILE_TX_BYTES);
+#pragma unroll
+        for (int box = 0; box < BOXES; ++box)
+            tma_load_4d(k_dst + box * BOX_BYTES, &p.k_map, box * 64, kv_head, tile_begin, batch,
+                        &r.k_full[stage], r.policy);
+        mbarrier_arrive_expect_tx(&r.v_full[stage], TILE_TX_BYTES);
+#pragma unroll
+        for (int box = 0; box < BOXES; ++box)
+            tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * 64, kv_head, tile_begin, batch,
+                        &r.v_full[stage], r.policy);
+    }
+}
+
+// Paged cache: a tile is `boxes` page runs of `run` positions (whole pages, or a tile-sized
+// piece of a larger page); lane i loads runs i, i + 32, ... with the page ids it read from the
+// block table before waiting for the stage, so the table's latency hides behind the wait.
+__device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
+                                              SplitRange range, int num_tiles, int batch, int kv_head,
+                                              int lane) {
+    const int run = min(p.page_size, TILE_TOKENS);
+    const int boxes = TILE_TOKENS / run;
+    const int* table = p.block_table + (long long)batch * p.table_stride;
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        const int stage = tile % STAGES;
+        const int tile_begin = range.begin + tile * TILE_TOKENS;
+        int page[RUNS_PER_LANE];
+#pragma unroll
+        for (int i = 0; i < RUNS_PER_LANE; ++i) {
+            const int t = tile_begin + (lane + 32 * i) * run;
+            page[i] = lane + 32 * i < boxes && t < range.end ? table[t / p.page_size] : -1;
+        }
+        if (tile >= STAGES) mbarrier_wait(&r.empty[stage], ((tile / STAGES) - 1) & 1);
+        unsigned char* dst[2] = {r.ring + stage * STAGE_BYTES, r.ring + stage * STAGE_BYTES + TILE_BYTES};
+        const TensorMap* map[2] = {&p.k_map, &p.v_map};
+        u64* bar[2] = {&r.k_full[stage], &r.v_full[stage]};
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {  // K, then V
+            if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_TX_BYTES);
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < RUNS_PER_LANE; ++i) {
+                const int rr = lane + 32 * i;
+                if (rr >= boxes) break;
+                const int in_page = (tile_begin + rr * run) % p.page_size;
+#pragma unroll
+                for (int box = 0; box < BOXES; ++box)
+                    tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * 64, kv_head,
+                                in_page, page[i], bar[kv], r.policy);
+            }
         }
     }
 }
@@ -363,58 +446,15 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     if (warp == PRODUCER_WARP) {
         // =============================== producer warp ===================================
-        // Contiguous cache: lane 0 loads each tile as one box per 64 head dims. Paged cache: a
-        // tile is `boxes` page runs of `run` positions (whole pages, or a tile-sized piece of a
-        // larger page); lane i loads runs i, i + 32, ... with the page ids it read from the
-        // block table before waiting for the stage, so the table's latency hides behind it.
         if (lane == 0) {
             prefetch_tensor_map(&p.k_map);
             prefetch_tensor_map(&p.v_map);
         }
-        const u64 policy = l2_policy_evict_first();
-        const bool paged = p.block_table != nullptr;
-        const int run = paged ? min(p.page_size, TILE_TOKENS) : TILE_TOKENS;
-        const int boxes = TILE_TOKENS / run;
-        const int* table = p.block_table + (long long)batch * p.table_stride;
-        for (int tile = 0; tile < num_tiles; ++tile) {
-            const int stage = tile % STAGES;
-            // Positions past the request's length are loaded too (zeros past max_len or from
-            // page id -1, whatever the cache holds otherwise); the consumers mask them.
-            const int tile_begin = range.begin + tile * TILE_TOKENS;
-            int page[RUNS_PER_LANE];
-#pragma unroll
-            for (int i = 0; i < RUNS_PER_LANE; ++i) {
-                const int t = tile_begin + (lane + 32 * i) * run;
-                page[i] = paged && lane + 32 * i < boxes && t < range.end ? table[t / p.page_size] : -1;
-            }
-            if (tile >= STAGES) mbarrier_wait(&empty[stage], ((tile / STAGES) - 1) & 1);
-            unsigned char* dst[2] = {ring + stage * STAGE_BYTES, ring + stage * STAGE_BYTES + TILE_BYTES};
-            const TensorMap* map[2] = {&p.k_map, &p.v_map};
-            u64* bar[2] = {&k_full[stage], &v_full[stage]};
-#pragma unroll
-            for (int kv = 0; kv < 2; ++kv) {  // K, then V
-                if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_TX_BYTES);
-                __syncwarp();
-                if (!paged) {
-                    if (lane == 0) {
-#pragma unroll
-                        for (int box = 0; box < BOXES; ++box)
-                            tma_load_4d(dst[kv] + box * BOX_BYTES, map[kv], box * 64, kv_head, tile_begin,
-                                        batch, bar[kv], policy);
-                    }
-                    continue;
-                }
-#pragma unroll
-                for (int i = 0; i < RUNS_PER_LANE; ++i) {
-                    const int r = lane + 32 * i;
-                    if (r >= boxes) break;
-                    const int in_page = (tile_begin + r * run) % p.page_size;
-#pragma unroll
-                    for (int box = 0; box < BOXES; ++box)
-                        tma_load_4d(dst[kv] + box * BOX_BYTES + r * run * 128, map[kv], box * 64, kv_head,
-                                    in_page, page[i], bar[kv], policy);
-                }
-            }
+        ProducerRing ring_state = {ring, k_full, v_full, empty, l2_policy_evict_first()};
+        if constexpr (PAGED) {
+            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane);
+        } else if (lane == 0) {
+            produce_contiguous(p, ring_state, range, num_tiles, batch, kv_head);
         }
         if (in_cluster) {
             cluster_wait_acquire();

@@ -54,6 +54,8 @@ pub struct DecodeVariant {
     pub stages: usize,
     /// Groups of four consumer warps working on alternate tiles (1 or 2).
     pub consumer_groups: usize,
+    /// Paged cache (the producer warp streams page runs); contiguous otherwise.
+    pub paged: bool,
 }
 
 impl DecodeVariant {
@@ -66,6 +68,7 @@ impl DecodeVariant {
             tile_tokens: plan::tile_tokens(problem.head_dim),
             stages: plan::STAGES,
             consumer_groups: 1,
+            paged: problem.paged.is_some(),
         }
     }
 
@@ -112,13 +115,14 @@ impl DecodeVariant {
 impl Variant for DecodeVariant {
     fn name(&self) -> String {
         format!(
-            "decode_gqa.{}.d{}.n{}.t{}.s{}.g{}",
+            "decode_gqa.{}.d{}.n{}.t{}.s{}.g{}{}",
             self.dtype.name(),
             self.head_dim,
             self.n_tiles,
             self.tile_tokens,
             self.stages,
-            self.consumer_groups
+            self.consumer_groups,
+            if self.paged { ".paged" } else { "" }
         )
     }
     fn source(&self) -> &'static str {
@@ -141,6 +145,7 @@ impl Variant for DecodeVariant {
                 "KVS_CONSUMER_GROUPS".into(),
                 self.consumer_groups.to_string(),
             ),
+            ("KVS_PAGED".into(), u8::from(self.paged).to_string()),
         ]
     }
 }
@@ -287,14 +292,17 @@ pub fn all_variants() -> Vec<AnyVariant> {
                         continue;
                     }
                     for stages in plan::SUPPORTED_STAGES {
-                        out.push(AnyVariant::Decode(DecodeVariant {
-                            dtype,
-                            head_dim,
-                            n_tiles,
-                            tile_tokens: plan::tile_tokens(head_dim),
-                            stages,
-                            consumer_groups,
-                        }));
+                        for paged in [false, true] {
+                            out.push(AnyVariant::Decode(DecodeVariant {
+                                dtype,
+                                head_dim,
+                                n_tiles,
+                                tile_tokens: plan::tile_tokens(head_dim),
+                                stages,
+                                consumer_groups,
+                                paged,
+                            }));
+                        }
                     }
                 }
             }
