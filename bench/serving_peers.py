@@ -5,6 +5,9 @@
   the device (``device_plan=True``); FA3 gets the same pool, ``page_table`` and
   ``cache_seqlens`` (its own scheduler, ``num_splits=0``). The long request moves between the
   two calls of every replay, so one captured graph sees two different length vectors.
+  With ``--fa3-contiguous`` (FA3 wheels built without paged KV), FA3 instead gets the same data
+  gathered into a contiguous ``[16, 2^20, 8, 128]`` cache (68 GB for K and V) with the same
+  ``cache_seqlens``; both libraries then run one pool set.
 * ``mtp``: multi-token decode, 32/8 d128 L 32768 batch 8, q_len 1, 2, 4, 8 (causal among the new
   tokens in both libraries).
 
@@ -30,8 +33,10 @@ import compare  # noqa: E402  (timer, graph capture and results helpers shared w
 HQ, HKV, D = 32, 8, 128
 
 
-def skew_pool(torch, sets, long_len=1 << 20, short_len=2048, batch=16, page=64, seed=7):
-    """Pool pages, per-set tables and lengths: request s % batch is the long one in set s."""
+def skew_pool(torch, sets, long_len=1 << 20, short_len=2048, batch=16, page=64, seed=7,
+              contiguous=False):
+    """Pool pages, per-set tables and lengths: request s % batch is the long one in set s.
+    `contiguous`: also the same data gathered per request into [sets, batch, long_len, hkv, d]."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     lens = [[long_len if b == s % batch else short_len for b in range(batch)] for s in range(sets)]
     pages = sum(-(-n // page) for n in lens[0])
@@ -49,7 +54,19 @@ def skew_pool(torch, sets, long_len=1 << 20, short_len=2048, batch=16, page=64, 
             at += used
     seqlens = torch.tensor(lens, device="cuda", dtype=torch.int32)
     io = 2 * batch * HQ * D * 2 + 2 * sum(lens[0]) * HKV * D * 2
-    return dict(q=q, k=k, v=v, table=tables, seqlens=seqlens, io=io, lens=lens)
+    pool = dict(q=q, k=k, v=v, table=tables, seqlens=seqlens, io=io, lens=lens)
+    if contiguous:
+        shape = (sets, batch, long_len, HKV, D)
+        pool["k_contig"] = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+        pool["v_contig"] = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+        for s in range(sets):
+            for b, n in enumerate(lens[s]):
+                used = -(-n // page)
+                pages = tables[s, b, :used].long()
+                for src, dst in ((k, "k_contig"), (v, "v_contig")):
+                    rows = src[s].index_select(0, pages).reshape(used * page, HKV, D)
+                    pool[dst][s, b, :n] = rows[:n]
+    return pool
 
 
 def mtp_pool(torch, sets, q_len, batch=8, length=32768, seed=11):
@@ -74,7 +91,12 @@ def calls(kvstream, fa3, pool):
                                block_table=None if table is None else table[s],
                                device_plan=table is not None, out=out[s])
 
+    contiguous = "k_contig" in pool
+
     def fa(s):
+        if contiguous:
+            return fa3(pool["q"][s], pool["k_contig"][s], pool["v_contig"][s],
+                       cache_seqlens=pool["seqlens"][s], causal=True, num_splits=0)
         return fa3(pool["q"][s], pool["k"][s], pool["v"][s], cache_seqlens=pool["seqlens"][s],
                    page_table=None if table is None else table[s], causal=True, num_splits=0)
 
@@ -116,6 +138,8 @@ def main():
     ap.add_argument("--floors", help="kvstream bench results of bench/serving.json (floor_us)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--commit", default=os.environ.get("KVSTREAM_COMMIT", "unknown"))
+    ap.add_argument("--fa3-contiguous", action="store_true",
+                    help="give FA3 the skewed batch as a contiguous cache (one pool set)")
     args = ap.parse_args()
     import torch
     import kvstream
@@ -126,7 +150,9 @@ def main():
         floors = {r["id"]: r.get("floor_us") for r in json.load(open(args.floors))["rows"]}
     rows = []
     specs = [("skew-b16-L2048-long1048576-p64", dict(batch=16, q_len=1, L=2048, long_len=1 << 20,
-                                                      page_size=64), lambda: skew_pool(torch, 2))]
+                                                      page_size=64),
+              lambda: skew_pool(torch, 1 if args.fa3_contiguous else 2,
+                                contiguous=args.fa3_contiguous))]
     for q_len in (1, 2, 4, 8):
         specs.append((f"mtp-q{q_len}-b8-L32768", dict(batch=8, q_len=q_len, L=32768),
                       lambda q_len=q_len: mtp_pool(torch, 2, q_len)))
