@@ -308,23 +308,44 @@ __device__ __forceinline__ void produce_contiguous(const DecodeParams& p, const 
 }
 
 // Paged cache: a tile is `boxes` page runs of `run` positions (whole pages, or a tile-sized
-// piece of a larger page); lane i loads runs i, i + 32, ... with the page ids it read from the
-// block table before waiting for the stage, so the table's latency hides behind the wait.
+// piece of a larger page); lane i loads runs i, i + 32, ... The page ids come from the block
+// table in global memory: each lane keeps them for the next PAGE_LOOKAHEAD tiles in registers
+// and loads the ids of tile t + PAGE_LOOKAHEAD while it issues tile t, so the table's latency
+// (~1 us) is paid once per split, not once per tile.
+constexpr int PAGE_LOOKAHEAD = STAGES;
+
+__device__ __forceinline__ void load_page_ids(int (&ids)[RUNS_PER_LANE], const int* table,
+                                              const DecodeParams& p, SplitRange range, int tile,
+                                              int run, int boxes, int lane) {
+    const int tile_begin = range.begin + tile * TILE_TOKENS;
+#pragma unroll
+    for (int i = 0; i < RUNS_PER_LANE; ++i) {
+        const int t = tile_begin + (lane + 32 * i) * run;
+        ids[i] = lane + 32 * i < boxes && t < range.end ? table[t / p.page_size] : -1;
+    }
+}
+
 __device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
                                               SplitRange range, int num_tiles, int batch, int kv_head,
                                               int lane) {
     const int run = min(p.page_size, TILE_TOKENS);
     const int boxes = TILE_TOKENS / run;
     const int* table = p.block_table + (long long)batch * p.table_stride;
+    int ahead[PAGE_LOOKAHEAD][RUNS_PER_LANE];  // ids of tiles tile .. tile + PAGE_LOOKAHEAD - 1
+#pragma unroll
+    for (int k = 0; k < PAGE_LOOKAHEAD; ++k) load_page_ids(ahead[k], table, p, range, k, run, boxes, lane);
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int stage = tile % STAGES;
         const int tile_begin = range.begin + tile * TILE_TOKENS;
         int page[RUNS_PER_LANE];
 #pragma unroll
-        for (int i = 0; i < RUNS_PER_LANE; ++i) {
-            const int t = tile_begin + (lane + 32 * i) * run;
-            page[i] = lane + 32 * i < boxes && t < range.end ? table[t / p.page_size] : -1;
-        }
+        for (int i = 0; i < RUNS_PER_LANE; ++i) page[i] = ahead[0][i];
+#pragma unroll
+        for (int k = 0; k + 1 < PAGE_LOOKAHEAD; ++k)
+#pragma unroll
+            for (int i = 0; i < RUNS_PER_LANE; ++i) ahead[k][i] = ahead[k + 1][i];
+        // (positions past the split read as -1: nothing is loaded for tiles past the end)
+        load_page_ids(ahead[PAGE_LOOKAHEAD - 1], table, p, range, tile + PAGE_LOOKAHEAD, run, boxes, lane);
         if (tile >= STAGES) mbarrier_wait(&r.empty[stage], ((tile / STAGES) - 1) & 1);
         unsigned char* dst[2] = {r.ring + stage * STAGE_BYTES, r.ring + stage * STAGE_BYTES + TILE_BYTES};
         const TensorMap* map[2] = {&p.k_map, &p.v_map};
