@@ -504,6 +504,47 @@ pub fn split_range(
     begin..len.min(last * tile).max(begin)
 }
 
+/// What the device planner (`plan_work.cu`) computes for lengths `lens`, mirrored on the host for
+/// tests and reports: per request, its split count and first FP32 partial slot (meaningful when
+/// it has more than one split). `units` = KV heads x column blocks, `tile` = positions per tile,
+/// `target` and `slot_capacity` as in [`DevicePlan`]. (The kernel applies the slot-capacity
+/// fallback per chunk of requests; the two agree whenever no request needs it, which the tests
+/// show is always the case at the workspace's 3 x target slots.)
+pub fn device_plan_splits(
+    lens: &[usize],
+    units: usize,
+    tile: usize,
+    target: usize,
+    slot_capacity: usize,
+) -> Vec<(usize, usize)> {
+    let tiles: Vec<usize> = lens.iter().map(|l| l.div_ceil(tile)).collect();
+    let total = tiles.iter().sum::<usize>() * units;
+    let fair = total.div_ceil(target).max(1);
+    let short = tiles.iter().filter(|&&t| t <= fair).sum::<usize>() * units;
+    let short_slots = short.div_ceil(fair);
+    let long_slots = target.saturating_sub(short_slots).max(1);
+    let per_split = (total - short).div_ceil(long_slots).max(1);
+    let mut slot_carry = 0;
+    tiles
+        .iter()
+        .map(|&t| {
+            let mut splits = if t > fair {
+                t.div_ceil(per_split).clamp(1, MAX_SPLITS)
+            } else {
+                1
+            };
+            let mut slots = if splits > 1 { splits * units } else { 0 };
+            if slot_carry + slots > slot_capacity {
+                splits = 1;
+                slots = 0;
+            }
+            let base = slot_carry;
+            slot_carry += slots;
+            (splits, base)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -662,6 +703,45 @@ mod tests {
             },
         ] {
             assert!(plan(&p, DeviceFacts::H200, bad).is_err());
+        }
+    }
+
+    #[test]
+    fn device_plan_fills_one_wave_on_a_skewed_batch() {
+        // one request of 2^20 positions and fifteen of 2048, 32/8 heads, d128 (64-row tiles)
+        let mut lens = vec![2048; 16];
+        lens[3] = 1 << 20;
+        let plan = device_plan_splits(&lens, 8, 64, 132, 3 * 132);
+        let long_ctas = plan[3].0 * 8;
+        let short_ctas: usize = (0..16).filter(|&b| b != 3).map(|b| plan[b].0 * 8).sum();
+        assert_eq!(short_ctas, 120);
+        assert!(
+            long_ctas <= 132 - 4 && long_ctas >= 120,
+            "{long_ctas} long CTAs"
+        );
+    }
+
+    proptest! {
+        /// The planner never needs more CTAs than the grid nor more slots than the workspace,
+        /// and gives every request at least one split.
+        #[test]
+        fn device_plan_stays_inside_its_bounds(
+            lens in prop::collection::vec(0usize..300_000, 1..64),
+            units in 1usize..=32,
+            d in prop::sample::select(vec![64usize, 128]),
+        ) {
+            let target = 132;
+            let plan = device_plan_splits(&lens, units, tile_tokens(d), target, 3 * target);
+            // the slot fallback (a request run unsplit) is never needed at 3 x target slots
+            prop_assert_eq!(&plan, &device_plan_splits(&lens, units, tile_tokens(d), target, usize::MAX));
+            let items: usize = plan.iter().map(|(s, _)| s * units).sum();
+            prop_assert!(items <= target + lens.len() * units, "{} items", items);
+            for (b, &(splits, base)) in plan.iter().enumerate() {
+                prop_assert!((1..=MAX_SPLITS).contains(&splits));
+                if splits > 1 {
+                    prop_assert!(base + splits * units <= 3 * target, "request {}", b);
+                }
+            }
         }
     }
 
