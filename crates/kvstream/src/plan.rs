@@ -67,7 +67,9 @@
 //! placement of clusters onto GPCs differs from chip to chip (the two runs used different
 //! H200s), while kernel reduction's plain grid spreads the same everywhere, so it is the default
 //! there. Clusters of 16 are ~1 us slower than 16 CTAs plus a combine, and past 16 splits only
-//! kernel reduction can keep the SMs streaming. PDL off costs 0.4-0.8 us in both modes (run A,
+//! kernel reduction can keep the SMs streaming. PDL stays on in both modes: over the 52 split
+//! shapes of run A, PDL off cost kernel reduction 0.51-1.25 us (median 0.73) and cluster
+//! reduction 0.42 us at the median (51 of 52 shapes slower, b1 32/8 L32768 0.49 us faster;
 //! 16/1 d64 L1024: kernel 5.22 -> 5.82 us, cluster 5.42 -> 5.84 us).
 
 use crate::error::{Error, Result};
@@ -281,9 +283,10 @@ pub struct DecodePlan {
     pub decode: DecodeVariant,
     /// Combine kernel variant; `None` when one split writes the output directly.
     pub combine: Option<CombineVariant>,
-    /// KV splits per (request, KV head).
+    /// KV splits per (request, KV head); with a device plan, the most any request may get (each
+    /// request's count is chosen on the device at every call).
     pub num_splits: usize,
-    /// Decode grid: (splits, hkv x column blocks, batch).
+    /// Decode grid: (splits, hkv x column blocks, batch); with a device plan (work items, 1, 1).
     pub grid: [u32; 3],
     /// Device-side planning, when asked for ([`PlanOptions::device_plan`]).
     pub device_plan: Option<DevicePlan>,
