@@ -24,6 +24,7 @@
 //   p.request_plan[b]  = {n_b, slot_base_b}
 //
 // One CTA of THREADS threads; requests are scanned in chunks of THREADS with a carried prefix.
+// Mirrored on the host by `plan::device_plan_splits` (tests check its bounds).
 // Compile-time configuration: KVS_MAX_SPLITS.
 #include "ptx.cuh"
 #include "params.cuh"

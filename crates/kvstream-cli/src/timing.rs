@@ -129,7 +129,7 @@ pub fn time_graphs(
         let order = round_order(round, graphs.len());
         // An untimed lead-in replay, so the first timed graph of a round does not start on a GPU
         // idled by the previous round's synchronisation (without it the two graphs at the ends
-        // of the order paid that start-up in every other round: 1-4% on 10-40 us shapes).
+        // of the order paid that start-up in every other round: 1-5% on 10-40 us shapes).
         driver("lead-in replay", graphs[order[0]].0.launch())?;
         for &i in &order {
             let (start, stop) = &events[i];

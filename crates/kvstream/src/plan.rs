@@ -67,7 +67,9 @@
 //! placement of clusters onto GPCs differs from chip to chip (the two runs used different
 //! H200s), while kernel reduction's plain grid spreads the same everywhere, so it is the default
 //! there. Clusters of 16 are ~1 us slower than 16 CTAs plus a combine, and past 16 splits only
-//! kernel reduction can keep the SMs streaming. PDL off costs 0.4-0.8 us in both modes (run A,
+//! kernel reduction can keep the SMs streaming. PDL stays on in both modes: over the 52 split
+//! shapes of run A, PDL off cost kernel reduction 0.51-1.25 us (median 0.73) and cluster
+//! reduction 0.42 us at the median (51 of 52 shapes slower, b1 32/8 L32768 0.49 us faster;
 //! 16/1 d64 L1024: kernel 5.22 -> 5.82 us, cluster 5.42 -> 5.84 us).
 
 use crate::error::{Error, Result};
@@ -281,9 +283,10 @@ pub struct DecodePlan {
     pub decode: DecodeVariant,
     /// Combine kernel variant; `None` when one split writes the output directly.
     pub combine: Option<CombineVariant>,
-    /// KV splits per (request, KV head).
+    /// KV splits per (request, KV head); with a device plan, the most any request may get (each
+    /// request's count is chosen on the device at every call).
     pub num_splits: usize,
-    /// Decode grid: (splits, hkv x column blocks, batch).
+    /// Decode grid: (splits, hkv x column blocks, batch); with a device plan (work items, 1, 1).
     pub grid: [u32; 3],
     /// Device-side planning, when asked for ([`PlanOptions::device_plan`]).
     pub device_plan: Option<DevicePlan>,
@@ -504,6 +507,47 @@ pub fn split_range(
     begin..len.min(last * tile).max(begin)
 }
 
+/// What the device planner (`plan_work.cu`) computes for lengths `lens`, mirrored on the host for
+/// tests and reports: per request, its split count and first FP32 partial slot (meaningful when
+/// it has more than one split). `units` = KV heads x column blocks, `tile` = positions per tile,
+/// `target` and `slot_capacity` as in [`DevicePlan`]. (The kernel applies the slot-capacity
+/// fallback per chunk of requests; the two agree whenever no request needs it, which the tests
+/// show is always the case at the workspace's 3 x target slots.)
+pub fn device_plan_splits(
+    lens: &[usize],
+    units: usize,
+    tile: usize,
+    target: usize,
+    slot_capacity: usize,
+) -> Vec<(usize, usize)> {
+    let tiles: Vec<usize> = lens.iter().map(|l| l.div_ceil(tile)).collect();
+    let total = tiles.iter().sum::<usize>() * units;
+    let fair = total.div_ceil(target).max(1);
+    let short = tiles.iter().filter(|&&t| t <= fair).sum::<usize>() * units;
+    let short_slots = short.div_ceil(fair);
+    let long_slots = target.saturating_sub(short_slots).max(1);
+    let per_split = (total - short).div_ceil(long_slots).max(1);
+    let mut slot_carry = 0;
+    tiles
+        .iter()
+        .map(|&t| {
+            let mut splits = if t > fair {
+                t.div_ceil(per_split).clamp(1, MAX_SPLITS)
+            } else {
+                1
+            };
+            let mut slots = if splits > 1 { splits * units } else { 0 };
+            if slot_carry + slots > slot_capacity {
+                splits = 1;
+                slots = 0;
+            }
+            let base = slot_carry;
+            slot_carry += slots;
+            (splits, base)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -662,6 +706,42 @@ mod tests {
             },
         ] {
             assert!(plan(&p, DeviceFacts::H200, bad).is_err());
+        }
+    }
+
+    #[test]
+    fn device_plan_fills_one_wave_on_a_skewed_batch() {
+        // one request of 2^20 positions and fifteen of 2048, 32/8 heads, d128 (64-row tiles)
+        let mut lens = vec![2048; 16];
+        lens[3] = 1 << 20;
+        let plan = device_plan_splits(&lens, 8, 64, 132, 3 * 132);
+        let long_ctas = plan[3].0 * 8;
+        let short_ctas: usize = (0..16).filter(|&b| b != 3).map(|b| plan[b].0 * 8).sum();
+        assert_eq!(short_ctas, 120);
+        assert!((120..=128).contains(&long_ctas), "{long_ctas} long CTAs");
+    }
+
+    proptest! {
+        /// The planner never needs more CTAs than the grid nor more slots than the workspace,
+        /// and gives every request at least one split.
+        #[test]
+        fn device_plan_stays_inside_its_bounds(
+            lens in prop::collection::vec(0usize..300_000, 1..64),
+            units in 1usize..=32,
+            d in prop::sample::select(vec![64usize, 128]),
+        ) {
+            let target = 132;
+            let plan = device_plan_splits(&lens, units, tile_tokens(d), target, 3 * target);
+            // the slot fallback (a request run unsplit) is never needed at 3 x target slots
+            prop_assert_eq!(&plan, &device_plan_splits(&lens, units, tile_tokens(d), target, usize::MAX));
+            let items: usize = plan.iter().map(|(s, _)| s * units).sum();
+            prop_assert!(items <= target + lens.len() * units, "{} items", items);
+            for (b, &(splits, base)) in plan.iter().enumerate() {
+                prop_assert!((1..=MAX_SPLITS).contains(&splits));
+                if splits > 1 {
+                    prop_assert!(base + splits * units <= 3 * target, "request {}", b);
+                }
+            }
         }
     }
 
