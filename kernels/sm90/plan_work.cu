@@ -10,7 +10,11 @@
 //   C = ceil(T_long / (P - S)),   n_b = clamp(ceil(tiles_b / C), 1, MAX_SPLITS)
 // so the long splits fill one wave instead of spilling a few CTAs into a second one (one
 // request of 2^20 positions and fifteen of 2048 at 32/8 heads: 128 long CTAs + 120 short ones on
-// 132 SMs, not 136 + 120). Items (one decode CTA each)
+// 132 SMs, not 136 + 120). Rounding up per unit can still overshoot (eight requests of 32768 at
+// 32/8: C = 249 gives 3 splits, 192 CTAs, two waves); then, with U long units,
+//   C = ceil(T_long / (P - S - U))
+// which bounds sum ceil(tiles_u / C) <= T_long / C + U <= P - S (two splits each, 128 CTAs), or
+// one split per unit when U >= P - S. Items (one decode CTA each)
 // are numbered request-major: item k = (b, j), j = unit * n_b + split, and CTAs past the last
 // item find b = -1 and leave at once. Requests with n_b > 1 also get FP32 partial slots, one per
 // item, numbered the same way (slot = slot_base_b + j); the combine merges them.
@@ -83,19 +87,39 @@ kvs_plan_work(const __grid_constant__ DecodeParams p) {
     const long long fair = max(1ll, (total_tiles + p.plan_target - 1) / p.plan_target);
 
     // ---- tiles of the short units, and the split length of the long ones ----
-    long long short_tiles = 0;
+    long long short_tiles = 0, long_requests = 0;
     for (int b0 = 0; b0 < p.batch; b0 += THREADS) {
         const int b = b0 + threadIdx.x;
         const long long tiles = b < p.batch ? (request_len(p, b) + p.plan_tile - 1) / p.plan_tile : 0;
-        long long chunk;
+        long long chunk, count;
         block_exclusive_scan(tiles <= fair ? tiles : 0, warp_sums, chunk);
+        block_exclusive_scan(tiles > fair ? 1 : 0, warp_sums, count);
         short_tiles += chunk;
+        long_requests += count;
     }
     short_tiles *= units;
+    const long long long_tiles = total_tiles - short_tiles;
     const long long short_slots = (short_tiles + fair - 1) / fair;
     const long long long_slots = max(1ll, p.plan_target - short_slots);
-    const long long per_split =
-        max(1ll, (total_tiles - short_tiles + long_slots - 1) / long_slots);
+    long long per_split = max(1ll, (long_tiles + long_slots - 1) / long_slots);
+
+    // ---- one wave: lengthen the splits if rounding up per unit overshoots the long slots ----
+    long long long_items = 0;
+    for (int b0 = 0; b0 < p.batch; b0 += THREADS) {
+        const int b = b0 + threadIdx.x;
+        const long long tiles = b < p.batch ? (request_len(p, b) + p.plan_tile - 1) / p.plan_tile : 0;
+        const long long splits =
+            tiles > fair ? min((long long)MAX_SPLITS, (tiles + per_split - 1) / per_split) : 0;
+        long long chunk;
+        block_exclusive_scan(splits, warp_sums, chunk);
+        long_items += chunk;
+    }
+    if (long_items * units > long_slots) {
+        const long long long_units = long_requests * units;
+        per_split = long_slots > long_units
+                        ? (long_tiles + long_slots - long_units - 1) / (long_slots - long_units)
+                        : long_tiles;  // one split each
+    }
 
     // ---- splits per request, items and slots, request-major ----
     long long item_carry = 0, slot_carry = 0;

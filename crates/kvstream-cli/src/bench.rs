@@ -211,7 +211,8 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
 }
 
 /// The implementations of one shape: a skewed batch is what the device plan is for, so there
-/// `kvstream` plans on the device and the host plan is timed as `kvstream/host-plan`.
+/// `kvstream` plans on the device and the host plan is timed as `kvstream/host-plan` (forced ring
+/// depths plan on the device there too).
 fn shape_implementations(
     shape: &Shape,
     impls: &[(String, PlanOptions)],
@@ -229,11 +230,21 @@ fn shape_implementations(
         ),
         ("kvstream/host-plan".to_string(), PlanOptions::default()),
     ];
+    // forced ring depths are timed on the device plan, the plan this row is about
     out.extend(
         impls
             .iter()
             .filter(|(k, o)| k != "kvstream" && !o.device_plan)
-            .cloned(),
+            .map(|(k, o)| match o.stages {
+                Some(_) => (
+                    k.clone(),
+                    PlanOptions {
+                        device_plan: true,
+                        ..*o
+                    },
+                ),
+                None => (k.clone(), *o),
+            }),
     );
     out
 }

@@ -177,6 +177,34 @@ impl Decoder {
         }
     }
 
+    /// What the device planner decided at the last call (per request: split count, first FP32
+    /// partial slot), read back from the workspace after synchronising `stream`, the stream that
+    /// call ran on. `None` for a host-planned decoder. For reports and tests: compare it with
+    /// [`crate::plan::device_plan_splits`].
+    pub fn last_device_plan(
+        &self,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Option<Vec<(usize, usize)>>> {
+        let (Some(_), Some((buf, _))) = (self.plan.device_plan, &self.workspace) else {
+            return Ok(None);
+        };
+        let offset = self.plan.workspace.offsets().request_plan;
+        let bytes = 2 * 4 * self.problem.batch;
+        let raw = stream
+            .clone_dtoh(&buf.slice(offset..offset + bytes))
+            .map_err(|e| Error::driver("reading the device plan back", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::driver("reading the device plan back", e))?;
+        let word =
+            |i: usize| i32::from_le_bytes(raw[4 * i..4 * i + 4].try_into().unwrap()) as usize;
+        Ok(Some(
+            (0..self.problem.batch)
+                .map(|b| (word(2 * b), word(2 * b + 1)))
+                .collect(),
+        ))
+    }
+
     /// Registers of the decode kernel (from ptxas), for reports.
     pub fn decode_registers(&self) -> u32 {
         self.decode.report.registers

@@ -87,6 +87,11 @@ pub const TARGET_CTAS_PER_SM: (usize, usize) = (1, 2);
 /// MMA and softmax work per byte (q_len 4 at 32/8 heads: one CTA per (request, KV head) pulled
 /// 27 GB/s where single-token CTAs pull 55-70), so these aim for a full wave.
 pub const MULTI_TOKEN_CTAS_PER_SM: usize = 1;
+/// Streaming CTAs per SM for a paged cache: every page is a separate TMA address (a TLB walk
+/// and the block table's latency on top of DRAM's), so one CTA per (request, KV head) with half
+/// the SMs busy keeps too few bytes in flight (b8 L32768 32/8, page 64: 385 us vs 255 us
+/// contiguous); a full wave doubles them.
+pub const PAGED_CTAS_PER_SM: usize = 1;
 /// Most splits per (request, KV head): bounds the workspace and the combine's loop.
 pub const MAX_SPLITS: usize = 128;
 
@@ -171,8 +176,9 @@ pub struct PlanOptions {
     /// of up to 16 query heads, see [`DecodeVariant::groups_fit`]). `None`: two groups when
     /// they fit and each split has at least two tiles (see [`consumer_groups`]).
     pub consumer_groups: Option<usize>,
-    /// Force the ring depth: [`STAGES`] (default) or 2 (a third of the shared memory, so two
-    /// or three CTAs share an SM). A tuning knob, not yet chosen by the heuristic.
+    /// Force the ring depth: [`STAGES`] (default), 2 (a third of the shared memory, so two
+    /// or three CTAs share an SM) or 6 (192 KB in flight per SM). A tuning knob, not yet chosen
+    /// by the heuristic.
     pub stages: Option<usize>,
     /// Force the reduction mode. `None`: chosen from the split count ([`auto_reduction`]).
     pub reduction: Option<Reduction>,
@@ -184,7 +190,7 @@ pub struct PlanOptions {
 }
 
 /// Ring depths a decode kernel can be built with.
-pub const SUPPORTED_STAGES: [usize; 2] = [2, STAGES];
+pub const SUPPORTED_STAGES: [usize; 3] = [2, STAGES, 6];
 
 /// Groups of consumer warps for a split of `tiles_per_split` tiles with `n_tiles` head tiles.
 ///
@@ -316,6 +322,8 @@ pub fn heuristic_splits(problem: &DecodeProblem, device: DeviceFacts) -> usize {
     let ctas = problem.batch * problem.hkv * column_blocks;
     let target = if problem.q_len > 1 {
         device.sm_count * MULTI_TOKEN_CTAS_PER_SM
+    } else if problem.paged.is_some() {
+        device.sm_count * PAGED_CTAS_PER_SM
     } else {
         device.sm_count * TARGET_CTAS_PER_SM.0 / TARGET_CTAS_PER_SM.1
     };
@@ -526,7 +534,22 @@ pub fn device_plan_splits(
     let short = tiles.iter().filter(|&&t| t <= fair).sum::<usize>() * units;
     let short_slots = short.div_ceil(fair);
     let long_slots = target.saturating_sub(short_slots).max(1);
-    let per_split = (total - short).div_ceil(long_slots).max(1);
+    let long_tiles = total - short;
+    let mut per_split = long_tiles.div_ceil(long_slots).max(1);
+    let long_items: usize = tiles
+        .iter()
+        .filter(|&&t| t > fair)
+        .map(|&t| t.div_ceil(per_split).clamp(1, MAX_SPLITS))
+        .sum::<usize>()
+        * units;
+    if long_items > long_slots {
+        let long_units = tiles.iter().filter(|&&t| t > fair).count() * units;
+        per_split = if long_slots > long_units {
+            long_tiles.div_ceil(long_slots - long_units)
+        } else {
+            long_tiles // one split each
+        };
+    }
     let mut slot_carry = 0;
     tiles
         .iter()
@@ -721,7 +744,29 @@ mod tests {
         assert!((120..=128).contains(&long_ctas), "{long_ctas} long CTAs");
     }
 
+    #[test]
+    fn device_plan_does_not_round_a_uniform_batch_into_two_waves() {
+        // eight requests of 32768 at 32/8 heads, d128: 512 tiles per unit, fair share 249 tiles;
+        // rounding up would give 3 splits per unit (192 CTAs on 132 SMs)
+        let plan = device_plan_splits(&[32_768; 8], 8, 64, 132, 3 * 132);
+        assert!(plan.iter().all(|&(splits, _)| splits == 2), "{plan:?}");
+        // 24 requests: 192 units already exceed a wave, so nothing is split
+        let plan = device_plan_splits(&[32_768; 24], 8, 64, 132, 3 * 132);
+        assert!(plan.iter().all(|&(splits, _)| splits == 1), "{plan:?}");
+    }
+
     proptest! {
+        /// A uniform batch is split into at most one wave (or not at all).
+        #[test]
+        fn device_plan_splits_a_uniform_batch_into_one_wave(
+            batch in 1usize..64, len in 1usize..300_000, units in 1usize..=32,
+        ) {
+            let lens = vec![len; batch];
+            let plan = device_plan_splits(&lens, units, 64, 132, 3 * 132);
+            let items: usize = plan.iter().map(|(s, _)| s * units).sum();
+            prop_assert!(items <= 132usize.max(batch * units), "{} items", items);
+        }
+
         /// The planner never needs more CTAs than the grid nor more slots than the workspace,
         /// and gives every request at least one split.
         #[test]

@@ -36,7 +36,7 @@ use cudarc::driver::{
     sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use half::{bf16, f16};
-use kvstream::plan::{cluster_splits, CLUSTER_SPLITS};
+use kvstream::plan::{cluster_splits, device_plan_splits, tile_tokens, CLUSTER_SPLITS};
 use kvstream::reference::{
     decode_reference, random_bf16, random_f16, relative_error, RefOutput, RefShape, SplitMix64,
 };
@@ -948,6 +948,8 @@ fn device_plan_balances_skewed_batches() {
         skew(11),
         (0..batch).map(|b| b * 7 % 300).collect(),
         skew(15),
+        // every unit longer than the fair share: splitting would need a second wave
+        vec![long; batch],
     ];
     graph_replay_case(
         &p,
@@ -1034,6 +1036,26 @@ fn graph_replay_case(p: &DecodeProblem, opts: PlanOptions, length_sets: &[Vec<us
             .unwrap_or_else(|e| panic!("{what}: eager run: {e}"));
         stream.synchronize().expect("eager run failed on the GPU");
         let eager = fresh.read(&stream);
+        if let Some(dp) = dec.plan().device_plan {
+            // the planner kernel decided what its host mirror decides for these lengths
+            let units = p.hkv * dec.plan().decode.column_blocks(&p);
+            let clamped: Vec<usize> = lens.iter().map(|&l| l.min(p.max_len)).collect();
+            let want = device_plan_splits(
+                &clamped,
+                units,
+                tile_tokens(p.head_dim),
+                dp.target,
+                dp.slots,
+            );
+            let got = dec
+                .last_device_plan(&stream)
+                .unwrap_or_else(|e| panic!("{what}: {e}"))
+                .expect("a device-planned decoder has a device plan");
+            assert_eq!(
+                got, want,
+                "{what}: device plan (splits, first slot) per request"
+            );
+        }
 
         same_bits(
             &replayed,
