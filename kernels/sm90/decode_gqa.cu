@@ -426,8 +426,10 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     int* col_visible = reinterpret_cast<int*>(smem + SharedPlan::col_visible);
     const int first_col = item.col_block * GROUP_PAD;
     const Columns cols = {min(GROUP_PAD, p.cols - first_col), col_q, col_out, col_row, col_visible};
+    // The column tables are filled by consumer threads; the producer warp does not wait for
+    // them, so its first TMA leaves as early as it did before the tables existed (a one- or
+    // two-tile split's time is mostly that first round trip).
     fill_columns(p, first_col, cols.count, batch, kv_head, len, col_q, col_out, col_row, col_visible);
-    __syncthreads();
     // FP32 partials of column g: static plan [split][output row], device plan [slot][column].
     const long long partial_base =
         p.work ? item.slot * GROUP_PAD : split * ((long long)p.batch * p.q_len * p.hq);
@@ -435,6 +437,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     if (num_tiles == 0) {
         // ---------------- empty split: publish neutral statistics and leave ----------------
+        __syncthreads();  // column tables
         if (in_cluster) {
             cluster_wait_acquire();
             for (int g = threadIdx.x; g < cols.count; g += THREADS) {
@@ -485,6 +488,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     }
 
     // ================================= consumer warps ======================================
+    named_barrier_sync(1, CONSUMER_THREADS);  // column tables
     // Q of the group -> shared memory, rows past the group zero-filled (their columns are
     // computed and dropped; zeros keep them finite).
     {

@@ -1242,8 +1242,15 @@ fn paged_cache_equals_contiguous() {
                     ..Default::default()
                 };
                 let what = format!("{base:?} lens {lens:?}, page {page_size}, {opts:?}");
-                let c = make_decoder(&rt, &base, opts);
                 let pd = make_decoder(&rt, &paged, opts);
+                // the heuristic may split a paged cache differently: compare like with like
+                let same_plan = PlanOptions {
+                    num_splits: Some(pd.plan().num_splits),
+                    reduction: Some(pd.plan().reduction),
+                    consumer_groups: Some(pd.plan().decode.consumer_groups),
+                    ..opts
+                };
+                let c = make_decoder(&rt, &base, same_plan);
                 let mut o = Outputs::<bf16>::new(&stream, &base, true);
                 let want_bits = run_poisoned(&stream, &c, &contiguous_dev, &mut o)
                     .unwrap_or_else(|e| panic!("{what}, contiguous: {e}"));
