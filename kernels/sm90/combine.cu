@@ -50,11 +50,15 @@ kvs_combine(const __grid_constant__ DecodeParams p) {
     __shared__ float scratch[WARPS];
     __shared__ float warp_sum[WARPS][HEAD_DIM];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const long long row = blockIdx.x;  // (b * q_len + i) * hq + h
+    // 32-bit index math (the grid's x dimension is below 2^31): 64-bit divisions are
+    // software loops, and they sit on the path to the first load.
+    const int row32 = blockIdx.x;  // (b * q_len + i) * hq + h
+    const int request_row = row32 / p.hq;  // b * q_len + i
+    const int head = row32 - request_row * p.hq;
+    const int token = p.q_len == 1 ? 0 : request_row % p.q_len;
+    const int batch = p.q_len == 1 ? request_row : request_row / p.q_len;
+    const long long row = row32;
     const long long rows = (long long)p.batch * p.q_len * p.hq;
-    const int head = (int)(row % p.hq);
-    const int token = (int)(row / p.hq % p.q_len);
-    const int batch = (int)(row / p.hq / p.q_len);
     const int s_own = threadIdx.x;  // the split whose statistics this thread holds
 
     pdl_wait_for_producer();
