@@ -119,6 +119,13 @@ fn problem_of(s: &Shape) -> kvstream::Result<DecodeProblem> {
     if s.dtype != "bf16" {
         return Err(Error::invalid("dtype", &s.dtype, "bf16"));
     }
+    if s.pages_in_order && s.page_size.is_none() {
+        return Err(Error::invalid(
+            "pages_in_order",
+            "true without page_size",
+            "a paged shape (page_size given)",
+        ));
+    }
     if s.long_len.is_some() && s.page_size.is_none() {
         return Err(Error::invalid(
             "long_len",
@@ -648,16 +655,18 @@ pub fn generated_tokens(pool_tokens: usize, token_elems: usize) -> usize {
     (HOST_KV_ELEMS / token_elems.max(1)).clamp(1, pool_tokens.max(1))
 }
 
-/// The block table of pool set `set` (empty for a contiguous cache): the set's pages shuffled,
-/// handed out to the requests in order of their lengths in that set; unused entries point at
-/// page 0.
+/// The block table of pool set `set` (empty for a contiguous cache): the set's pages shuffled
+/// (or in pool order with `pages_in_order`), handed out to the requests in order of their
+/// lengths in that set; unused entries point at page 0.
 fn block_table(shape: &Shape, p: &DecodeProblem, set: usize, rng: &mut SplitMix64) -> Vec<i32> {
     let Some(pg) = p.paged else {
         return Vec::new();
     };
     let mut order: Vec<i32> = (0..pg.num_pages as i32).collect();
-    for i in (1..order.len()).rev() {
-        order.swap(i, rng.below(i + 1));
+    if !shape.pages_in_order {
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i + 1));
+        }
     }
     let mut table = vec![0i32; p.batch * pg.table_stride];
     let mut next = order.into_iter();

@@ -38,6 +38,11 @@ pub struct Shape {
     /// long changes from set to set (every call of a replay sees other lengths). Needs pages.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub long_len: Option<usize>,
+    /// Paged cache whose pages are handed out in pool order (each request's pages consecutive
+    /// in memory) instead of shuffled: separates the cost of scattered pages from the cost of
+    /// paging itself.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pages_in_order: bool,
 }
 
 impl Shape {
@@ -81,6 +86,7 @@ impl Shape {
             dtype: "bf16".into(),
             page_size: None,
             long_len: None,
+            pages_in_order: false,
         })
     }
 }
@@ -224,6 +230,9 @@ impl Row {
         if let Some(l) = shape.long_len {
             extra.insert("long_len".into(), serde_json::json!(l));
         }
+        if shape.pages_in_order {
+            extra.insert("pages_in_order".into(), serde_json::json!(true));
+        }
         Row {
             id: shape.id.clone(),
             group: Some(shape.group.clone()),
@@ -300,21 +309,22 @@ impl BenchResults {
     }
 }
 
-/// The commit being measured: `git rev-parse --short HEAD`, else `$KVSTREAM_COMMIT`, else
-/// "unknown".
+/// The commit being measured: `$KVSTREAM_COMMIT` when set (a copy of the tree measured
+/// elsewhere may carry another checkout's git metadata), else `git rev-parse --short HEAD`,
+/// else "unknown".
 pub fn current_commit() -> String {
-    let git = std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .stderr(std::process::Stdio::null())
-        .output()
+    let env = std::env::var("KVSTREAM_COMMIT")
         .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .map(|s| s.trim().to_string())
         .filter(|s| !s.is_empty());
-    git.or_else(|| {
-        std::env::var("KVSTREAM_COMMIT")
+    env.or_else(|| {
+        std::process::Command::new("git")
+            .args(["rev-parse", "--short", "HEAD"])
+            .stderr(std::process::Stdio::null())
+            .output()
             .ok()
+            .filter(|o| o.status.success())
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .map(|s| s.trim().to_string())
             .filter(|s| !s.is_empty())
     })
     .unwrap_or_else(|| "unknown".into())

@@ -356,6 +356,10 @@ def test_paged_matches_contiguous_and_reference(page_size, q_len):
         kw = dict(cache_seqlens=lens, num_splits=splits, reduction=mode, return_lse=True)
         out, lse = kvstream.decode(q, k_pool, v_pool, block_table=table, **kw)
         check(q, k, v, lens, out, lse, scale, f"{label} splits={splits} reduction={mode}")
+        if splits is None:
+            # the default plan gives a paged cache a full wave of CTAs (more splits than the
+            # contiguous plan), so the bits may differ; forced plans below compare bitwise
+            continue
         # same problem and plan on the contiguous (equally poisoned) caches: bitwise equal
         out_c, lse_c = kvstream.decode(q, kp, vp, **kw)
         torch.cuda.synchronize()
