@@ -87,11 +87,15 @@ pub const TARGET_CTAS_PER_SM: (usize, usize) = (1, 2);
 /// MMA and softmax work per byte (q_len 4 at 32/8 heads: one CTA per (request, KV head) pulled
 /// 27 GB/s where single-token CTAs pull 55-70), so these aim for a full wave.
 pub const MULTI_TOKEN_CTAS_PER_SM: usize = 1;
-/// Streaming CTAs per SM for a paged cache: every page is a separate TMA address (a TLB walk
-/// and the block table's latency on top of DRAM's), so one CTA per (request, KV head) with half
-/// the SMs busy keeps too few bytes in flight (b8 L32768 32/8, page 64: 385 us vs 255 us
-/// contiguous); a full wave doubles them.
-pub const PAGED_CTAS_PER_SM: usize = 1;
+/// Streaming CTAs per SM for a paged cache, with the [`PAGED_STAGES`]-deep ring that lets two
+/// CTAs share an SM. A paged tile is one TMA per page run and head-dim box (8 per K tile at page
+/// 16, d128), and one producer warp per SM issuing them is the limit, not DRAM: pages in pool
+/// order measure the same as shuffled ones (b713ea5, `results/pageorder-2026-11-29-b713ea5.json`:
+/// b128 L32768 page 16, 4539 us either way), while two resident CTAs per SM take page 16 from
+/// 4539 to 4049 us (contiguous: 4089 us) and page 64 at b8 from 269 to 255 us (contiguous 257).
+pub const PAGED_CTAS_PER_SM: usize = 2;
+/// Ring depth for paged caches (see [`PAGED_CTAS_PER_SM`]).
+pub const PAGED_STAGES: usize = 2;
 /// Most splits per (request, KV head): bounds the workspace and the combine's loop.
 pub const MAX_SPLITS: usize = 128;
 
@@ -430,6 +434,7 @@ fn decode_variant(
         None => consumer_groups(decode.n_tiles, tiles_per_split),
     };
     decode.stages = match options.stages {
+        None if problem.paged.is_some() => PAGED_STAGES,
         None => STAGES,
         Some(s) if SUPPORTED_STAGES.contains(&s) => s,
         Some(s) => return Err(Error::invalid("stages", s, format!("{SUPPORTED_STAGES:?}"))),
@@ -462,7 +467,12 @@ fn plan_on_device(
     // device-planned splits are long (total work / SMs) unless the batch is tiny
     let decode = decode_variant(problem, options, 2)?;
     let units = problem.hkv * decode.column_blocks(problem);
-    let target = device.sm_count * DEVICE_PLAN_CTAS_PER_SM;
+    let per_sm = if problem.paged.is_some() {
+        PAGED_CTAS_PER_SM
+    } else {
+        DEVICE_PLAN_CTAS_PER_SM
+    };
+    let target = device.sm_count * per_sm;
     let grid = target + problem.batch * units;
     if grid > i32::MAX as usize {
         return Err(Error::invalid(
