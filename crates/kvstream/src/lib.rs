@@ -16,7 +16,7 @@
 //! - [`kernels`] and [`jit`]: the embedded sources, their variants, NVRTC and the disk cache;
 //! - [`launch`] and [`runtime`]: `cuLaunchKernelEx` with PDL / cluster attributes, loaded modules;
 //! - [`decode`]: the public operation, [`Decoder`];
-//! - [`reference`]: the f64 CPU reference and the split/combine model the tests check against.
+//! - [`reference`](mod@reference): the f64 CPU reference and the split/combine model the tests check against.
 //!
 //! ```no_run
 //! use kvstream::{DType, DecodeProblem, Decoder, PlanOptions, Runtime};

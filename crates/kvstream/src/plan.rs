@@ -71,6 +71,12 @@
 //! shapes of run A, PDL off cost kernel reduction 0.51-1.25 us (median 0.73) and cluster
 //! reduction 0.42 us at the median (51 of 52 shapes slower, b1 32/8 L32768 0.49 us faster;
 //! 16/1 d64 L1024: kernel 5.22 -> 5.82 us, cluster 5.42 -> 5.84 us).
+//!
+//! Rechecked at a4ea985 (two runs on one H200, `results/kvstream-bench-2026-11-29-a4ea985*.json`):
+//! the rule is within 3% of the better mode on 56 and 58 of the 60 shapes. The misses are
+//! 16/16-head rows with 4 splits of 4-512 tiles where clusters won this time (d64 L2048: 6.40 vs
+//! 6.80 us; d128 L65536: 126.2 vs 130.9 us), the same rows on which the two earlier runs
+//! disagreed, so the rule is unchanged.
 
 use crate::error::{Error, Result};
 use crate::kernels::{CombineVariant, DecodeVariant};
