@@ -40,7 +40,9 @@
 //                      distributed shared memory, all in flight at once); after one cluster
 //                      barrier every CTA merges its slice from its own shared memory, in rank
 //                      order, and writes `out`: one launch, no workspace, nothing zeroed,
-//                      bitwise deterministic.
+//                      bitwise deterministic. Under a device plan the same holds for the long
+//                      units (cluster_splits splits each); short units run unsplit, up to
+//                      cluster_splits of them in one cluster that never synchronises.
 //
 // Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
 //   KVS_IS_F16       0: bf16, 1: f16 (Q, K, V and out share it)
@@ -387,8 +389,6 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     float* recv_m = reinterpret_cast<float*>(smem + SharedPlan::recv_m);
     float* recv_l = reinterpret_cast<float*>(smem + SharedPlan::recv_l);
     float* recv_o = reinterpret_cast<float*>(smem + SharedPlan::recv_o);
-    const bool in_cluster = p.cluster_splits > 1;
-
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
@@ -401,8 +401,13 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         fence_mbarrier_init();
     }
     __syncthreads();
+    // Static plan: every CTA of a cluster works on one (request, KV head), so the cluster's
+    // first phase starts before the previous kernel has finished. Device plan: a cluster holds
+    // either the splits of one long unit or up to cluster_splits unsplit short units (which
+    // never touch the cluster barrier), and only the work item says which.
     ClusterShape cluster = {};
-    if (in_cluster) {
+    const bool static_cluster = p.cluster_splits > 1 && !p.work;
+    if (static_cluster) {
         cluster = cluster_shape(p);
         cluster_arrive_relaxed();  // phase 1, waited on just before the first remote store
     }
@@ -413,6 +418,11 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     const WorkItem item = work_item(p);
     if (item.batch < 0) return;  // device plan: more CTAs than work this call
+    const bool in_cluster = p.cluster_splits > 1 && item.num_splits > 1;
+    if (in_cluster && !static_cluster) {
+        cluster = cluster_shape(p);
+        cluster_arrive_relaxed();
+    }
     const int batch = item.batch, kv_head = item.kv_head, split = item.split;
     // Lengths come from device memory the host never sees: clamp rather than trust them.
     const int len = max(0, min(p.seqlens ? p.seqlens[batch] : p.max_len, p.max_len));

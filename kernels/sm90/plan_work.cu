@@ -27,6 +27,12 @@
 //   p.work[k]          = {b, j} for k < items, {-1, 0} up to the grid size p.plan_grid
 //   p.request_plan[b]  = {n_b, slot_base_b}
 //
+// Cluster reduction (p.cluster_splits = C > 1): the splits of a unit must be one cluster of C
+// consecutive CTAs, so a request is either long (tiles_b > C0: C splits per unit, rank = split)
+// or short (one CTA per unit). Long requests' items come first, so every long unit starts on a
+// cluster boundary; the short units follow, packed C to a cluster (those CTAs never synchronise
+// with each other). items <= batch * units * C, the grid the host launches; no partial slots.
+//
 // One CTA of THREADS threads; requests are scanned in chunks of THREADS with a carried prefix.
 // Mirrored on the host by `plan::device_plan_splits` (tests check its bounds).
 // Compile-time configuration: KVS_MAX_SPLITS.
@@ -63,6 +69,61 @@ __device__ __forceinline__ long long block_exclusive_scan(long long x, long long
 __device__ __forceinline__ int request_len(const DecodeParams& p, int b) {
     return max(0, min(p.seqlens ? p.seqlens[b] : p.max_len, p.max_len));
 }
+
+__device__ __forceinline__ long long request_tiles(const DecodeParams& p, int b) {
+    return b < p.batch ? (request_len(p, b) + p.plan_tile - 1) / p.plan_tile : 0;
+}
+
+// Writes request b's items {b, j}, j < items, from work item `base` on.
+__device__ __forceinline__ void write_items(const DecodeParams& p, int b, long long base,
+                                            long long items) {
+    for (long long j = 0; j < items; ++j) {
+        p.work[2 * (base + j)] = b;
+        p.work[2 * (base + j) + 1] = (int)j;
+    }
+}
+
+// Decode CTAs `first` .. plan_grid - 1 get no work this call.
+__device__ __forceinline__ void mark_idle(const DecodeParams& p, long long first) {
+    for (long long k = first + threadIdx.x; k < p.plan_grid; k += THREADS) {
+        p.work[2 * k] = -1;
+        p.work[2 * k + 1] = 0;
+    }
+}
+
+// The cluster-reduction partition (header comment); returns the number of items.
+__device__ long long plan_clusters(const DecodeParams& p, long long fair, long long units,
+                                   long long* warp_sums) {
+    const long long cluster = p.cluster_splits;
+    long long long_items = 0;
+    for (int b0 = 0; b0 < p.batch; b0 += THREADS) {
+        const long long tiles = request_tiles(p, b0 + threadIdx.x);
+        long long chunk;
+        block_exclusive_scan(tiles > fair ? units * cluster : 0, warp_sums, chunk);
+        long_items += chunk;
+    }
+    long long long_carry = 0, short_carry = 0;
+    for (int b0 = 0; b0 < p.batch; b0 += THREADS) {
+        const int b = b0 + threadIdx.x;
+        const long long tiles = request_tiles(p, b);
+        const bool is_long = tiles > fair;
+        long long long_chunk, short_chunk;
+        const long long long_base =
+            long_carry + block_exclusive_scan(is_long ? units * cluster : 0, warp_sums, long_chunk);
+        const long long short_base = long_items + short_carry +
+                                     block_exclusive_scan(is_long || b >= p.batch ? 0 : units,
+                                                          warp_sums, short_chunk);
+        if (b < p.batch) {
+            const int splits = is_long ? (int)cluster : 1;
+            p.request_plan[2 * b] = splits;
+            p.request_plan[2 * b + 1] = 0;
+            write_items(p, b, is_long ? long_base : short_base, splits * units);
+        }
+        long_carry += long_chunk;
+        short_carry += short_chunk;
+    }
+    return long_items + short_carry;
+}
 }  // namespace kvs
 
 using namespace kvs;
@@ -78,19 +139,24 @@ kvs_plan_work(const __grid_constant__ DecodeParams p) {
     long long total_tiles = 0;
     for (int b0 = 0; b0 < p.batch; b0 += THREADS) {
         const int b = b0 + threadIdx.x;
-        const long long tiles = b < p.batch ? (request_len(p, b) + p.plan_tile - 1) / p.plan_tile : 0;
+        const long long tiles = request_tiles(p, b);
         long long chunk;
         block_exclusive_scan(tiles, warp_sums, chunk);
         total_tiles += chunk;
     }
     total_tiles *= units;
     const long long fair = max(1ll, (total_tiles + p.plan_target - 1) / p.plan_target);
+    if (p.cluster_splits > 1) {
+        mark_idle(p, plan_clusters(p, fair, units, warp_sums));
+        pdl_release_dependents();
+        return;
+    }
 
     // ---- tiles of the short units, and the split length of the long ones ----
     long long short_tiles = 0, long_requests = 0;
     for (int b0 = 0; b0 < p.batch; b0 += THREADS) {
         const int b = b0 + threadIdx.x;
-        const long long tiles = b < p.batch ? (request_len(p, b) + p.plan_tile - 1) / p.plan_tile : 0;
+        const long long tiles = request_tiles(p, b);
         long long chunk, count;
         block_exclusive_scan(tiles <= fair ? tiles : 0, warp_sums, chunk);
         block_exclusive_scan(tiles > fair ? 1 : 0, warp_sums, count);
@@ -107,7 +173,7 @@ kvs_plan_work(const __grid_constant__ DecodeParams p) {
     long long long_items = 0;
     for (int b0 = 0; b0 < p.batch; b0 += THREADS) {
         const int b = b0 + threadIdx.x;
-        const long long tiles = b < p.batch ? (request_len(p, b) + p.plan_tile - 1) / p.plan_tile : 0;
+        const long long tiles = request_tiles(p, b);
         const long long splits =
             tiles > fair ? min((long long)MAX_SPLITS, (tiles + per_split - 1) / per_split) : 0;
         long long chunk;
@@ -127,7 +193,7 @@ kvs_plan_work(const __grid_constant__ DecodeParams p) {
         const int b = b0 + threadIdx.x;
         int splits = 1;
         if (b < p.batch) {
-            const long long tiles = (request_len(p, b) + p.plan_tile - 1) / p.plan_tile;
+            const long long tiles = request_tiles(p, b);
             if (tiles > fair)
                 splits = (int)min((long long)MAX_SPLITS, max(1ll, (tiles + per_split - 1) / per_split));
         }
@@ -145,18 +211,11 @@ kvs_plan_work(const __grid_constant__ DecodeParams p) {
         if (b < p.batch) {
             p.request_plan[2 * b] = splits;
             p.request_plan[2 * b + 1] = (int)slot_base;
-            for (long long j = 0; j < items; ++j) {
-                p.work[2 * (item_base + j)] = b;
-                p.work[2 * (item_base + j) + 1] = (int)j;
-            }
+            write_items(p, b, item_base, items);
         }
         item_carry += items_chunk;
         slot_carry += slots_chunk;
     }
-    // ---- CTAs without work ----
-    for (long long k = item_carry + threadIdx.x; k < p.plan_grid; k += THREADS) {
-        p.work[2 * k] = -1;
-        p.work[2 * k + 1] = 0;
-    }
+    mark_idle(p, item_carry);
     pdl_release_dependents();
 }

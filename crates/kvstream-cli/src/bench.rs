@@ -73,7 +73,8 @@ pub struct BenchArgs {
     /// `kvstream/cluster-nopdl`).
     #[arg(long)]
     pub no_pdl: bool,
-    /// Also time the device-side planner (`kvstream/device-plan`).
+    /// Also time the device-side planner (`kvstream/device-plan`; with `--modes` also in cluster
+    /// reduction, `kvstream/device-plan-cluster`).
     #[arg(long)]
     pub device_plan: bool,
     /// Results file (METHOD.md format); rewritten after every shape.
@@ -208,6 +209,16 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
                 ..Default::default()
             },
         ));
+        if args.modes {
+            forced.push((
+                "kvstream/device-plan-cluster".to_string(),
+                PlanOptions {
+                    device_plan: true,
+                    reduction: Some(Cluster),
+                    ..Default::default()
+                },
+            ));
+        }
     }
     for (key, opts) in forced {
         if !out.iter().any(|(k, _)| *k == key) {
@@ -241,7 +252,7 @@ fn shape_implementations(
     out.extend(
         impls
             .iter()
-            .filter(|(k, o)| k != "kvstream" && !o.device_plan)
+            .filter(|(k, _)| k != "kvstream" && k != "kvstream/device-plan")
             .map(|(k, o)| match o.stages {
                 Some(_) => (
                     k.clone(),

@@ -195,7 +195,9 @@ pub struct PlanOptions {
     /// Plan the work partition on the device, from the lengths in device memory, at every call
     /// (a planner kernel ahead of the decode): the grid is sized from the problem's maxima and
     /// each request gets splits in proportion to its length, so a captured graph stays balanced
-    /// whatever lengths it is replayed with. Kernel reduction only.
+    /// whatever lengths it is replayed with. With cluster reduction the clusters have one size
+    /// ([`device_plan_cluster_size`]): a request longer than its fair share runs one cluster per
+    /// KV head, any other request one CTA per KV head.
     pub device_plan: bool,
 }
 
@@ -277,8 +279,8 @@ impl WorkspaceLayout {
 pub struct DevicePlan {
     /// Decode CTAs the partition aims for: every split streams at most total tiles / target.
     pub target: usize,
-    /// Decode CTAs launched: `target + batch * units`, enough for any lengths (CTAs without
-    /// work leave at once).
+    /// Decode CTAs launched: `target + batch * units` (cluster reduction: `batch * units *
+    /// cluster size`), enough for any lengths (CTAs without work leave at once).
     pub grid: usize,
     /// FP32 partial slots in the workspace (a request that would need more runs unsplit).
     pub slots: usize,
@@ -455,14 +457,6 @@ fn plan_on_device(
     device: DeviceFacts,
     options: PlanOptions,
 ) -> Result<DecodePlan> {
-    if options.reduction == Some(Reduction::Cluster) {
-        return Err(Error::invalid(
-            "reduction",
-            "cluster with device_plan",
-            "kernel reduction (the device plan gives each request its own split count; a \
-             cluster has one fixed size)",
-        ));
-    }
     if let Some(n) = options.num_splits {
         return Err(Error::invalid(
             "num_splits",
@@ -479,7 +473,13 @@ fn plan_on_device(
         DEVICE_PLAN_CTAS_PER_SM
     };
     let target = device.sm_count * per_sm;
-    let grid = target + problem.batch * units;
+    let cluster = (options.reduction == Some(Reduction::Cluster))
+        .then(|| device_plan_cluster_size(units, target));
+    let grid = match cluster {
+        // worst case: every unit long, one cluster each
+        Some(c) => problem.batch * units * c,
+        None => target + problem.batch * units,
+    };
     if grid > i32::MAX as usize {
         return Err(Error::invalid(
             "batch",
@@ -489,15 +489,15 @@ fn plan_on_device(
     }
     let block_cols = decode.n_tiles * 8;
     // split requests need about target + their units slots; 3 x target covers every batch the
-    // planner splits (it falls back to one split per unit beyond this)
-    let slots = 3 * target;
+    // planner splits (it falls back to one split per unit beyond this); clusters need none
+    let slots = if cluster.is_some() { 0 } else { 3 * target };
     Ok(DecodePlan {
         decode,
-        combine: Some(CombineVariant {
+        combine: cluster.is_none().then_some(CombineVariant {
             dtype: problem.dtype,
             head_dim: problem.head_dim,
         }),
-        num_splits: MAX_SPLITS,
+        num_splits: cluster.unwrap_or(MAX_SPLITS),
         grid: [grid as u32, 1, 1],
         device_plan: Some(DevicePlan {
             target,
@@ -511,8 +511,19 @@ fn plan_on_device(
             request_plan: 2 * problem.batch,
         },
         pdl: !options.disable_pdl,
-        reduction: Reduction::Kernel,
+        reduction: if cluster.is_some() {
+            Reduction::Cluster
+        } else {
+            Reduction::Kernel
+        },
     })
+}
+
+/// Cluster size of a device plan with cluster reduction: enough splits for one long request's
+/// `units` to fill the `target` CTAs, a power of two from 2 to [`MAX_CLUSTER_SPLITS`] (32/8
+/// heads: 16; 16/16: 8).
+pub fn device_plan_cluster_size(units: usize, target: usize) -> usize {
+    cluster_splits((target / units.max(1)).max(2))
 }
 
 /// Token range `[begin, end)` of split `split` of a request of `len` tokens; mirrors
@@ -544,9 +555,7 @@ pub fn device_plan_splits(
     target: usize,
     slot_capacity: usize,
 ) -> Vec<(usize, usize)> {
-    let tiles: Vec<usize> = lens.iter().map(|l| l.div_ceil(tile)).collect();
-    let total = tiles.iter().sum::<usize>() * units;
-    let fair = total.div_ceil(target).max(1);
+    let (tiles, total, fair) = fair_share(lens, units, tile, target);
     let short = tiles.iter().filter(|&&t| t <= fair).sum::<usize>() * units;
     let short_slots = short.div_ceil(fair);
     let long_slots = target.saturating_sub(short_slots).max(1);
@@ -584,6 +593,35 @@ pub fn device_plan_splits(
             slot_carry += slots;
             (splits, base)
         })
+        .collect()
+}
+
+/// Tiles per request, total unit-tiles and the fair share `ceil(total / target)` (at least 1).
+fn fair_share(
+    lens: &[usize],
+    units: usize,
+    tile: usize,
+    target: usize,
+) -> (Vec<usize>, usize, usize) {
+    let tiles: Vec<usize> = lens.iter().map(|l| l.div_ceil(tile)).collect();
+    let total = tiles.iter().sum::<usize>() * units;
+    (tiles, total, total.div_ceil(target).max(1))
+}
+
+/// What the device planner computes with cluster reduction (clusters of `cluster` CTAs), in the
+/// shape of [`device_plan_splits`]: a request longer than the fair share runs `cluster` splits
+/// per unit (one cluster each), any other request one CTA per unit; no partial slots.
+pub fn device_plan_cluster_splits(
+    lens: &[usize],
+    units: usize,
+    tile: usize,
+    target: usize,
+    cluster: usize,
+) -> Vec<(usize, usize)> {
+    let (tiles, _, fair) = fair_share(lens, units, tile, target);
+    tiles
+        .iter()
+        .map(|&t| (if t > fair { cluster } else { 1 }, 0))
         .collect()
 }
 
@@ -734,18 +772,37 @@ mod tests {
         assert!(o.m_partial < o.l_partial && o.l_partial < o.work && o.work < o.request_plan);
         assert_eq!(o.request_plan % 256, 0);
         assert!(pl.workspace.bytes() >= o.request_plan + 16 * 8);
-        for bad in [
-            PlanOptions {
-                reduction: Some(Reduction::Cluster),
-                ..opts
-            },
-            PlanOptions {
-                num_splits: Some(4),
-                ..opts
-            },
-        ] {
-            assert!(plan(&p, DeviceFacts::H200, bad).is_err());
-        }
+        let bad = PlanOptions {
+            num_splits: Some(4),
+            ..opts
+        };
+        assert!(plan(&p, DeviceFacts::H200, bad).is_err());
+    }
+
+    #[test]
+    fn device_plan_with_cluster_reduction_needs_no_workspace_for_partials() {
+        let p = DecodeProblem::new(16, 32, 8, 128, 1 << 20, DType::Bf16).unwrap();
+        let opts = PlanOptions {
+            device_plan: true,
+            reduction: Some(Reduction::Cluster),
+            ..Default::default()
+        };
+        let pl = plan(&p, DeviceFacts::H200, opts).unwrap();
+        let dp = pl.device_plan.unwrap();
+        // eight KV heads: clusters of 16 let one long request fill the 132 SMs
+        assert_eq!(pl.num_splits, 16);
+        assert_eq!(pl.reduction, Reduction::Cluster);
+        assert!(pl.combine.is_none());
+        assert_eq!(dp.grid, 16 * 8 * 16);
+        assert_eq!(dp.grid % pl.num_splits, 0, "whole clusters");
+        assert_eq!(
+            (dp.slots, pl.workspace.o_partial, pl.workspace.stats),
+            (0, 0, 0)
+        );
+        assert_eq!(pl.workspace.work, 2 * dp.grid);
+        assert_eq!(device_plan_cluster_size(16, 132), 8);
+        assert_eq!(device_plan_cluster_size(64, 132), 2);
+        assert_eq!(device_plan_cluster_size(1, 264), 16);
     }
 
     #[test]
@@ -771,7 +828,40 @@ mod tests {
         assert!(plan.iter().all(|&(splits, _)| splits == 1), "{plan:?}");
     }
 
+    #[test]
+    fn cluster_device_plan_gives_the_long_request_whole_clusters() {
+        let mut lens = vec![2048; 16];
+        lens[3] = 1 << 20;
+        let plan = device_plan_cluster_splits(&lens, 8, 64, 132, 16);
+        for (b, &(splits, slot)) in plan.iter().enumerate() {
+            assert_eq!(
+                (splits, slot),
+                (if b == 3 { 16 } else { 1 }, 0),
+                "request {b}"
+            );
+        }
+        // no request longer than its share: every unit runs unsplit
+        let plan = device_plan_cluster_splits(&[4096; 64], 8, 64, 132, 16);
+        assert!(plan.iter().all(|&(splits, _)| splits == 1));
+    }
+
     proptest! {
+        /// The cluster plan fits its grid, and its long units start on cluster boundaries
+        /// (long requests first, each `units * cluster` items).
+        #[test]
+        fn cluster_device_plan_stays_inside_its_grid(
+            lens in prop::collection::vec(0usize..300_000, 1..64),
+            units in 1usize..=32,
+        ) {
+            let cluster = device_plan_cluster_size(units, 132);
+            let plan = device_plan_cluster_splits(&lens, units, 64, 132, cluster);
+            let items: usize = plan.iter().map(|(s, _)| s * units).sum();
+            prop_assert!(items <= lens.len() * units * cluster);
+            for &(splits, _) in &plan {
+                prop_assert!(splits == 1 || splits == cluster);
+            }
+        }
+
         /// A uniform batch is split into at most one wave (or not at all).
         #[test]
         fn device_plan_splits_a_uniform_batch_into_one_wave(

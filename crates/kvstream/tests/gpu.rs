@@ -36,7 +36,9 @@ use cudarc::driver::{
     sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use half::{bf16, f16};
-use kvstream::plan::{cluster_splits, device_plan_splits, tile_tokens, CLUSTER_SPLITS};
+use kvstream::plan::{
+    cluster_splits, device_plan_cluster_splits, device_plan_splits, tile_tokens, CLUSTER_SPLITS,
+};
 use kvstream::reference::{
     decode_reference, random_bf16, random_f16, relative_error, RefOutput, RefShape, SplitMix64,
 };
@@ -668,9 +670,9 @@ fn run_case_as<T: Half>(
     let p = case.problem()?;
     // Alternate the consumer-warp layouts, ring depths and reduction modes over the cases; a
     // cluster holds a power of two of splits, at most MAX_CLUSTER_SPLITS.
-    // One case in six (not a cluster one) is planned on the device instead.
+    // One case in six is planned on the device instead (one in twelve with cluster reduction).
     let cluster = case.index % 4 == 3;
-    let device_plan = case.index % 6 == 5 && !cluster;
+    let device_plan = case.index % 6 == 5;
     let opts = PlanOptions {
         num_splits: if device_plan {
             None
@@ -898,7 +900,8 @@ fn mid_problem() -> DecodeProblem {
 }
 
 /// Expected run time: a few seconds (three 4 x 4096 references per problem): contiguous, and
-/// paged (page 16) with three new tokens per request, in kernel and cluster reduction.
+/// paged (page 16) with three new tokens per request, in kernel and cluster reduction, host- and
+/// device-planned.
 #[test]
 #[ignore = "needs an H100/H200 GPU: run with --ignored"]
 fn graph_capture_replays_with_new_lengths() {
@@ -913,8 +916,9 @@ fn graph_capture_replays_with_new_lengths() {
         reduction: Some(reduction),
         ..Default::default()
     };
-    let device_plan = PlanOptions {
+    let device_plan = |reduction| PlanOptions {
         device_plan: true,
+        reduction: Some(reduction),
         ..Default::default()
     };
     let length_sets = [[0, 4096, 1, 2049], [4096; 4], [17, 0, 4095, 64]];
@@ -922,16 +926,20 @@ fn graph_capture_replays_with_new_lengths() {
         (p.clone(), split(Reduction::Kernel)),
         (paged.clone(), split(Reduction::Kernel)),
         (paged.clone(), split(Reduction::Cluster)),
-        (p, device_plan),
-        (paged, device_plan),
+        (p.clone(), device_plan(Reduction::Kernel)),
+        (paged.clone(), device_plan(Reduction::Kernel)),
+        (p, device_plan(Reduction::Cluster)),
+        (paged, device_plan(Reduction::Cluster)),
     ] {
         graph_replay_case(&p, opts, &length_sets.map(|l| l.to_vec()));
     }
 }
 
 /// The device plan under one captured graph replayed with very different lengths: one long
-/// request and many short ones (the long one moving between replays), all empty, all full.
-/// Expected run time: a few seconds.
+/// request and many short ones (the long one moving between replays), all empty, all full; in
+/// kernel reduction and in cluster reduction (long requests as whole clusters, short ones
+/// packed unsplit into clusters that never synchronise). Every replay also checks the planner's
+/// per-request decisions against the host mirror. Expected run time: a few seconds.
 #[test]
 #[ignore = "needs an H100/H200 GPU: run with --ignored"]
 fn device_plan_balances_skewed_batches() {
@@ -951,14 +959,14 @@ fn device_plan_balances_skewed_batches() {
         // every unit longer than the fair share: splitting would need a second wave
         vec![long; batch],
     ];
-    graph_replay_case(
-        &p,
-        PlanOptions {
+    for reduction in [Reduction::Kernel, Reduction::Cluster] {
+        let opts = PlanOptions {
             device_plan: true,
+            reduction: Some(reduction),
             ..Default::default()
-        },
-        &sets,
-    );
+        };
+        graph_replay_case(&p, opts, &sets);
+    }
 }
 
 fn graph_replay_case(p: &DecodeProblem, opts: PlanOptions, length_sets: &[Vec<usize>]) {
@@ -1040,13 +1048,17 @@ fn graph_replay_case(p: &DecodeProblem, opts: PlanOptions, length_sets: &[Vec<us
             // the planner kernel decided what its host mirror decides for these lengths
             let units = p.hkv * dec.plan().decode.column_blocks(&p);
             let clamped: Vec<usize> = lens.iter().map(|&l| l.min(p.max_len)).collect();
-            let want = device_plan_splits(
-                &clamped,
-                units,
-                tile_tokens(p.head_dim),
-                dp.target,
-                dp.slots,
-            );
+            let tile = tile_tokens(p.head_dim);
+            let want = match reduction {
+                Reduction::Kernel => device_plan_splits(&clamped, units, tile, dp.target, dp.slots),
+                Reduction::Cluster => device_plan_cluster_splits(
+                    &clamped,
+                    units,
+                    tile,
+                    dp.target,
+                    dec.plan().num_splits,
+                ),
+            };
             let got = dec
                 .last_device_plan(&stream)
                 .unwrap_or_else(|e| panic!("{what}: {e}"))

@@ -270,8 +270,9 @@ def decode(
         device_plan: plan the split partition on the GPU at every call from the lengths in
             ``cache_seqlens`` (a small planner kernel ahead of the decode): each request gets
             splits in proportion to its length, so ragged batches and CUDA graphs replayed with
-            new lengths stay balanced. Kernel reduction only: ``reduction`` must be ``None`` or
-            ``"kernel"``, and ``num_splits`` ``None``.
+            new lengths stay balanced; ``num_splits`` must be ``None``. With
+            ``reduction="cluster"`` a request longer than its fair share runs one cluster per KV
+            head (a fixed size, up to 16 CTAs) and the others one CTA per KV head.
         return_lse: also return the log-sum-exp (natural log) of the scaled scores, float32:
             ``[batch, q_len, hq]`` for a 4-D ``q``, ``[batch, hq]`` for a 3-D one.
         out: optional contiguous output tensor of q's shape and dtype.
@@ -480,12 +481,6 @@ def decode(
         raise TypeError(
             f"kvstream.decode: device_plan must be a bool, got {device_plan!r} "
             f"({type(device_plan).__name__})"
-        )
-    if device_plan and reduction == "cluster":
-        raise ValueError(
-            "kvstream.decode: device_plan is True with reduction='cluster', allowed: "
-            "device_plan=True with reduction='kernel' or None (kernel reduction only), or "
-            "device_plan=False"
         )
     if device_plan and num_splits is not None:
         raise ValueError(

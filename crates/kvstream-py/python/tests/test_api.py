@@ -419,13 +419,13 @@ def test_device_plan_type(bad):
     fails(TypeError, "device_plan", repr(bad), "bool", device_plan=bad)
 
 
-def test_device_plan_needs_kernel_reduction_and_no_split_count():
-    fails(ValueError, "device_plan", "cluster", "'kernel' or None", device_plan=True, reduction="cluster")
+def test_device_plan_takes_no_split_count():
     fails(ValueError, "num_splits", "8", "device_plan", "None", device_plan=True, num_splits=8)
     pos, _ = good()
     passes_validation(*pos, device_plan=True)
     passes_validation(*pos, device_plan=True, reduction="kernel", cache_seqlens=FakeTensor((B,), I32))
     passes_validation(*pos, device_plan=False, reduction="cluster", num_splits=8)
+    passes_validation(*pos, device_plan=True, reduction="cluster")
     args = paged(q=FakeTensor((B, 4, HQ, D)), device_plan=True)
     passes_validation(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
 
@@ -465,7 +465,6 @@ def test_device_plan_needs_kernel_reduction_and_no_split_count():
         (dict(table_stride=256), "page_size"),
         (dict(page_size=16, num_pages=100, k_strides=(4096 * 256, 256, 128)), "k strides"),
         (dict(page_size=16, num_pages=100, v_strides=(4096 * 256, 256, 128)), "v strides"),
-        (dict(device_plan=True, reduction="cluster"), "reduction"),
         (dict(device_plan=True, num_splits=4), "num_splits"),
     ],
 )
@@ -493,6 +492,9 @@ def test_native_validate_reduction():
     assert "Kernel" in kernel and "num_splits: 4," in kernel, kernel
     # cluster reduction without a split count: a cluster size the planner picks itself
     assert "Cluster" in _native.validate(*args, reduction="cluster")
+    # a device plan with cluster reduction: clusters of 16 (two KV heads fill 132 SMs), no combine
+    dp = _native.validate(*args, reduction="cluster", device_plan=True)
+    assert "Cluster" in dp and "combine: None" in dp and "num_splits: 16," in dp, dp
     # kernel reduction takes any split count up to MAX_SPLITS
     assert "num_splits: 3," in _native.validate(*args, num_splits=3, reduction="kernel")
     # positional order: ..., softmax_scale, num_splits, reduction
