@@ -19,10 +19,9 @@ struct alignas(128) TensorMap {
 struct alignas(128) DecodeParams {
     TensorMap k_map;        // contiguous: K as a 4-D tensor {d, hkv, max_len, batch}; paged: the
     TensorMap v_map;        //   page pool {d, hkv, page_size, num_pages}; box {64, 1, rows, 1},
-                            //   128-byte swizzle; V likewise (decode kernel only)
+                            //   128-byte swizzle; V likewise (decode kernel only). The caches'
+                            //   addresses and strides reach the kernels only through these maps.
     const void* q;          // [batch, q_len, hq, d]     bf16 | f16, strides below
-    const void* k;          // contiguous [batch, max_len, hkv, d] (strides below) or paged
-    const void* v;          //   [num_pages, page_size, hkv, d]
     void* out;              // [batch, q_len, hq, d]     same dtype as q, strides below
     float* lse;             // [batch, q_len, hq] natural log, or null
     const int* seqlens;     // [batch] int32, or null: every request has max_len tokens
@@ -31,8 +30,6 @@ struct alignas(128) DecodeParams {
     float* l_partial;       // [num_splits, rows]      softmax denominator          * hq
     const int* block_table; // paged: [batch, table_stride] int32 page ids; null: contiguous
     long long q_batch_stride, q_token_stride, q_head_stride;
-    long long k_batch_stride, k_token_stride, k_head_stride;
-    long long v_batch_stride, v_token_stride, v_head_stride;
     long long o_batch_stride, o_token_stride, o_head_stride;
     int batch, hq, hkv, group;
     int max_len;            // L: capacity of the cache per request; every seqlens[b] <= max_len
@@ -55,7 +52,9 @@ struct alignas(128) DecodeParams {
     int plan_slots;         // FP32 partial slots in the workspace (device plan)
 };
 
-static_assert(sizeof(DecodeParams) == 640, "DecodeParams must match params.rs");
+// params.rs asserts the same size, and its tests lay this struct out from this file's text and
+// compare every field's offset with the Rust mirror's.
+static_assert(sizeof(DecodeParams) == 512, "DecodeParams must match params.rs");
 
 // Token range [begin, end) of one split. The cache is cut into whole tiles and split s takes
 // tiles [s * tiles / splits, (s + 1) * tiles / splits): run lengths differ by at most one tile,

@@ -15,8 +15,6 @@ pub struct DecodeParams {
     pub k_map: cudarc::driver::sys::CUtensorMap,
     pub v_map: cudarc::driver::sys::CUtensorMap,
     pub q: u64,
-    pub k: u64,
-    pub v: u64,
     pub out: u64,
     pub lse: u64,
     pub seqlens: u64,
@@ -27,12 +25,6 @@ pub struct DecodeParams {
     pub q_batch_stride: i64,
     pub q_token_stride: i64,
     pub q_head_stride: i64,
-    pub k_batch_stride: i64,
-    pub k_token_stride: i64,
-    pub k_head_stride: i64,
-    pub v_batch_stride: i64,
-    pub v_token_stride: i64,
-    pub v_head_stride: i64,
     pub o_batch_stride: i64,
     pub o_token_stride: i64,
     pub o_head_stride: i64,
@@ -58,5 +50,106 @@ pub struct DecodeParams {
     pub plan_slots: i32,
 }
 
-// Same number as the static_assert in params.cuh.
-const _: () = assert!(std::mem::size_of::<DecodeParams>() == 640);
+// Same number as the static_assert in params.cuh; the tests below compare every field's offset.
+const _: () = assert!(std::mem::size_of::<DecodeParams>() == 512);
+
+#[cfg(test)]
+mod tests {
+    use super::DecodeParams;
+    use std::mem::offset_of;
+
+    /// Every field of `DecodeParams` with its offset, in declaration order.
+    macro_rules! offsets {
+        ($($field:ident),* $(,)?) => {
+            vec![$((stringify!($field), offset_of!(DecodeParams, $field))),*]
+        };
+    }
+
+    /// (name, offset) of each field of the C++ struct, laid out from params.cuh's text with the
+    /// C rules (each field at the next multiple of its alignment).
+    fn cuda_layout() -> (Vec<(String, usize)>, usize) {
+        let header = include_str!("../../../kernels/include/params.cuh");
+        let start = header
+            .find("struct alignas(128) DecodeParams {")
+            .expect("DecodeParams in params.cuh");
+        let body = &header[start..];
+        let body = &body[body.find('{').unwrap() + 1..body.find("\n};").unwrap()];
+        let (mut fields, mut at) = (Vec::new(), 0usize);
+        for line in body.lines() {
+            let code = line.split("//").next().unwrap().trim();
+            let Some(decl) = code.strip_suffix(';') else {
+                assert!(code.is_empty(), "unparsed line in DecodeParams: {line:?}");
+                continue;
+            };
+            // `type name` or `type a, b, c`: the type ends at the first declarator's last space
+            // or `*`
+            let mut declarators = decl.split(',');
+            let first = declarators.next().unwrap().trim();
+            let cut = first.rfind([' ', '*']).expect("a type and a name") + 1;
+            let ty = first[..cut].trim();
+            let names: Vec<&str> = std::iter::once(first[cut..].trim())
+                .chain(declarators.map(str::trim))
+                .collect();
+            let (size, align) = match ty.trim_start_matches("const ") {
+                t if t.ends_with('*') => (8, 8),
+                "TensorMap" => (128, 128),
+                "long long" => (8, 8),
+                "int" | "float" => (4, 4),
+                other => panic!("type {other:?} of {names:?}: teach this test its size"),
+            };
+            for name in names {
+                at = at.div_ceil(align) * align;
+                fields.push((name.to_string(), at));
+                at += size;
+            }
+        }
+        (fields, at.div_ceil(128) * 128)
+    }
+
+    #[test]
+    fn rust_mirror_has_the_cuda_layout() {
+        let rust = offsets!(
+            k_map,
+            v_map,
+            q,
+            out,
+            lse,
+            seqlens,
+            o_partial,
+            m_partial,
+            l_partial,
+            block_table,
+            q_batch_stride,
+            q_token_stride,
+            q_head_stride,
+            o_batch_stride,
+            o_token_stride,
+            o_head_stride,
+            batch,
+            hq,
+            hkv,
+            group,
+            max_len,
+            num_splits,
+            scale_log2,
+            cluster_splits,
+            q_len,
+            cols,
+            col_blocks,
+            page_size,
+            table_stride,
+            work,
+            request_plan,
+            plan_grid,
+            plan_target,
+            plan_tile,
+            block_cols,
+            plan_slots,
+        );
+        let (cuda, size) = cuda_layout();
+        let rust: Vec<(String, usize)> =
+            rust.into_iter().map(|(n, o)| (n.to_string(), o)).collect();
+        assert_eq!(rust, cuda, "field names and offsets, Rust vs params.cuh");
+        assert_eq!(std::mem::size_of::<DecodeParams>(), size);
+    }
+}
