@@ -4,8 +4,9 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare serving (default: demo
-# sanitize sass gputests pytests peers). `bench` runs `kvstream bench` over bench/matrix.json,
+# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare serving ab (default:
+# demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
+# prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
 # FA3 wheel travels in .whl/); both pack their outputs into $OUT/<part>-results.tar.gz.
 set -u
@@ -32,7 +33,9 @@ if want sanitize; then
   done
 fi
 if want sass; then
+  [ -d .carry/cubins ] || echo "== sass: no .carry/cubins (prepare with DUMP_CUBINS=1)"
   for f in .carry/cubins/*.cubin; do
+    [ -e "$f" ] || continue
     s=$(cuobjdump -sass "$f")
     printf "%-44s HMMA=%s LDL/STL=%s UBLKCP=%s\n" "$(basename "$f")" "$(grep -c HMMA <<<"$s")" \
       "$(grep -cE 'LDL|STL' <<<"$s")" "$(grep -c UBLKCP <<<"$s")"
@@ -84,6 +87,9 @@ if want serving; then
     python3 bench/serving_peers.py --json bench/results/serving-peers-latest.json \
     --floors bench/results/kvstream-serving-latest.json --commit "${COMMIT:-unknown}" 2>&1 | tee $O/serving-peers.txt | tail -20
   tar czf $O/serving-results.tar.gz bench/results/kvstream-serving-latest.json bench/results/serving-peers-latest.json 2>/dev/null
+fi
+if want ab; then
+  bash bench/ab.sh
 fi
 if want peers; then
   timeout 300 python3 bench/peer_sdpa.py --shape 1,16,2,128,4096 --shape 1,16,2,128,131072

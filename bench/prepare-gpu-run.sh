@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Builds what bench/gpu-run.sh needs into the git-ignored .carry/ folder: the release CLI, the
 # GPU test executable, every kernel compiled (cache + raw CUBINs) and the Python wheel.
+# AB_REFS="c790eea 1ca18d6" also builds those commits (and this tree, as `head`) for bench/ab.sh
+# into .carry/ab/<name>/ with the bf16 single-token kernels they need in their caches.
+# Carry .carry and .whl (the FA3 wheel) together: about 55 MB; with AB_REFS, .carry alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="$PWD/.nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -13,7 +16,28 @@ for l in sys.stdin:
     m=json.loads(l)
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="gpu": print(m["executable"])')
 cp "$exe" .carry/bin/gpu-tests
-KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --dump .carry/cubins
+# every variant into the cache; raw CUBINs only with DUMP_CUBINS=1 (gpu-run.sh's `sass` part;
+# CI runs the same SASS checks in tests/sass.rs). Ring depth 6 is a forced experiment only:
+# those kernels stay out of the carried cache (the GPU machine compiles them if asked).
+if [ -n "${DUMP_CUBINS:-}" ]; then
+  KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --dump .carry/cubins
+else
+  KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels > /dev/null
+fi
+rm -f .carry/cache/*.s6.*
 [ -n "$(ls target/wheels/kvstream-*.whl 2>/dev/null)" ] || bash scripts/test-python.sh
 cp target/wheels/kvstream-*.whl .carry/wheels/
+if [ -n "${AB_REFS:-}" ]; then
+  keep() { for f in "$1"/*; do case $(basename "$f") in
+    decode_gqa.bf16.*.s4.g?-*|combine.bf16.*|plan_work.*|stream_read.*) cp "$f" "$2"/ ;; esac; done; }
+  mkdir -p .carry/ab/head/cache && cp .carry/bin/kvstream .carry/ab/head/ && keep .carry/cache .carry/ab/head/cache
+  for ref in $AB_REFS; do
+    wt=$(mktemp -d) && git worktree add -q --detach "$wt" "$ref"
+    CARGO_TARGET_DIR="$PWD/target/ab" cargo build --release -q -p kvstream-cli --manifest-path "$wt/Cargo.toml"
+    mkdir -p ".carry/ab/$ref/cache" && cp target/ab/release/kvstream ".carry/ab/$ref/"
+    tmp=$(mktemp -d) && KVSTREAM_CACHE_DIR="$tmp" ".carry/ab/$ref/kvstream" kernels > /dev/null
+    keep "$tmp" ".carry/ab/$ref/cache" && rm -rf "$tmp"
+    git worktree remove --force "$wt"
+  done
+fi
 du -sh .carry

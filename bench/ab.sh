@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Same-run A/B of several kvstream builds (bench/METHOD.md: ratios from one run, not absolute
+# times from different runs). Each build is a folder under $AB_DIR (default .carry/ab) holding
+# `kvstream` and its kernel cache `cache/`; every build times the same shapes, in alternating
+# order over PASSES passes, and bench/ab_table.py prints shape x key x build; the results files
+# travel back as one $OUT/ab-results.tar.gz.
+#   AB_DIR=.carry/ab IDS=mqa-d128-L1024,gqa-d64-L1024 PASSES=2 bash bench/ab.sh
+set -u
+AB_DIR=${AB_DIR:-.carry/ab}
+IDS=${IDS:-mqa-d128-L1024,gqa-d64-L1024,gqa-d128-L4096,mqa-d64-L4096,batch-b16-L4096}
+PASSES=${PASSES:-2}
+O=$(mktemp -d)
+builds=$(ls "$AB_DIR")
+for pass in $(seq 1 "$PASSES"); do
+  order=$builds; [ $((pass % 2)) = 0 ] && order=$(tr ' ' '\n' <<<"$builds" | tac)
+  for b in $order; do
+    KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" bench --ids "$IDS" \
+      --modes --rounds 7 --no-plots --json "$O/$b-$pass.json" > "$O/$b-$pass.txt" 2>&1
+    echo "$b pass $pass rc=$?"
+  done
+done
+python3 "$(dirname "$0")/ab_table.py" "$O"/*.json | tee "$O/table.txt"
+mkdir -p "${OUT:-/tmp/out}" && tar czf "${OUT:-/tmp/out}/ab-results.tar.gz" -C "$O" .
