@@ -17,14 +17,12 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="gpu": print(m["executable"])')
 cp "$exe" .carry/bin/gpu-tests
 # every variant into the cache; raw CUBINs only with DUMP_CUBINS=1 (gpu-run.sh's `sass` part;
-# CI runs the same SASS checks in tests/sass.rs). Ring depth 6 is a forced experiment only:
-# those kernels stay out of the carried cache (the GPU machine compiles them if asked).
+# CI runs the same SASS checks in tests/sass.rs)
 if [ -n "${DUMP_CUBINS:-}" ]; then
   KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --dump .carry/cubins
 else
   KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels > /dev/null
 fi
-rm -f .carry/cache/*.s6.*
 [ -n "$(ls target/wheels/kvstream-*.whl 2>/dev/null)" ] || bash scripts/test-python.sh
 cp target/wheels/kvstream-*.whl .carry/wheels/
 if [ -n "${AB_REFS:-}" ]; then

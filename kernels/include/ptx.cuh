@@ -218,29 +218,6 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
     return r;
 }
 
-// One float to a 16-bit value's bits (round to nearest even).
-template <bool IS_F16>
-__device__ __forceinline__ u16 float_to_half_bits(float x) {
-    u16 r;
-    if (IS_F16) {
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    } else {
-        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    }
-    return r;
-}
-
-template <bool IS_F16>
-__device__ __forceinline__ float half_to_float(u16 x) {
-    float f;
-    if (IS_F16) {
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-    } else {
-        f = __uint_as_float(((u32)x) << 16);
-    }
-    return f;
-}
-
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 }  // namespace kvs

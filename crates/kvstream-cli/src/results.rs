@@ -223,16 +223,18 @@ pub struct Row {
 impl Row {
     /// The row of `shape` before anything is measured.
     pub fn for_shape(shape: &Shape, io_bytes: u64) -> Self {
-        let mut extra = BTreeMap::new();
-        if let Some(p) = shape.page_size {
-            extra.insert("page_size".into(), serde_json::json!(p));
-        }
-        if let Some(l) = shape.long_len {
-            extra.insert("long_len".into(), serde_json::json!(l));
-        }
-        if shape.pages_in_order {
-            extra.insert("pages_in_order".into(), serde_json::json!(true));
-        }
+        // the shape's optional keys (page_size, long_len, ...: whatever it serialises beyond
+        // the row's own fields) travel as extra keys of the row
+        const ROW_KEYS: [&str; 9] = [
+            "id", "group", "batch", "q_len", "hq", "hkv", "d", "L", "dtype",
+        ];
+        let extra = match serde_json::to_value(shape) {
+            Ok(serde_json::Value::Object(keys)) => keys
+                .into_iter()
+                .filter(|(k, _)| !ROW_KEYS.contains(&k.as_str()))
+                .collect(),
+            _ => unreachable!("a Shape serialises to a JSON object"),
+        };
         Row {
             id: shape.id.clone(),
             group: Some(shape.group.clone()),
@@ -505,6 +507,19 @@ pub(crate) mod tests {
         let again: BenchResults =
             serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(again, r);
+    }
+
+    #[test]
+    fn rows_keep_the_shapes_optional_keys() {
+        let serving: Matrix = Matrix::parse(include_str!("../../../bench/serving.json")).unwrap();
+        let by_id = |id: &str| serving.shapes.iter().find(|s| s.id == id).unwrap();
+        let row = Row::for_shape(by_id("inorder64-b16-L2048-long1048576"), 0);
+        let keys: Vec<&str> = row.extra.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["long_len", "page_size", "pages_in_order"]);
+        assert_eq!(row.extra["long_len"], 1_048_576);
+        assert!(Row::for_shape(by_id("contig-b8-L32768"), 0)
+            .extra
+            .is_empty());
     }
 
     #[test]

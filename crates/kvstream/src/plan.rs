@@ -186,9 +186,8 @@ pub struct PlanOptions {
     /// of up to 16 query heads, see [`DecodeVariant::groups_fit`]). `None`: two groups when
     /// they fit and each split has at least two tiles (see [`consumer_groups`]).
     pub consumer_groups: Option<usize>,
-    /// Force the ring depth: [`STAGES`] (default), 2 (a third of the shared memory, so two
-    /// or three CTAs share an SM) or 6 (192 KB in flight per SM). A tuning knob, not yet chosen
-    /// by the heuristic.
+    /// Force the ring depth: [`STAGES`] or 2 (a third of the shared memory, so two or three
+    /// CTAs share an SM; the default for paged caches, [`PAGED_STAGES`]).
     pub stages: Option<usize>,
     /// Force the reduction mode. `None`: chosen from the split count ([`auto_reduction`]).
     pub reduction: Option<Reduction>,
@@ -202,7 +201,7 @@ pub struct PlanOptions {
 }
 
 /// Ring depths a decode kernel can be built with.
-pub const SUPPORTED_STAGES: [usize; 3] = [2, STAGES, 6];
+pub const SUPPORTED_STAGES: [usize; 2] = [2, STAGES];
 
 /// Groups of consumer warps for a split of `tiles_per_split` tiles with `n_tiles` head tiles.
 ///
