@@ -14,8 +14,10 @@ builds=$(ls "$AB_DIR")
 for pass in $(seq 1 "$PASSES"); do
   order=$builds; [ $((pass % 2)) = 0 ] && order=$(tr ' ' '\n' <<<"$builds" | tac)
   for b in $order; do
+    # builds from before the cluster reduction have one mode and no --modes
+    modes=$("$AB_DIR/$b/kvstream" bench --help | grep -q -- --modes && echo --modes)
     KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" bench --ids "$IDS" \
-      --modes --rounds 7 --no-plots --json "$O/$b-$pass.json" > "$O/$b-$pass.txt" 2>&1
+      $modes --rounds 7 --no-plots --json "$O/$b-$pass.json" > "$O/$b-$pass.txt" 2>&1
     echo "$b pass $pass rc=$?"
   done
 done

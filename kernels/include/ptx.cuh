@@ -98,8 +98,10 @@ __device__ __forceinline__ void pdl_wait_for_producer() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
-// Lets the next kernel in the stream start its prologue; it still waits for our completion
-// before reading anything we write.
+// Lets the next kernel in the stream launch once every CTA of this grid has called it (or
+// exited); that kernel's pdl_wait_for_producer still waits for our completion and the visibility
+// of our writes, so calling this early is always safe and only moves its launch off the
+// critical path.
 __device__ __forceinline__ void pdl_release_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }

@@ -62,6 +62,7 @@ kvs_combine(const __grid_constant__ DecodeParams p) {
     const int s_own = threadIdx.x;  // the split whose statistics this thread holds
 
     pdl_wait_for_producer();
+    pdl_release_dependents();  // as in decode_gqa.cu: the next kernel waits resident, not queued
 
     // Where split s of this row left its partials: [split][row] (static plan), or the device
     // plan's slots [slot][column of the decode CTA] (plan_work.cu). Rows the device plan did
@@ -121,7 +122,6 @@ kvs_combine(const __grid_constant__ DecodeParams p) {
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) warp_sum[warp][lane * PER_LANE + i] = acc[i];
     __syncthreads();
-    pdl_release_dependents();
 
     const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
     if (threadIdx.x < HEAD_DIM / 2) {

@@ -415,6 +415,10 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     // Everything above overlaps the previous kernel's tail; nothing below may read global
     // memory before it has finished.
     pdl_wait_for_producer();
+    // The next kernel (the combine, or the next decode) may launch as soon as every CTA of this
+    // grid has started: its CTAs then sit resident at their own wait, and our completion, not
+    // their launch, is what remains on the critical path.
+    pdl_release_dependents();
 
     const WorkItem item = work_item(p);
     if (item.batch < 0) return;  // device plan: more CTAs than work this call
@@ -474,7 +478,6 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                 for (int g = threadIdx.x; g < cols.count; g += THREADS) p.lse[cols.row(g)] = neg_inf();
             }
         }
-        pdl_release_dependents();
         return;
     }
 
@@ -727,5 +730,4 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         }
     }
     if (in_cluster) cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, cols);
-    pdl_release_dependents();
 }

@@ -133,6 +133,9 @@ kvs_plan_work(const __grid_constant__ DecodeParams p) {
     __shared__ long long warp_sums[WARPS];
     // The lengths may be written by the kernel before this one.
     pdl_wait_for_producer();
+    // The decode grid launches while this CTA plans: its prologue overlaps the planning, and its
+    // own griddepcontrol.wait still orders every read of the plan after our completion.
+    pdl_release_dependents();
     const long long units = (long long)p.hkv * p.col_blocks;
 
     // ---- total tiles over all units ----
@@ -148,7 +151,6 @@ kvs_plan_work(const __grid_constant__ DecodeParams p) {
     const long long fair = max(1ll, (total_tiles + p.plan_target - 1) / p.plan_target);
     if (p.cluster_splits > 1) {
         mark_idle(p, plan_clusters(p, fair, units, warp_sums));
-        pdl_release_dependents();
         return;
     }
 
@@ -217,5 +219,4 @@ kvs_plan_work(const __grid_constant__ DecodeParams p) {
         slot_carry += slots_chunk;
     }
     mark_idle(p, item_carry);
-    pdl_release_dependents();
 }

@@ -61,6 +61,10 @@ pub struct BenchArgs {
     /// Also time kvstream with these forced ring depths (`kvstream/s2`, ...).
     #[arg(long, value_delimiter = ',')]
     pub stages: Vec<usize>,
+    /// Also time kvstream with these forced split counts, kernel reduction (`kvstream/n8`, ...;
+    /// with --stages also every pair, `kvstream/n8-s4`): the sweeps behind plan.rs's tables.
+    #[arg(long, value_delimiter = ',')]
+    pub splits: Vec<usize>,
     /// Also time each reduction mode forced (`kvstream/kernel`, `kvstream/cluster`), next to
     /// the automatic choice (`kvstream`).
     #[arg(long)]
@@ -175,6 +179,21 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
             },
         ));
     }
+    for &n in &args.splits {
+        let split = PlanOptions {
+            num_splits: Some(n),
+            reduction: Some(Kernel),
+            ..Default::default()
+        };
+        forced.push((format!("kvstream/n{n}"), split));
+        for &s in &args.stages {
+            let both = PlanOptions {
+                stages: Some(s),
+                ..split
+            };
+            forced.push((format!("kvstream/n{n}-s{s}"), both));
+        }
+    }
     if args.modes {
         for (name, reduction) in [("kernel", Kernel), ("cluster", Cluster)] {
             let opts = PlanOptions {
@@ -253,15 +272,15 @@ fn shape_implementations(
         impls
             .iter()
             .filter(|(k, _)| k != "kvstream" && k != "kvstream/device-plan")
-            .map(|(k, o)| match o.stages {
-                Some(_) => (
+            .map(|(k, o)| match (o.stages, o.num_splits) {
+                (Some(_), None) => (
                     k.clone(),
                     PlanOptions {
                         device_plan: true,
                         ..*o
                     },
                 ),
-                None => (k.clone(), *o),
+                _ => (k.clone(), *o),
             }),
     );
     out
@@ -1071,6 +1090,8 @@ mod tests {
             "1,2",
             "--stages",
             "2",
+            "--splits",
+            "8",
             "--modes",
             "--no-pdl",
             "--cluster-splits",
@@ -1095,6 +1116,8 @@ mod tests {
                 "kvstream/g1",
                 "kvstream/g2",
                 "kvstream/s2",
+                "kvstream/n8",
+                "kvstream/n8-s2",
                 "kvstream/kernel",
                 "kvstream/kernel-nopdl",
                 "kvstream/cluster",
