@@ -9,6 +9,8 @@
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
 # FA3 wheel travels in .whl/); both pack their outputs into $OUT/<part>-results.tar.gz.
+# `serving` runs bench/serving.json (SERVING_ARGS) and bench/serving_peers.py (PEERS_ARGS, e.g.
+# --fa3-contiguous: FA3 on a contiguous copy of the skewed batch).
 set -u
 B=.carry/bin/kvstream
 export KVSTREAM_CACHE_DIR=$PWD/.carry/cache
@@ -85,7 +87,7 @@ if want serving; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
   KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout 150 \
     python3 bench/serving_peers.py --json bench/results/serving-peers-latest.json \
-    --floors bench/results/kvstream-serving-latest.json --commit "${COMMIT:-unknown}" 2>&1 | tee $O/serving-peers.txt | tail -20
+    --floors bench/results/kvstream-serving-latest.json --commit "${COMMIT:-unknown}" ${PEERS_ARGS:-} 2>&1 | tee $O/serving-peers.txt | tail -20
   tar czf $O/serving-results.tar.gz bench/results/kvstream-serving-latest.json bench/results/serving-peers-latest.json 2>/dev/null
 fi
 if want ab; then

@@ -311,19 +311,28 @@ __device__ __forceinline__ void produce_contiguous(const DecodeParams& p, const 
 
 // Paged cache: a tile is `boxes` page runs of `run` positions (whole pages, or a tile-sized
 // piece of a larger page); lane i loads runs i, i + 32, ... The page ids come from the block
-// table in global memory: each lane keeps them for the next PAGE_LOOKAHEAD tiles in registers
-// and loads the ids of tile t + PAGE_LOOKAHEAD while it issues tile t, so the table's latency
-// (~1 us) is paid once per split, not once per tile.
+// table in global memory, PAGE_LOOKAHEAD tiles ahead: slot k of `ids` holds the ids of tiles
+// k, k + PAGE_LOOKAHEAD, k + 2 PAGE_LOOKAHEAD, ... The tile loop is unrolled by PAGE_LOOKAHEAD so
+// that a slot is read by its tile's TMAs and then refilled in place; the table's latency is paid
+// once per split. (A window of registers shifted down by one slot per tile, v12, paid it once
+// per tile: moving a register whose load is still in flight waits for the load, ~1 us per tile
+// under full HBM traffic, whatever the ring depth.)
 constexpr int PAGE_LOOKAHEAD = STAGES;
 
-__device__ __forceinline__ void load_page_ids(int (&ids)[RUNS_PER_LANE], const int* table,
-                                              const DecodeParams& p, SplitRange range, int tile,
-                                              int run, int boxes, int lane) {
+struct PageWalk {
+    const int* table;  // this request's block table
+    int page_shift;    // log2(page size): page sizes are powers of two
+    int run;           // positions per TMA run: min(page size, TILE_TOKENS)
+    int boxes;         // runs per tile
+};
+
+__device__ __forceinline__ void load_page_ids(int (&ids)[RUNS_PER_LANE], const PageWalk& w,
+                                              SplitRange range, int tile, int lane) {
     const int tile_begin = range.begin + tile * TILE_TOKENS;
 #pragma unroll
     for (int i = 0; i < RUNS_PER_LANE; ++i) {
-        const int t = tile_begin + (lane + 32 * i) * run;
-        ids[i] = lane + 32 * i < boxes && t < range.end ? table[t / p.page_size] : -1;
+        const int t = tile_begin + (lane + 32 * i) * w.run;
+        ids[i] = lane + 32 * i < w.boxes && t < range.end ? w.table[t >> w.page_shift] : -1;
     }
 }
 
@@ -331,41 +340,41 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                                               SplitRange range, int num_tiles, int batch, int kv_head,
                                               int lane) {
     const int run = min(p.page_size, TILE_TOKENS);
-    const int boxes = TILE_TOKENS / run;
-    const int* table = p.block_table + (long long)batch * p.table_stride;
-    int ahead[PAGE_LOOKAHEAD][RUNS_PER_LANE];  // ids of tiles tile .. tile + PAGE_LOOKAHEAD - 1
+    const PageWalk w = {p.block_table + (long long)batch * p.table_stride, __ffs(p.page_size) - 1,
+                        run, TILE_TOKENS / run};
+    const int in_page_mask = p.page_size - 1;
+    int ids[PAGE_LOOKAHEAD][RUNS_PER_LANE];
 #pragma unroll
-    for (int k = 0; k < PAGE_LOOKAHEAD; ++k) load_page_ids(ahead[k], table, p, range, k, run, boxes, lane);
-    for (int tile = 0; tile < num_tiles; ++tile) {
-        const int stage = tile % STAGES;
-        const int tile_begin = range.begin + tile * TILE_TOKENS;
-        int page[RUNS_PER_LANE];
+    for (int k = 0; k < PAGE_LOOKAHEAD; ++k) load_page_ids(ids[k], w, range, k, lane);
+    static_assert(PAGE_LOOKAHEAD == STAGES, "slot k is ring stage k");
+    for (int tile0 = 0; tile0 < num_tiles; tile0 += PAGE_LOOKAHEAD) {
+        const u32 parity = ((tile0 / STAGES) - 1) & 1;  // of the round that last filled the stage
 #pragma unroll
-        for (int i = 0; i < RUNS_PER_LANE; ++i) page[i] = ahead[0][i];
+        for (int stage = 0; stage < PAGE_LOOKAHEAD; ++stage) {
+            const int tile = tile0 + stage;
+            if (tile >= num_tiles) break;
+            const int tile_begin = range.begin + tile * TILE_TOKENS;
+            if (tile0 > 0) mbarrier_wait(&r.empty[stage], parity);
+            unsigned char* dst[2] = {r.ring + stage * STAGE_BYTES, r.ring + stage * STAGE_BYTES + TILE_BYTES};
+            const TensorMap* map[2] = {&p.k_map, &p.v_map};
+            u64* bar[2] = {&r.k_full[stage], &r.v_full[stage]};
 #pragma unroll
-        for (int k = 0; k + 1 < PAGE_LOOKAHEAD; ++k)
+            for (int kv = 0; kv < 2; ++kv) {  // K, then V
+                if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_TX_BYTES);
+                __syncwarp();
 #pragma unroll
-            for (int i = 0; i < RUNS_PER_LANE; ++i) ahead[k][i] = ahead[k + 1][i];
-        // (positions past the split read as -1: nothing is loaded for tiles past the end)
-        load_page_ids(ahead[PAGE_LOOKAHEAD - 1], table, p, range, tile + PAGE_LOOKAHEAD, run, boxes, lane);
-        if (tile >= STAGES) mbarrier_wait(&r.empty[stage], ((tile / STAGES) - 1) & 1);
-        unsigned char* dst[2] = {r.ring + stage * STAGE_BYTES, r.ring + stage * STAGE_BYTES + TILE_BYTES};
-        const TensorMap* map[2] = {&p.k_map, &p.v_map};
-        u64* bar[2] = {&r.k_full[stage], &r.v_full[stage]};
+                for (int i = 0; i < RUNS_PER_LANE; ++i) {
+                    const int rr = lane + 32 * i;
+                    if (rr >= w.boxes) break;
+                    const int in_page = (tile_begin + rr * run) & in_page_mask;
 #pragma unroll
-        for (int kv = 0; kv < 2; ++kv) {  // K, then V
-            if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_TX_BYTES);
-            __syncwarp();
-#pragma unroll
-            for (int i = 0; i < RUNS_PER_LANE; ++i) {
-                const int rr = lane + 32 * i;
-                if (rr >= boxes) break;
-                const int in_page = (tile_begin + rr * run) % p.page_size;
-#pragma unroll
-                for (int box = 0; box < BOXES; ++box)
-                    tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * 64, kv_head,
-                                in_page, page[i], bar[kv], r.policy);
+                    for (int box = 0; box < BOXES; ++box)
+                        tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * 64, kv_head,
+                                    in_page, ids[stage][i], bar[kv], r.policy);
+                }
             }
+            // (positions past the split read as -1: nothing is loaded for tiles past the end)
+            load_page_ids(ids[stage], w, range, tile + PAGE_LOOKAHEAD, lane);
         }
     }
 }

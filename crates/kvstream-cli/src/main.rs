@@ -63,7 +63,7 @@ pub struct ShapeArgs {
     /// pages plus a few spare ones.
     #[arg(long)]
     pub page_size: Option<usize>,
-    /// Plan the split partition on the device at each call (kernel reduction, no --splits).
+    /// Plan the split partition on the device at each call (either reduction; no --splits).
     #[arg(long)]
     pub device_plan: bool,
 }
