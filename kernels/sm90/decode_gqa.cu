@@ -76,6 +76,15 @@ constexpr int ROWS_PER_WARP = TILE_TOKENS / GROUP_WARPS;
 constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
 constexpr int GROUP_PAD = N_TILES * 8;
 constexpr int D_TILES = HEAD_DIM / 16;
+// Paged caches with the 2-stage ring run two CTAs per SM (plan.rs, PAGED_CTAS_PER_SM), so the
+// register budget has to leave room for both, or the second CTA silently waits for the first
+// (two consumer groups at 114 registers did: 1.2-1.4x slower on split-heavy paged rows). Two
+// CTAs of nine warps put five warps on one SM quadrant: 96 registers each. ptxas fits d128 with
+// one column block in 95; d64 (97+) and two column blocks (~150) would spill under that cap, and
+// one consumer group (168 under the cap) fits up to two column blocks. The others keep one CTA
+// per SM.
+constexpr int MIN_CTAS_PER_SM =
+    PAGED && STAGES == 2 && (CONSUMER_GROUPS == 1 ? N_TILES <= 2 : N_TILES == 1 && HEAD_DIM == 128) ? 2 : 1;
 
 // K and V tiles arrive as TMA boxes of 64 head dims (128 bytes) x TILE_TOKENS positions, one box
 // per 64 dims, with the 128-byte swizzle: 16-byte chunk c of position t sits at chunk c ^ (t % 8)
@@ -383,7 +392,7 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
 
 using namespace kvs;
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
 kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((SharedPlan::align - smem_addr(smem_raw) % SharedPlan::align) %

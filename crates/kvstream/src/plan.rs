@@ -102,6 +102,11 @@ pub const MULTI_TOKEN_CTAS_PER_SM: usize = 1;
 pub const PAGED_CTAS_PER_SM: usize = 2;
 /// Ring depth for paged caches (see [`PAGED_CTAS_PER_SM`]).
 pub const PAGED_STAGES: usize = 2;
+/// Fewest tiles a paged split streams: a paged split pays one more dependent load before its
+/// first byte (length, block table, then TMA), so two-tile splits lose to four-tile ones. Forced
+/// split counts at b1 L4096, 32/8 d128 (`results/paged-sweep-2026-11-29-*.json`): 16 splits of
+/// 4 tiles 9.4-9.9 us, 33 of 2 tiles 10.9-11.6 us, at pages of 16 and 64 alike.
+pub const PAGED_MIN_TILES_PER_SPLIT: usize = 4;
 /// Most splits per (request, KV head): bounds the workspace and the combine's loop.
 pub const MAX_SPLITS: usize = 128;
 
@@ -340,7 +345,11 @@ pub fn heuristic_splits(problem: &DecodeProblem, device: DeviceFacts) -> usize {
     };
     let fill = (target / ctas).max(1);
     let tiles = problem.max_len.div_ceil(tile_tokens(problem.head_dim));
-    let longest_useful = (tiles / MIN_TILES_PER_SPLIT).max(1);
+    let min_tiles = match problem.paged {
+        Some(_) => PAGED_MIN_TILES_PER_SPLIT,
+        None => MIN_TILES_PER_SPLIT,
+    };
+    let longest_useful = (tiles / min_tiles).max(1);
     fill.min(longest_useful).clamp(1, MAX_SPLITS)
 }
 
@@ -664,6 +673,24 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn paged_splits_keep_four_tiles() {
+        let p = DecodeProblem::new(1, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        let contiguous = plan(&p, DeviceFacts::H200, PlanOptions::default()).unwrap();
+        assert_eq!(contiguous.num_splits, 8); // target 66 CTAs over 8 units
+        let paged = p.with_paged(16, 256, None).unwrap();
+        let pl = plan(&paged, DeviceFacts::H200, PlanOptions::default()).unwrap();
+        assert_eq!(pl.num_splits, 16); // 264 CTAs wanted, 64 tiles / 4
+        let long = DecodeProblem::new(1, 32, 8, 128, 32768, DType::Bf16).unwrap();
+        let pl = plan(
+            &long.with_paged(64, 512, None).unwrap(),
+            DeviceFacts::H200,
+            PlanOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(pl.num_splits, 33);
     }
 
     #[test]
