@@ -40,9 +40,9 @@
 //! With several splits, their partial results are merged either by a combine kernel (kernel
 //! reduction: FP32 workspace, second launch under PDL) or inside a thread-block cluster (cluster
 //! reduction: one launch, DSMEM, powers of two up to 16 splits). Rule ([`auto_reduction`]):
-//! **cluster reduction when there are 2, 4 or 8 splits of at most 2 tiles each**
-//! ([`AUTO_CLUSTER_MAX_SPLITS`], [`AUTO_CLUSTER_MAX_TILES`]), kernel reduction otherwise; PDL on
-//! in both modes. Measured with `kvstream bench --modes` on two H200s (run A at e0d1f75, run B
+//! **cluster reduction when there are 2, 4 or 8 splits of at most 2 tiles each and at most 8
+//! query columns per KV head** ([`AUTO_CLUSTER_MAX_SPLITS`], [`AUTO_CLUSTER_MAX_TILES`],
+//! [`AUTO_CLUSTER_MAX_COLUMNS`]), kernel reduction otherwise; PDL on in both modes. Measured with `kvstream bench --modes` on two H200s (run A at e0d1f75, run B
 //! at c790eea; `results/kvstream-bench-2026-11-29-{e0d1f75,c790eea}.json`), cluster time /
 //! kernel time at the heuristic's split count (< 1: cluster faster):
 //!
@@ -77,6 +77,13 @@
 //! 16/16-head rows with 4 splits of 4-512 tiles where clusters won this time (d64 L2048: 6.40 vs
 //! 6.80 us; d128 L65536: 126.2 vs 130.9 us), the same rows on which the two earlier runs
 //! disagreed, so the rule is unchanged.
+//!
+//! Since e7c628d every kernel releases its dependents at the top, which takes the combine's
+//! launch off kernel reduction's critical path (0.3-0.4 us on one-tile splits). Two runs of the
+//! 60 shapes (`results/kvstream-bench-2026-11-29-{e7c628d,26d9d4a}.json`), cluster / kernel on
+//! the three rows the rule then gave to clusters: 16/2 d64 L1024 (8 columns) 0.971 / 0.971,
+//! 16/16 d64 L1024 (1 column) 0.970 / 0.966, 16/1 d64 L1024 (16 columns) 1.046 / 1.053. The
+//! 16-column row had been the rule's weakest (1.039 / 0.984 above): hence the column bound.
 
 use crate::error::{Error, Result};
 use crate::kernels::{CombineVariant, DecodeVariant};
@@ -165,14 +172,19 @@ pub const CLUSTER_SPLITS: [usize; 5] = [1, 2, 4, 8, 16];
 pub const AUTO_CLUSTER_MAX_SPLITS: usize = 8;
 /// Longest split (in tiles) for which the automatic choice takes cluster reduction.
 pub const AUTO_CLUSTER_MAX_TILES: usize = 2;
+/// Most query columns per KV head (q_len x group) for which the automatic choice takes cluster
+/// reduction: every CTA of a cluster merges its head-dim slice of every column from every peer,
+/// so the in-cluster merge grows with the columns while the combine spreads rows over CTAs.
+pub const AUTO_CLUSTER_MAX_COLUMNS: usize = 8;
 
 /// The reduction mode chosen when the caller does not force one (module docs):
-/// `num_splits` splits of at most `tiles_per_split` tiles each.
-pub fn auto_reduction(num_splits: usize, tiles_per_split: usize) -> Reduction {
+/// `num_splits` splits of at most `tiles_per_split` tiles each, `columns` query rows per KV head.
+pub fn auto_reduction(num_splits: usize, tiles_per_split: usize, columns: usize) -> Reduction {
     let cluster_size = num_splits > 1 && CLUSTER_SPLITS.contains(&num_splits);
     if cluster_size
         && num_splits <= AUTO_CLUSTER_MAX_SPLITS
         && tiles_per_split <= AUTO_CLUSTER_MAX_TILES
+        && columns <= AUTO_CLUSTER_MAX_COLUMNS
     {
         Reduction::Cluster
     } else {
@@ -395,7 +407,7 @@ pub fn plan(
     let tiles_per_split = tiles.div_ceil(num_splits);
     let reduction = options
         .reduction
-        .unwrap_or_else(|| auto_reduction(num_splits, tiles_per_split));
+        .unwrap_or_else(|| auto_reduction(num_splits, tiles_per_split, problem.columns()));
     let decode = decode_variant(problem, options, tiles_per_split)?;
     let combine = (num_splits > 1 && reduction == Reduction::Kernel).then_some(CombineVariant {
         dtype: problem.dtype,
@@ -657,6 +669,7 @@ mod tests {
             (pl.num_splits, pl.reduction, pl.combine.is_some())
         };
         assert_eq!(auto(1, 16, 2, 64, 1024), (8, Reduction::Cluster, false));
+        assert_eq!(auto(1, 16, 1, 64, 1024), (8, Reduction::Kernel, true)); // 16 columns
         assert_eq!(auto(1, 16, 16, 64, 1024), (4, Reduction::Cluster, false));
         assert_eq!(auto(1, 16, 16, 128, 1024), (4, Reduction::Kernel, true));
         assert_eq!(auto(1, 16, 16, 64, 65_536), (4, Reduction::Kernel, true));
@@ -665,12 +678,14 @@ mod tests {
         assert_eq!(auto(128, 32, 8, 128, 4096).0, 1);
         for n in 1..=MAX_SPLITS {
             for t in 1..4 {
-                let cluster = auto_reduction(n, t) == Reduction::Cluster;
-                assert_eq!(
-                    cluster,
-                    [2, 4, 8].contains(&n) && t <= 2,
-                    "{n} splits of {t} tiles"
-                );
+                for c in [1, 8, 9, 16] {
+                    let cluster = auto_reduction(n, t, c) == Reduction::Cluster;
+                    assert_eq!(
+                        cluster,
+                        [2, 4, 8].contains(&n) && t <= 2 && c <= 8,
+                        "{n} splits of {t} tiles, {c} columns"
+                    );
+                }
             }
         }
     }
@@ -999,7 +1014,7 @@ mod tests {
             let tiles = len.div_ceil(tile_tokens(d));
             if pl.num_splits > 1 {
                 prop_assert!(tiles / pl.num_splits >= MIN_TILES_PER_SPLIT);
-                prop_assert_eq!(pl.reduction, auto_reduction(pl.num_splits, tiles.div_ceil(pl.num_splits)));
+                prop_assert_eq!(pl.reduction, auto_reduction(pl.num_splits, tiles.div_ceil(pl.num_splits), g));
                 let expected = match pl.reduction {
                     Reduction::Kernel => pl.num_splits * batch * hkv * g * d,
                     Reduction::Cluster => 0,
