@@ -16,7 +16,8 @@ for pass in $(seq 1 "$PASSES"); do
   for b in $order; do
     # builds from before the cluster reduction have one mode and no --modes
     modes=$("$AB_DIR/$b/kvstream" bench --help | grep -q -- --modes && echo --modes)
-    KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" bench --ids "$IDS" \
+    # (builds before KVSTREAM_COMMIT existed write this checkout's commit into their files)
+    KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" bench --ids "$IDS" \
       $modes --rounds 7 --no-plots --json "$O/$b-$pass.json" > "$O/$b-$pass.txt" 2>&1
     echo "$b pass $pass rc=$?"
   done
