@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds what bench/gpu-run.sh needs into the git-ignored .carry/ folder: the release CLI, the
 # GPU test executable, every kernel compiled (cache + raw CUBINs) and the Python wheel.
-# AB_REFS="c790eea 1ca18d6" also builds those commits (and this tree, as `head`) for bench/ab.sh
-# into .carry/ab/<name>/ with the bf16 single-token kernels they need in their caches.
+# AB_REFS="c790eea 1ca18d6" also builds those commits (and this tree) for bench/ab.sh
+# into .carry/ab/<commit>/ with the bf16 single-token kernels they need in their caches (this tree
+# under its own short commit, `-dirty` when crates/ or kernels/ differ from it).
 # Carry .carry and .whl (the FA3 wheel) together: about 55 MB; with AB_REFS, .carry alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,8 @@ cp target/wheels/kvstream-*.whl .carry/wheels/
 if [ -n "${AB_REFS:-}" ]; then
   keep() { for f in "$1"/*; do case $(basename "$f") in
     decode_gqa.bf16.*.s4.g?-*|combine.bf16.*|plan_work.*|stream_read.*) cp "$f" "$2"/ ;; esac; done; }
-  mkdir -p .carry/ab/head/cache && cp .carry/bin/kvstream .carry/ab/head/ && keep .carry/cache .carry/ab/head/cache
+  head=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates kernels || echo -dirty)
+  mkdir -p ".carry/ab/$head/cache" && cp .carry/bin/kvstream ".carry/ab/$head/" && keep .carry/cache ".carry/ab/$head/cache"
   for ref in $AB_REFS; do
     wt=$(mktemp -d) && git worktree add -q --detach "$wt" "$ref"
     CARGO_TARGET_DIR="$PWD/target/ab" cargo build --release -q -p kvstream-cli --manifest-path "$wt/Cargo.toml"
