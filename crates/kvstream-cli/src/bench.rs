@@ -65,6 +65,10 @@ pub struct BenchArgs {
     /// with --stages also every pair, `kvstream/n8-s4`): the sweeps behind plan.rs's tables.
     #[arg(long, value_delimiter = ',')]
     pub splits: Vec<usize>,
+    /// Also time kvstream with at most this many decode CTAs per SM (`kvstream/r1`, ...; with
+    /// --stages also every pair, `kvstream/s2-r1`).
+    #[arg(long, value_delimiter = ',')]
+    pub resident_ctas: Vec<usize>,
     /// Also time each reduction mode forced (`kvstream/kernel`, `kvstream/cluster`), next to
     /// the automatic choice (`kvstream`).
     #[arg(long)]
@@ -192,6 +196,20 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
                 ..split
             };
             forced.push((format!("kvstream/n{n}-s{s}"), both));
+        }
+    }
+    for &r in &args.resident_ctas {
+        let capped = PlanOptions {
+            resident_ctas: Some(r),
+            ..Default::default()
+        };
+        forced.push((format!("kvstream/r{r}"), capped));
+        for &s in &args.stages {
+            let both = PlanOptions {
+                stages: Some(s),
+                ..capped
+            };
+            forced.push((format!("kvstream/s{s}-r{r}"), both));
         }
     }
     if args.modes {
@@ -1092,6 +1110,8 @@ mod tests {
             "2",
             "--splits",
             "8",
+            "--resident-ctas",
+            "1",
             "--modes",
             "--no-pdl",
             "--cluster-splits",
@@ -1118,6 +1138,8 @@ mod tests {
                 "kvstream/s2",
                 "kvstream/n8",
                 "kvstream/n8-s2",
+                "kvstream/r1",
+                "kvstream/s2-r1",
                 "kvstream/kernel",
                 "kvstream/kernel-nopdl",
                 "kvstream/cluster",

@@ -97,7 +97,7 @@ impl Decoder {
     /// Plans `problem` for this GPU, loads its kernels and allocates the split workspace.
     pub fn new(rt: &Arc<Runtime>, problem: DecodeProblem, options: PlanOptions) -> Result<Self> {
         let plan = plan(&problem, rt.facts(), options)?;
-        let decode = rt.kernel(AnyVariant::Decode(plan.decode), plan.decode.shared_bytes())?;
+        let decode = rt.kernel(AnyVariant::Decode(plan.decode), plan.decode_shared_bytes)?;
         let combine = match plan.combine {
             Some(c) => Some(rt.kernel(AnyVariant::Combine(c), 0)?),
             None => None,
@@ -141,7 +141,7 @@ impl Decoder {
                     format!(
                         "a cluster size this GPU can co-schedule with {} B of shared memory per \
                          CTA (cluster reduction); use fewer splits or kernel reduction",
-                        decoder.plan.decode.shared_bytes()
+                        decoder.plan.decode_shared_bytes
                     ),
                 ));
             }
@@ -169,7 +169,7 @@ impl Decoder {
         LaunchConfig {
             grid: self.plan.grid,
             block: [self.plan.decode.threads(), 1, 1],
-            shared_bytes: self.plan.decode.shared_bytes() as u32,
+            shared_bytes: self.plan.decode_shared_bytes as u32,
             pdl: self.plan.pdl,
             cluster: self
                 .cluster()

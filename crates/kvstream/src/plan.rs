@@ -215,6 +215,29 @@ pub struct PlanOptions {
     /// ([`device_plan_cluster_size`]): a request longer than its fair share runs one cluster per
     /// KV head, any other request one CTA per KV head.
     pub device_plan: bool,
+    /// Tuning knob: at most this many decode CTAs resident per SM (1..=[`MAX_RESIDENT_CTAS`]),
+    /// enforced by padding each CTA's shared memory ([`resident_shared_bytes`]). `None`: as
+    /// many as fit.
+    pub resident_ctas: Option<usize>,
+}
+
+/// Shared memory of one H100/H200 SM, and what the hardware reserves per resident CTA.
+pub const SM_SHARED_BYTES: usize = 228 * 1024;
+/// (see [`SM_SHARED_BYTES`])
+pub const SHARED_BYTES_RESERVED_PER_CTA: usize = 1024;
+/// Largest [`PlanOptions::resident_ctas`].
+pub const MAX_RESIDENT_CTAS: usize = 3;
+
+/// Dynamic shared memory to launch a decode CTA needing `needed` bytes with, so that at most
+/// `resident` of them share an SM: one byte more than `resident + 1` CTAs could have.
+pub fn resident_shared_bytes(needed: usize, resident: Option<usize>) -> usize {
+    match resident {
+        None => needed,
+        Some(n) => {
+            let crowd = SM_SHARED_BYTES / (n + 1) - SHARED_BYTES_RESERVED_PER_CTA + 1;
+            needed.max(crowd.div_ceil(128) * 128)
+        }
+    }
 }
 
 /// Ring depths a decode kernel can be built with.
@@ -330,6 +353,9 @@ pub struct DecodePlan {
     pub pdl: bool,
     /// How splits are merged (irrelevant with one split).
     pub reduction: Reduction,
+    /// Dynamic shared memory of a decode CTA: the variant's, or more to cap the CTAs per SM
+    /// ([`PlanOptions::resident_ctas`]).
+    pub decode_shared_bytes: usize,
 }
 
 /// Device facts the plan depends on.
@@ -379,6 +405,15 @@ pub fn plan(
     options: PlanOptions,
 ) -> Result<DecodePlan> {
     problem.validate()?;
+    if let Some(n) = options.resident_ctas {
+        if !(1..=MAX_RESIDENT_CTAS).contains(&n) {
+            return Err(Error::invalid(
+                "resident_ctas",
+                n,
+                format!("1..={MAX_RESIDENT_CTAS} decode CTAs per SM"),
+            ));
+        }
+    }
     if options.device_plan {
         return plan_on_device(problem, device, options);
     }
@@ -436,6 +471,7 @@ pub fn plan(
         workspace,
         pdl: !options.disable_pdl,
         reduction,
+        decode_shared_bytes: resident_shared_bytes(decode.shared_bytes(), options.resident_ctas),
     })
 }
 
@@ -536,6 +572,7 @@ fn plan_on_device(
         } else {
             Reduction::Kernel
         },
+        decode_shared_bytes: resident_shared_bytes(decode.shared_bytes(), options.resident_ctas),
     })
 }
 
@@ -688,6 +725,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn resident_ctas_pad_shared_memory_just_enough() {
+        for n in 1..=MAX_RESIDENT_CTAS {
+            let b = resident_shared_bytes(10_000, Some(n));
+            let per_cta = b + SHARED_BYTES_RESERVED_PER_CTA;
+            assert!(n * per_cta <= SM_SHARED_BYTES, "{n} CTAs of {b} B fit");
+            assert!(
+                (n + 1) * per_cta > SM_SHARED_BYTES,
+                "{} CTAs of {b} B do not",
+                n + 1
+            );
+        }
+        assert_eq!(resident_shared_bytes(200_000, Some(1)), 200_000);
+        assert_eq!(resident_shared_bytes(5_000, None), 5_000);
+        let p = DecodeProblem::new(1, 16, 2, 128, 4096, DType::Bf16).unwrap();
+        let bad = PlanOptions {
+            resident_ctas: Some(0),
+            ..Default::default()
+        };
+        assert!(plan(&p, DeviceFacts::H200, bad).is_err());
     }
 
     #[test]

@@ -49,7 +49,8 @@ unsafe impl Sync for LoadedKernel {}
 pub struct Runtime {
     ctx: Arc<CudaContext>,
     facts: DeviceFacts,
-    loaded: Mutex<HashMap<AnyVariant, (Module, LoadedKernel)>>,
+    /// Loaded kernels, with the dynamic shared memory each is allowed to launch with.
+    loaded: Mutex<HashMap<AnyVariant, (Module, LoadedKernel, usize)>>,
 }
 
 /// Errors unless the CUDA driver library can be loaded (cudarc would panic on first use).
@@ -126,10 +127,16 @@ impl Runtime {
     }
 
     /// The kernel for `variant`, compiling and loading it on first use. `shared_bytes` is the
-    /// dynamic shared memory it will be launched with (the opt-in limit is raised to it).
+    /// dynamic shared memory it will be launched with (the opt-in limit is raised to it, also
+    /// for a kernel already loaded by a plan that needed less).
     pub fn kernel(&self, variant: AnyVariant, shared_bytes: usize) -> Result<LoadedKernel> {
         let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((_, k)) = loaded.get(&variant) {
+        if let Some((_, k, allowed)) = loaded.get_mut(&variant) {
+            if shared_bytes > *allowed {
+                self.bind()?;
+                allow_shared_bytes(k.func, shared_bytes, &variant.as_variant().name())?;
+                *allowed = shared_bytes;
+            }
             return Ok(*k);
         }
         self.bind()?;
@@ -144,20 +151,7 @@ impl Runtime {
         // SAFETY: module is live.
         let func = unsafe { cu::module::get_function(module, entry) }
             .map_err(|e| Error::driver(format!("finding {} in {name}", v.entry()), e))?;
-        // SAFETY: func is live; the attribute only raises the shared-memory opt-in limit.
-        unsafe {
-            cu::function::set_function_attribute(
-                func,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared_bytes as i32,
-            )
-        }
-        .map_err(|e| {
-            Error::driver(
-                format!("allowing {shared_bytes} B of shared memory for {name}"),
-                e,
-            )
-        })?;
+        allow_shared_bytes(func, shared_bytes, &name)?;
         // Cluster reductions of 16 CTAs exceed the portable cluster size (8); the decoder checks
         // with the occupancy API that such a cluster fits before it plans one.
         // SAFETY: func is live; the attribute only widens the cluster sizes a launch may ask for.
@@ -173,7 +167,7 @@ impl Runtime {
             func,
             report: ResourceFigures::from(&compiled.report()),
         };
-        loaded.insert(variant, (Module(module), kernel));
+        loaded.insert(variant, (Module(module), kernel, shared_bytes));
         Ok(kernel)
     }
 
@@ -220,9 +214,22 @@ impl Drop for Runtime {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         let loaded = self.loaded.get_mut().unwrap_or_else(|p| p.into_inner());
-        for (_, (module, _)) in loaded.drain() {
+        for (_, (module, _, _)) in loaded.drain() {
             // SAFETY: each module is unloaded once; failures are ignored (never panic in drop).
             let _ = unsafe { cu::module::unload(module.0) };
         }
     }
+}
+
+/// Raises `func`'s dynamic shared memory opt-in limit to `bytes`.
+fn allow_shared_bytes(func: sys::CUfunction, bytes: usize, name: &str) -> Result<()> {
+    // SAFETY: func is live; the attribute only raises the shared-memory opt-in limit.
+    unsafe {
+        cu::function::set_function_attribute(
+            func,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+    }
+    .map_err(|e| Error::driver(format!("allowing {bytes} B of shared memory for {name}"), e))
 }
