@@ -114,6 +114,27 @@ pub const PAGED_STAGES: usize = 2;
 /// split counts at b1 L4096, 32/8 d128 (`results/paged-sweep-2026-11-29-*.json`): 16 splits of
 /// 4 tiles 9.4-9.9 us, 33 of 2 tiles 10.9-11.6 us, at pages of 16 and 64 alike.
 pub const PAGED_MIN_TILES_PER_SPLIT: usize = 4;
+/// Ring depth of a plan whose unsplit CTAs fill the GPU ([`fills_the_gpu_unsplit`]), with at
+/// most [`FULL_WAVE_RESIDENT_CTAS`] CTAs per SM: fewer, longer streams per SM. Forced variants
+/// at a937947 (`results/resident-2026-11-29-a937947.json`, 32/8 d128, latency in us, default
+/// s4 / s2 with one CTA per SM): b16 L4096 68.5 / 66.4, b16 L32768 516.9 / 505.4, b128 L4096
+/// 511.5 / 512.6, b128 L32768 4068 / 4051; paged (2-stage ring already) two CTAs per SM / one:
+/// page 64 b128 L32768 4183 / 4056, page 16 with pages in pool order 4147 / 3925, page 16
+/// shuffled 4049 / 4057. (A 2-stage ring without the cap lets three CTAs share an SM: 4174 us
+/// at b128 L32768.)
+pub const FULL_WAVE_STAGES: usize = 2;
+/// CTAs per SM of a plan whose unsplit CTAs fill the GPU (see [`FULL_WAVE_STAGES`]).
+pub const FULL_WAVE_RESIDENT_CTAS: usize = 1;
+/// CTAs per SM of a device plan on a paged cache: the skewed serving row (one request of
+/// 1,048,576 positions and fifteen of 2048, page 64) took 1043.2 us with one, 1065.8 with two
+/// (a937947).
+pub const DEVICE_PLAN_PAGED_RESIDENT_CTAS: usize = 1;
+
+/// Whether one split per (request, KV head) already gives at least 15/16 of the SMs a CTA.
+pub fn fills_the_gpu_unsplit(ctas: usize, num_splits: usize, device: DeviceFacts) -> bool {
+    num_splits == 1 && ctas * 16 >= device.sm_count * 15
+}
+
 /// Most splits per (request, KV head): bounds the workspace and the combine's loop.
 pub const MAX_SPLITS: usize = 128;
 
@@ -443,7 +464,12 @@ pub fn plan(
     let reduction = options
         .reduction
         .unwrap_or_else(|| auto_reduction(num_splits, tiles_per_split, problem.columns()));
-    let decode = decode_variant(problem, options, tiles_per_split)?;
+    let units = problem.hkv * DecodeVariant::for_problem(problem).column_blocks(problem);
+    let full_wave = fills_the_gpu_unsplit(problem.batch * units, num_splits, device);
+    let decode = decode_variant(problem, options, tiles_per_split, full_wave)?;
+    let resident = options
+        .resident_ctas
+        .or(full_wave.then_some(FULL_WAVE_RESIDENT_CTAS));
     let combine = (num_splits > 1 && reduction == Reduction::Kernel).then_some(CombineVariant {
         dtype: problem.dtype,
         head_dim: problem.head_dim,
@@ -471,7 +497,7 @@ pub fn plan(
         workspace,
         pdl: !options.disable_pdl,
         reduction,
-        decode_shared_bytes: resident_shared_bytes(decode.shared_bytes(), options.resident_ctas),
+        decode_shared_bytes: resident_shared_bytes(decode.shared_bytes(), resident),
     })
 }
 
@@ -481,6 +507,7 @@ fn decode_variant(
     problem: &DecodeProblem,
     options: PlanOptions,
     tiles_per_split: usize,
+    full_wave: bool,
 ) -> Result<DecodeVariant> {
     let mut decode = DecodeVariant::for_problem(problem);
     decode.consumer_groups = match options.consumer_groups {
@@ -498,6 +525,7 @@ fn decode_variant(
         None => consumer_groups(decode.n_tiles, tiles_per_split),
     };
     decode.stages = match options.stages {
+        None if full_wave => FULL_WAVE_STAGES,
         None if problem.paged.is_some() => PAGED_STAGES,
         None => STAGES,
         Some(s) if SUPPORTED_STAGES.contains(&s) => s,
@@ -521,7 +549,7 @@ fn plan_on_device(
         ));
     }
     // device-planned splits are long (total work / SMs) unless the batch is tiny
-    let decode = decode_variant(problem, options, 2)?;
+    let decode = decode_variant(problem, options, 2, false)?;
     let units = problem.hkv * decode.column_blocks(problem);
     let per_sm = if problem.paged.is_some() {
         PAGED_CTAS_PER_SM
@@ -572,7 +600,13 @@ fn plan_on_device(
         } else {
             Reduction::Kernel
         },
-        decode_shared_bytes: resident_shared_bytes(decode.shared_bytes(), options.resident_ctas),
+        decode_shared_bytes: resident_shared_bytes(
+            decode.shared_bytes(),
+            options.resident_ctas.or(problem
+                .paged
+                .is_some()
+                .then_some(DEVICE_PLAN_PAGED_RESIDENT_CTAS)),
+        ),
     })
 }
 
@@ -747,6 +781,33 @@ mod tests {
             ..Default::default()
         };
         assert!(plan(&p, DeviceFacts::H200, bad).is_err());
+    }
+
+    #[test]
+    fn full_waves_stream_one_cta_per_sm_with_two_stages() {
+        let one_cta = resident_shared_bytes(0, Some(1));
+        for (batch, full) in [(8, false), (16, true), (128, true)] {
+            let p = DecodeProblem::new(batch, 32, 8, 128, 32768, DType::Bf16).unwrap();
+            let pl = plan(&p, DeviceFacts::H200, PlanOptions::default()).unwrap();
+            assert_eq!(pl.num_splits, 1);
+            assert_eq!(
+                pl.decode.stages,
+                if full { FULL_WAVE_STAGES } else { STAGES }
+            );
+            let own = pl.decode.shared_bytes();
+            let expected = if full { own.max(one_cta) } else { own };
+            assert_eq!(pl.decode_shared_bytes, expected, "batch {batch}");
+        }
+        // forcing either knob wins
+        let p = DecodeProblem::new(128, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        let forced = PlanOptions {
+            stages: Some(STAGES),
+            resident_ctas: Some(2),
+            ..Default::default()
+        };
+        let pl = plan(&p, DeviceFacts::H200, forced).unwrap();
+        assert_eq!(pl.decode.stages, STAGES);
+        assert_eq!(pl.decode_shared_bytes, pl.decode.shared_bytes());
     }
 
     #[test]
