@@ -1144,6 +1144,46 @@ fn pdl_on_and_off_agree() {
     }
 }
 
+/// Capping the CTAs per SM (shared memory padded) changes where CTAs run, never what they
+/// compute: a full-wave batch (the plan's own cap) and the same variant capped at 2 and 3 CTAs
+/// per SM give bitwise the same output, also when a smaller padding loads the kernel first and
+/// a larger one must raise its shared-memory limit afterwards. Expected run time: a second.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn resident_cta_cap_changes_nothing_but_placement() {
+    let (rt, stream) = open_gpu();
+    let p = DecodeProblem::new(16, 32, 8, 128, 2048, DType::Bf16).expect("a valid problem");
+    let lens: Vec<usize> = (0..16).map(|b| 2048 - 61 * b).collect();
+    let x = make_inputs::<bf16>(&mut SplitMix64::new(0x5E5), &p, &lens);
+    let dev = DeviceInputs::upload(&stream, &x, Some(&lens));
+    let want = reference(&p, &x, &lens);
+    let capped = |n| PlanOptions {
+        stages: Some(kvstream::plan::FULL_WAVE_STAGES),
+        resident_ctas: Some(n),
+        ..Default::default()
+    };
+    // smallest padding first, so each later decoder raises the loaded kernel's limit
+    let decoders = [
+        make_decoder(&rt, &p, capped(3)),
+        make_decoder(&rt, &p, capped(2)),
+        make_decoder(&rt, &p, PlanOptions::default()),
+    ];
+    let full = decoders[2].plan();
+    assert_eq!(full.decode.stages, kvstream::plan::FULL_WAVE_STAGES);
+    assert!(full.decode_shared_bytes > decoders[1].plan().decode_shared_bytes);
+    let mut first = None;
+    for d in &decoders {
+        let what = format!("{} B of shared memory", d.plan().decode_shared_bytes);
+        let mut o = Outputs::<bf16>::new(&stream, &p, true);
+        let got = run_poisoned(&stream, d, &dev, &mut o).unwrap_or_else(|e| panic!("{what}: {e}"));
+        check_output(&p, &got, &want).unwrap_or_else(|e| panic!("{what}: {e}"));
+        match &first {
+            None => first = Some(got),
+            Some(f) => same_bits(&got, f, &what).unwrap_or_else(|e| panic!("{e}")),
+        }
+    }
+}
+
 /// Cluster reduction (splits merged through distributed shared memory, one launch) against the
 /// kernel reduction and the reference: ragged lengths with zeros, every cluster size (2 to 16),
 /// several group sizes and both head dims; cluster results are bitwise reproducible.
