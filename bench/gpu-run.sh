@@ -60,7 +60,7 @@ if want gputests; then
   for tool in memcheck racecheck; do
     echo "== $tool on the GPU suite (24 random cases, graphs, zero lengths, cluster reduction, paged, multi-token, device plan)"
     KVSTREAM_GPU_CASES=24 timeout 400 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
-      random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan 2>&1 | tail -6
+      random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan resident 2>&1 | tail -6
   done
 fi
 if want pytests; then
