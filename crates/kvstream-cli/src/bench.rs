@@ -183,6 +183,16 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
             },
         ));
     }
+    // a forced variant with each forced ring depth too
+    let with_stages = |opts: PlanOptions| {
+        args.stages.iter().map(move |&s| {
+            let both = PlanOptions {
+                stages: Some(s),
+                ..opts
+            };
+            (s, both)
+        })
+    };
     for &n in &args.splits {
         let split = PlanOptions {
             num_splits: Some(n),
@@ -190,13 +200,7 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
             ..Default::default()
         };
         forced.push((format!("kvstream/n{n}"), split));
-        for &s in &args.stages {
-            let both = PlanOptions {
-                stages: Some(s),
-                ..split
-            };
-            forced.push((format!("kvstream/n{n}-s{s}"), both));
-        }
+        forced.extend(with_stages(split).map(|(s, o)| (format!("kvstream/n{n}-s{s}"), o)));
     }
     for &r in &args.resident_ctas {
         let capped = PlanOptions {
@@ -204,13 +208,7 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
             ..Default::default()
         };
         forced.push((format!("kvstream/r{r}"), capped));
-        for &s in &args.stages {
-            let both = PlanOptions {
-                stages: Some(s),
-                ..capped
-            };
-            forced.push((format!("kvstream/s{s}-r{r}"), both));
-        }
+        forced.extend(with_stages(capped).map(|(s, o)| (format!("kvstream/s{s}-r{r}"), o)));
     }
     if args.modes {
         for (name, reduction) in [("kernel", Kernel), ("cluster", Cluster)] {

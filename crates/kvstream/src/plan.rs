@@ -464,6 +464,7 @@ pub fn plan(
     let reduction = options
         .reduction
         .unwrap_or_else(|| auto_reduction(num_splits, tiles_per_split, problem.columns()));
+    // (request, KV head, column block) units: one CTA each per split
     let units = problem.hkv * DecodeVariant::for_problem(problem).column_blocks(problem);
     let full_wave = fills_the_gpu_unsplit(problem.batch * units, num_splits, device);
     let decode = decode_variant(problem, options, tiles_per_split, full_wave)?;
@@ -488,11 +489,7 @@ pub fn plan(
         decode,
         combine,
         num_splits,
-        grid: [
-            num_splits as u32,
-            (problem.hkv * decode.column_blocks(problem)) as u32,
-            problem.batch as u32,
-        ],
+        grid: [num_splits as u32, units as u32, problem.batch as u32],
         device_plan: None,
         workspace,
         pdl: !options.disable_pdl,
