@@ -4,13 +4,20 @@
 # `kvstream` and its kernel cache `cache/`; every build times the same shapes, in alternating
 # order over PASSES passes, and bench/ab_table.py prints shape x key x build; the results files
 # travel back as one $OUT/ab-results.tar.gz.
+# SERVING_IDS adds rows of bench/serving.json (paged, multi-token), timed by the builds named in
+# SERVING_BUILDS (default: all; builds from before paged caches cannot run them) with
+# AB_SERVING_ARGS (e.g. `--splits 1,4,16`).
 #   AB_DIR=.carry/ab IDS=mqa-d128-L1024,gqa-d64-L1024 PASSES=2 bash bench/ab.sh
 set -u
 AB_DIR=${AB_DIR:-.carry/ab}
+# prepare-gpu-run.sh packs the builds (their caches compress 4:1)
+if [ ! -d "$AB_DIR" ] && [ -f "$AB_DIR.tar.gz" ]; then
+  mkdir -p "$AB_DIR" && tar xzf "$AB_DIR.tar.gz" -C "$AB_DIR"
+fi
 IDS=${IDS:-mqa-d128-L1024,gqa-d64-L1024,gqa-d128-L4096,mqa-d64-L4096,batch-b16-L4096}
 PASSES=${PASSES:-2}
 O=$(mktemp -d)
-builds=$(ls "$AB_DIR")
+builds=$(ls "$AB_DIR" | tr '\n' ' ')
 for pass in $(seq 1 "$PASSES"); do
   order=$builds; [ $((pass % 2)) = 0 ] && order=$(tr ' ' '\n' <<<"$builds" | tac)
   for b in $order; do
@@ -20,6 +27,12 @@ for pass in $(seq 1 "$PASSES"); do
     KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" bench --ids "$IDS" \
       $modes --rounds 7 --no-plots --json "$O/$b-$pass.json" > "$O/$b-$pass.txt" 2>&1
     echo "$b pass $pass rc=$?"
+    if [ -n "${SERVING_IDS:-}" ] && [[ " ${SERVING_BUILDS:-$builds} " == *" $b "* ]]; then
+      KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 300 "$AB_DIR/$b/kvstream" bench \
+        --matrix bench/serving.json --ids "$SERVING_IDS" ${AB_SERVING_ARGS:-} --rounds 7 --no-plots \
+        --json "$O/$b-s$pass.json" > "$O/$b-s$pass.txt" 2>&1
+      echo "$b serving pass $pass rc=$?"
+    fi
   done
 done
 python3 "$(dirname "$0")/ab_table.py" "$O"/*.json | tee "$O/table.txt"

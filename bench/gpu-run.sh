@@ -3,7 +3,7 @@
 # the Rust GPU test suite and its summary, compute-sanitizer, SASS facts, the Python GPU tests, a
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
-# .carry/cache and .carry/cubins, the Python wheel in .carry/wheels.
+# .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
 # PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare serving ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
@@ -14,6 +14,7 @@
 set -u
 B=.carry/bin/kvstream
 export KVSTREAM_CACHE_DIR=$PWD/.carry/cache
+[ -d .carry/cache ] || [ ! -f .carry/cache.tar.gz ] || tar xzf .carry/cache.tar.gz -C .carry
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 PARTS=${PARTS:-demo sanitize sass gputests pytests peers}
 want() { [[ " $PARTS " == *" $1 "* ]]; }

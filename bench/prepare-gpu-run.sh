@@ -2,8 +2,8 @@
 # Builds what bench/gpu-run.sh needs into the git-ignored .carry/ folder: the release CLI, the
 # GPU test executable, every kernel compiled (cache + raw CUBINs) and the Python wheel.
 # AB_REFS="c790eea 1ca18d6" also builds those commits (and this tree) for bench/ab.sh
-# into .carry/ab/<commit>/ with the bf16 single-token kernels they need in their caches (this tree
-# under its own short commit, `-dirty` when crates/ or kernels/ differ from it).
+# into .carry/ab/<commit>/ with every bf16 kernel in their caches (this tree under its own short
+# commit, `-dirty` when crates/ or kernels/ differ from it), packed as .carry/ab.tar.gz.
 # Carry .carry and .whl (the FA3 wheel) together: about 55 MB; with AB_REFS, .carry alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ fi
 cp target/wheels/kvstream-*.whl .carry/wheels/
 if [ -n "${AB_REFS:-}" ]; then
   keep() { for f in "$1"/*; do case $(basename "$f") in
-    decode_gqa.bf16.*.s4.g?-*|combine.bf16.*|plan_work.*|stream_read.*) cp "$f" "$2"/ ;; esac; done; }
+    decode_gqa.bf16.*|combine.bf16.*|plan_work.*|stream_read.*) cp "$f" "$2"/ ;; esac; done; }
   head=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates kernels || echo -dirty)
   mkdir -p ".carry/ab/$head/cache" && cp .carry/bin/kvstream ".carry/ab/$head/" && keep .carry/cache ".carry/ab/$head/cache"
   for ref in $AB_REFS; do
@@ -39,5 +39,8 @@ if [ -n "${AB_REFS:-}" ]; then
     keep "$tmp" ".carry/ab/$ref/cache" && rm -rf "$tmp"
     git worktree remove --force "$wt"
   done
+  tar czf .carry/ab.tar.gz -C .carry/ab . && rm -rf .carry/ab
 fi
+# packed, the kernel cache is a quarter of its size (gpu-run.sh unpacks it)
+tar czf .carry/cache.tar.gz -C .carry cache && rm -rf .carry/cache
 du -sh .carry
