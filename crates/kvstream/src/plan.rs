@@ -100,9 +100,10 @@ pub const TARGET_CTAS_PER_SM: (usize, usize) = (1, 2);
 /// MMA and softmax work per byte (q_len 4 at 32/8 heads: one CTA per (request, KV head) pulled
 /// 27 GB/s where single-token CTAs pull 55-70), so these aim for a full wave.
 pub const MULTI_TOKEN_CTAS_PER_SM: usize = 1;
-/// Streaming CTAs per SM for a paged cache, with the [`PAGED_STAGES`]-deep ring that lets two
-/// CTAs share an SM. A paged tile is one TMA per page run and head-dim box (8 per K tile at page
-/// 16, d128), and one producer warp per SM issuing them is the limit, not DRAM: pages in pool
+/// Streaming CTAs per SM for a cache of pages smaller than a tile ([`takes_paged_plan`]), with
+/// the [`PAGED_STAGES`]-deep ring that lets two CTAs share an SM. Such a tile is one TMA per page
+/// run and head-dim box (8 per K tile at page 16, d128), and one producer warp per SM issuing
+/// them was the limit, not DRAM (measured before v20/v21): pages in pool
 /// order measure the same as shuffled ones (b713ea5, `results/pageorder-2026-11-29-b713ea5.json`:
 /// b128 L32768 page 16, 4539 us either way), while two resident CTAs per SM take page 16 from
 /// 4539 to 4049 us (contiguous: 4089 us) and page 64 at b8 from 269 to 255 us (contiguous 257).
@@ -129,6 +130,19 @@ pub const FULL_WAVE_RESIDENT_CTAS: usize = 1;
 /// 1,048,576 positions and fifteen of 2048, page 64) took 1043.2 us with one, 1065.8 with two
 /// (a937947).
 pub const DEVICE_PLAN_PAGED_RESIDENT_CTAS: usize = 1;
+
+/// Whether a problem takes the paged plan ([`PAGED_CTAS_PER_SM`], [`PAGED_STAGES`],
+/// [`PAGED_MIN_TILES_PER_SPLIT`]): pages smaller than a tile, which cost one TMA per page run.
+/// Pages of at least a tile take the contiguous plan: with the block table read a chunk ahead
+/// (v20) a page-64 stream keeps up with a contiguous one, and the contiguous plan's split counts
+/// and 4-stage ring beat the paged plan on them (ea68dbc, 32/8 d128, page 64 / contiguous, us:
+/// b1 L4096 8 splits 8.80 / 8.56, paged plan 9.34; b8 L4096 one split 35.8 / 34.8, paged plan
+/// 38.8; b1 L32768 8 splits 37.3 / 36.2, paged plan 38.9; b8 L32768 one split 258.2 / 254.7).
+pub fn takes_paged_plan(problem: &DecodeProblem) -> bool {
+    problem
+        .paged
+        .is_some_and(|pg| pg.page_size < tile_tokens(problem.head_dim))
+}
 
 /// Whether one split per (request, KV head) already gives at least 15/16 of the SMs a CTA.
 pub fn fills_the_gpu_unsplit(ctas: usize, num_splits: usize, device: DeviceFacts) -> bool {
@@ -397,16 +411,17 @@ pub fn heuristic_splits(problem: &DecodeProblem, device: DeviceFacts) -> usize {
     let ctas = problem.batch * problem.hkv * column_blocks;
     let target = if problem.q_len > 1 {
         device.sm_count * MULTI_TOKEN_CTAS_PER_SM
-    } else if problem.paged.is_some() {
+    } else if takes_paged_plan(problem) {
         device.sm_count * PAGED_CTAS_PER_SM
     } else {
         device.sm_count * TARGET_CTAS_PER_SM.0 / TARGET_CTAS_PER_SM.1
     };
     let fill = (target / ctas).max(1);
     let tiles = problem.max_len.div_ceil(tile_tokens(problem.head_dim));
-    let min_tiles = match problem.paged {
-        Some(_) => PAGED_MIN_TILES_PER_SPLIT,
-        None => MIN_TILES_PER_SPLIT,
+    let min_tiles = if takes_paged_plan(problem) {
+        PAGED_MIN_TILES_PER_SPLIT
+    } else {
+        MIN_TILES_PER_SPLIT
     };
     let longest_useful = (tiles / min_tiles).max(1);
     fill.min(longest_useful).clamp(1, MAX_SPLITS)
@@ -523,7 +538,7 @@ fn decode_variant(
     };
     decode.stages = match options.stages {
         None if full_wave => FULL_WAVE_STAGES,
-        None if problem.paged.is_some() => PAGED_STAGES,
+        None if takes_paged_plan(problem) => PAGED_STAGES,
         None => STAGES,
         Some(s) if SUPPORTED_STAGES.contains(&s) => s,
         Some(s) => return Err(Error::invalid("stages", s, format!("{SUPPORTED_STAGES:?}"))),
@@ -808,16 +823,31 @@ mod tests {
     }
 
     #[test]
-    fn paged_splits_keep_four_tiles() {
+    fn small_pages_keep_four_tiles_large_pages_plan_like_contiguous() {
         let p = DecodeProblem::new(1, 32, 8, 128, 4096, DType::Bf16).unwrap();
         let contiguous = plan(&p, DeviceFacts::H200, PlanOptions::default()).unwrap();
         assert_eq!(contiguous.num_splits, 8); // target 66 CTAs over 8 units
         let paged = p.with_paged(16, 256, None).unwrap();
         let pl = plan(&paged, DeviceFacts::H200, PlanOptions::default()).unwrap();
         assert_eq!(pl.num_splits, 16); // 264 CTAs wanted, 64 tiles / 4
+        assert_eq!(pl.decode.stages, PAGED_STAGES);
+        // pages of a whole tile or more stream like a contiguous cache and take its plan
         let long = DecodeProblem::new(1, 32, 8, 128, 32768, DType::Bf16).unwrap();
+        let contiguous = plan(&long, DeviceFacts::H200, PlanOptions::default()).unwrap();
+        for page_size in [64, 256] {
+            let pl = plan(
+                &long.clone().with_paged(page_size, 512, None).unwrap(),
+                DeviceFacts::H200,
+                PlanOptions::default(),
+            )
+            .unwrap();
+            assert_eq!(
+                (pl.num_splits, pl.decode.stages),
+                (contiguous.num_splits, STAGES)
+            );
+        }
         let pl = plan(
-            &long.with_paged(64, 512, None).unwrap(),
+            &long.with_paged(32, 1024, None).unwrap(),
             DeviceFacts::H200,
             PlanOptions::default(),
         )
