@@ -16,6 +16,8 @@ B=.carry/bin/kvstream
 export KVSTREAM_CACHE_DIR=$PWD/.carry/cache
 [ -d .carry/cache ] || [ ! -f .carry/cache.tar.gz ] || tar xzf .carry/cache.tar.gz -C .carry
 O=${OUT:-/tmp/out}; mkdir -p "$O"
+# the copy of the tree measured here may carry another checkout's git metadata
+[ -z "${COMMIT:-}" ] || export KVSTREAM_COMMIT=$COMMIT
 PARTS=${PARTS:-demo sanitize sass gputests pytests peers}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 run() { echo "== $*"; timeout 120 "$@"; echo "rc=$?"; }

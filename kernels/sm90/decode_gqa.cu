@@ -94,11 +94,9 @@ constexpr int BOX_BYTES = TILE_TOKENS * 128;
 constexpr int TILE_BYTES = BOXES * BOX_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K tile then V tile
 constexpr int TILE_TX_BYTES = TILE_BYTES;  // out-of-range rows are zero-filled, still counted
-// Paged caches: the producer warp reads the block table CHUNK_PAGES pages at a time (lane i
-// holds pages i, i + 32, ... of a chunk) and parks each chunk in shared memory for the lane that
-// issues the loads.
+// Paged caches: a tile is loaded as up to TILE_TOKENS runs of whole pages, spread over the
+// producer warp's lanes.
 constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;
-constexpr int CHUNK_PAGES = 32 * RUNS_PER_LANE;
 // Q is staged by ordinary stores, rows padded by 16 bytes for the same conflict-free reads.
 constexpr int SMEM_ROW = HEAD_DIM * 2 + 16;
 
@@ -136,9 +134,7 @@ struct SharedPlan {
     static constexpr int col_out = col_q + 8 * GROUP_PAD;
     static constexpr int col_row = col_out + 8 * GROUP_PAD;
     static constexpr int col_visible = col_row + 8 * GROUP_PAD;
-    // paged caches: the block-table chunk being loaded
-    static constexpr int page_ids = col_visible + 4 * GROUP_PAD;
-    static constexpr int bytes = page_ids + (PAGED ? 4 * CHUNK_PAGES : 0);
+    static constexpr int bytes = col_visible + 4 * GROUP_PAD;
 };
 
 static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
@@ -323,14 +319,15 @@ __device__ __forceinline__ void produce_contiguous(const DecodeParams& p, const 
 }
 
 // Paged cache: a tile is `boxes` page runs of `run` positions (whole pages, or a tile-sized
-// piece of a larger page), and lane 0 issues every box. A TMA's coordinates must be
-// warp-uniform: when each lane issued the runs whose page ids it held (v15-v20), ptxas looped
-// over the active lanes at every TMA, ~100 cycles per box, and a lone page-16 stream took 1.65x
-// the contiguous time. The warp reads the block table a chunk of CHUNK_PAGES pages at a time,
-// one coalesced load per 32 pages, one chunk ahead: the next chunk's read hides behind a whole
-// chunk of tiles (16 tiles at page 16, 64 at page 64). v15 read each tile's ids STAGES tiles
-// ahead, ~1 us of lookahead at one CTA per (request, KV head), less than one table read under
-// full HBM traffic: a lone page-64 stream ran 1.3x slower than a contiguous one (v20).
+// piece of a larger page); the lane holding a run's page id issues that run's boxes. The producer
+// warp reads the block table a chunk of CHUNK_PAGES pages at a time, one coalesced load per 32
+// pages (lane i holds pages i, i + 32, ... of the chunk), and keeps two chunks: while the tiles of
+// one are issued the next is in flight, so a table read hides behind a whole chunk of tiles (16
+// tiles of page 16, 64 of page 64). (v15 read each tile's ids STAGES tiles ahead: about 2 us at
+// one CTA per request and head, less than a table read under full HBM traffic, and a page-64
+// stream ran 1.3x slower than a contiguous one.) The chunk loop is unrolled by two so each chunk
+// buffer is refilled in place: moving a register whose load is in flight would wait for it.
+constexpr int CHUNK_PAGES = 32 * RUNS_PER_LANE;
 static_assert(CHUNK_PAGES % TILE_TOKENS == 0, "a tile's runs never straddle two chunks");
 
 struct PageWalk {
@@ -354,25 +351,20 @@ __device__ __forceinline__ void load_page_chunk(int (&ids)[RUNS_PER_LANE], const
 
 __device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
                                               SplitRange range, int num_tiles, int batch, int kv_head,
-                                              int lane, int* chunk_ids) {
+                                              int lane) {
     const int shift = __ffs(p.page_size) - 1;
     const int run = min(p.page_size, TILE_TOKENS);
     const PageWalk w = {p.block_table + (long long)batch * p.table_stride, range.begin >> shift,
                         ((range.end - 1) >> shift) + 1, shift, run, TILE_TOKENS / run};
     const int in_page_mask = p.page_size - 1;
-    int ids[RUNS_PER_LANE];
-    load_page_chunk(ids, w, 0, lane);
+    int ids[2][RUNS_PER_LANE];
+    load_page_chunk(ids[0], w, 0, lane);
+    load_page_chunk(ids[1], w, 1, lane);
     int tile = 0;
-    for (int chunk = 0; tile < num_tiles; ++chunk) {
-        // park this chunk's ids (their load was issued a chunk ago; lane 0 is done with the
-        // previous chunk's), then start the next one's
-        __syncwarp();
+    for (int chunk0 = 0; tile < num_tiles; chunk0 += 2) {
 #pragma unroll
-        for (int i = 0; i < RUNS_PER_LANE; ++i) chunk_ids[lane + 32 * i] = ids[i];
-        __syncwarp();
-        load_page_chunk(ids, w, chunk + 1, lane);
-        const int chunk_page = w.first_page + chunk * CHUNK_PAGES;  // its first page
-        if (lane == 0) {
+        for (int b = 0; b < 2; ++b) {
+            const int chunk_page = w.first_page + (chunk0 + b) * CHUNK_PAGES;  // its first page
             for (; tile < num_tiles; ++tile) {
                 const int tile_begin = range.begin + tile * TILE_TOKENS;
                 const int tile_page = tile_begin >> shift;  // page of the tile's first run
@@ -384,20 +376,22 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                 u64* bar[2] = {&r.k_full[stage], &r.v_full[stage]};
 #pragma unroll
                 for (int kv = 0; kv < 2; ++kv) {  // K, then V
-                    mbarrier_arrive_expect_tx(bar[kv], TILE_TX_BYTES);
-#pragma unroll 1
-                    for (int rr = 0; rr < w.boxes; ++rr) {
-                        const int id = chunk_ids[tile_page - chunk_page + rr];
+                    if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_TX_BYTES);
+                    __syncwarp();
+#pragma unroll
+                    for (int i = 0; i < RUNS_PER_LANE; ++i) {
+                        const int rr = chunk_page + lane + 32 * i - tile_page;  // this lane's run
+                        if (rr < 0 || rr >= w.boxes) continue;
                         const int in_page = (tile_begin + rr * run) & in_page_mask;
 #pragma unroll
                         for (int box = 0; box < BOXES; ++box)
                             tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * 64,
-                                        kv_head, in_page, id, bar[kv], r.policy);
+                                        kv_head, in_page, ids[b][i], bar[kv], r.policy);
                     }
                 }
             }
+            load_page_chunk(ids[b], w, chunk0 + b + 2, lane);
         }
-        tile = __shfl_sync(0xffffffffu, tile, 0);
     }
 }
 
@@ -520,8 +514,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         }
         ProducerRing ring_state = {ring, k_full, v_full, empty, l2_policy_evict_first()};
         if constexpr (PAGED) {
-            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane,
-                          reinterpret_cast<int*>(smem + SharedPlan::page_ids));
+            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane);
         } else if (lane == 0) {
             produce_contiguous(p, ring_state, range, num_tiles, batch, kv_head);
         }

@@ -103,9 +103,7 @@ impl DecodeVariant {
         let cluster_inbox = 4 * self.n_tiles * 8 * (2 * plan::MAX_CLUSTER_SPLITS + self.head_dim);
         // per-column tables: Q and output offsets, output row (8 bytes each), visible length
         let columns = 28 * self.n_tiles * 8;
-        // paged caches: one chunk of block-table entries (a page id per tile position)
-        let page_ids = if self.paged { 4 * self.tile_tokens } else { 0 };
-        1024 + ring_region + q + barriers + stats + cluster_inbox + columns + page_ids
+        1024 + ring_region + q + barriers + stats + cluster_inbox + columns
     }
 
     /// TMA box of one K or V load: 64 head dims x `tile_tokens` positions.
