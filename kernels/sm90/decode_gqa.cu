@@ -529,13 +529,24 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     named_barrier_sync(1, CONSUMER_THREADS);  // column tables
     // Q of the group -> shared memory, rows past the group zero-filled (their columns are
     // computed and dropped; zeros keep them finite).
+    // Every load is issued before the first store: a loop that stores each chunk before loading
+    // the next pays one global-load latency per chunk a thread owns (2-4), and on a one- or
+    // two-tile split that can outlast the first K tile's TMA.
     {
         constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
-        for (int i = threadIdx.x; i < GROUP_PAD * CHUNKS; i += CONSUMER_THREADS) {
-            const int g = i / CHUNKS, c = i % CHUNKS;
-            uint4 val = make_uint4(0, 0, 0, 0);
-            if (g < cols.count) val = *reinterpret_cast<const uint4*>(cols.q(p, g) + c * 8);
-            *reinterpret_cast<uint4*>(q_smem + g * SMEM_ROW + c * 16) = val;
+        constexpr int Q_CHUNKS = GROUP_PAD * CHUNKS;
+        constexpr int PER_THREAD = (Q_CHUNKS + CONSUMER_THREADS - 1) / CONSUMER_THREADS;
+        uint4 val[PER_THREAD];
+#pragma unroll
+        for (int k = 0; k < PER_THREAD; ++k) {
+            const int i = threadIdx.x + k * CONSUMER_THREADS, g = i / CHUNKS, c = i % CHUNKS;
+            val[k] = make_uint4(0, 0, 0, 0);
+            if (i < Q_CHUNKS && g < cols.count) val[k] = *reinterpret_cast<const uint4*>(cols.q(p, g) + c * 8);
+        }
+#pragma unroll
+        for (int k = 0; k < PER_THREAD; ++k) {
+            const int i = threadIdx.x + k * CONSUMER_THREADS, g = i / CHUNKS, c = i % CHUNKS;
+            if (i < Q_CHUNKS) *reinterpret_cast<uint4*>(q_smem + g * SMEM_ROW + c * 16) = val[k];
         }
         named_barrier_sync(1, CONSUMER_THREADS);
     }
