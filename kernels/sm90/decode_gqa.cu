@@ -323,8 +323,8 @@ __device__ __forceinline__ void produce_contiguous(const DecodeParams& p, const 
 // warp reads the block table a chunk of CHUNK_PAGES pages at a time, one coalesced load per 32
 // pages (lane i holds pages i, i + 32, ... of the chunk), and keeps two chunks: while the tiles of
 // one are issued the next is in flight, so a table read hides behind a whole chunk of tiles (16
-// tiles of page 16, 64 of page 64). (v15 read each tile's ids STAGES tiles ahead: about 2 us at
-// one CTA per request and head, less than a table read under full HBM traffic, and a page-64
+// tiles of page 16, 64 of page 64). (v15 read each tile's ids STAGES tiles ahead: 1-2 us at one
+// CTA per request and head, about one table read under full HBM traffic, and a lone page-64
 // stream ran 1.3x slower than a contiguous one.) The chunk loop is unrolled by two so each chunk
 // buffer is refilled in place: moving a register whose load is in flight would wait for it.
 constexpr int CHUNK_PAGES = 32 * RUNS_PER_LANE;

@@ -482,7 +482,14 @@ pub fn plan(
     // (request, KV head, column block) units: one CTA each per split
     let units = problem.hkv * DecodeVariant::for_problem(problem).column_blocks(problem);
     let full_wave = fills_the_gpu_unsplit(problem.batch * units, num_splits, device);
-    let decode = decode_variant(problem, options, tiles_per_split, full_wave)?;
+    let ring = if full_wave {
+        FULL_WAVE_STAGES
+    } else if takes_paged_plan(problem) {
+        PAGED_STAGES
+    } else {
+        STAGES
+    };
+    let decode = decode_variant(problem, options, tiles_per_split, ring)?;
     let resident = options
         .resident_ctas
         .or(full_wave.then_some(FULL_WAVE_RESIDENT_CTAS));
@@ -514,12 +521,12 @@ pub fn plan(
 }
 
 /// The decode kernel variant for `problem`: forced or chosen consumer groups (for splits of
-/// `tiles_per_split` tiles) and ring depth.
+/// `tiles_per_split` tiles) and the forced ring depth, else `default_stages`.
 fn decode_variant(
     problem: &DecodeProblem,
     options: PlanOptions,
     tiles_per_split: usize,
-    full_wave: bool,
+    default_stages: usize,
 ) -> Result<DecodeVariant> {
     let mut decode = DecodeVariant::for_problem(problem);
     decode.consumer_groups = match options.consumer_groups {
@@ -537,9 +544,7 @@ fn decode_variant(
         None => consumer_groups(decode.n_tiles, tiles_per_split),
     };
     decode.stages = match options.stages {
-        None if full_wave => FULL_WAVE_STAGES,
-        None if takes_paged_plan(problem) => PAGED_STAGES,
-        None => STAGES,
+        None => default_stages,
         Some(s) if SUPPORTED_STAGES.contains(&s) => s,
         Some(s) => return Err(Error::invalid("stages", s, format!("{SUPPORTED_STAGES:?}"))),
     };
@@ -560,8 +565,16 @@ fn plan_on_device(
             "none: the device plan chooses each request's splits from its length",
         ));
     }
-    // device-planned splits are long (total work / SMs) unless the batch is tiny
-    let decode = decode_variant(problem, options, 2, false)?;
+    // Device-planned splits are long (total work / SMs) unless the batch is tiny. Every paged
+    // cache keeps the paged ring here, whatever its page size: the skewed serving row (page 64)
+    // was measured with it (a937947: 2 stages, one CTA per SM, 1043.2 us; 9928443, where
+    // pages of a tile or more took the 4-stage ring here too: 1061.7 us).
+    let ring = if problem.paged.is_some() {
+        PAGED_STAGES
+    } else {
+        STAGES
+    };
+    let decode = decode_variant(problem, options, 2, ring)?;
     let units = problem.hkv * decode.column_blocks(problem);
     let per_sm = if problem.paged.is_some() {
         PAGED_CTAS_PER_SM
@@ -820,6 +833,27 @@ mod tests {
         let pl = plan(&p, DeviceFacts::H200, forced).unwrap();
         assert_eq!(pl.decode.stages, STAGES);
         assert_eq!(pl.decode_shared_bytes, pl.decode.shared_bytes());
+    }
+
+    #[test]
+    fn device_plans_keep_the_paged_ring_for_every_page_size() {
+        let p = DecodeProblem::new(16, 32, 8, 128, 8192, DType::Bf16).unwrap();
+        let device = PlanOptions {
+            device_plan: true,
+            ..Default::default()
+        };
+        for page_size in [16, 64] {
+            let paged = p
+                .clone()
+                .with_paged(page_size, 16 * 8192 / page_size, None)
+                .unwrap();
+            let pl = plan(&paged, DeviceFacts::H200, device).unwrap();
+            assert_eq!(pl.decode.stages, PAGED_STAGES, "page {page_size}");
+        }
+        assert_eq!(
+            plan(&p, DeviceFacts::H200, device).unwrap().decode.stages,
+            STAGES
+        );
     }
 
     #[test]
