@@ -134,7 +134,10 @@ struct SharedPlan {
     static constexpr int col_out = col_q + 8 * GROUP_PAD;
     static constexpr int col_row = col_out + 8 * GROUP_PAD;
     static constexpr int col_visible = col_row + 8 * GROUP_PAD;
-    static constexpr int bytes = col_visible + 4 * GROUP_PAD;
+    // the CTA's max and denominator per column, once the warps have merged
+    static constexpr int cta_m = col_visible + 4 * GROUP_PAD;
+    static constexpr int cta_l = cta_m + 4 * GROUP_PAD;
+    static constexpr int bytes = cta_l + 4 * GROUP_PAD;
 };
 
 static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
@@ -154,38 +157,50 @@ __device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk) {
 // ================================ query rows (columns) =====================================
 // Column c of a CTA is query row (token i, head h) of its KV head with
 // cb * GROUP_PAD + c = i * group + h (token-major), cb = the CTA's column block.
+// Single-token decode (q_len 1, the common case) works every row out from its head index: no
+// tables, so the first Q load and the epilogue's stores wait on nothing in shared memory.
+// Multi-token decode needs a division by the group size per column, so fill_columns does that
+// once per CTA into shared tables (runtime divisions are too slow to repeat per element).
 struct Columns {
-    int count;  // valid columns in this CTA (<= GROUP_PAD)
-    // Per column, worked out once per CTA (runtime divisions by the group size are too slow to
-    // repeat per element): element offsets of its Q and output rows, its output row index
-    // (LSE and split partials) and how many cache positions it may see.
+    int count;          // valid columns in this CTA (<= GROUP_PAD)
+    bool single_token;  // q_len == 1: column c is head first_head + c of token 0
+    int batch, first_head, len;
+    // Multi-token tables, per column: element offsets of its Q and output rows, its output row
+    // index (LSE and split partials) and how many cache positions it may see.
     const long long* q_off;
     const long long* out_off;
     const long long* out_row;
     const int* visible_len;
 
-    __device__ __forceinline__ long long row(int c) const { return out_row[c]; }
+    __device__ __forceinline__ long long row(const DecodeParams& p, int c) const {
+        return single_token ? (long long)batch * p.hq + first_head + c : out_row[c];
+    }
     __device__ __forceinline__ u16* out(const DecodeParams& p, int c) const {
-        return reinterpret_cast<u16*>(p.out) + out_off[c];
+        const long long off = single_token
+                                  ? batch * p.o_batch_stride + (long long)(first_head + c) * p.o_head_stride
+                                  : out_off[c];
+        return reinterpret_cast<u16*>(p.out) + off;
     }
     __device__ __forceinline__ const u16* q(const DecodeParams& p, int c) const {
-        return reinterpret_cast<const u16*>(p.q) + q_off[c];
+        const long long off = single_token
+                                  ? batch * p.q_batch_stride + (long long)(first_head + c) * p.q_head_stride
+                                  : q_off[c];
+        return reinterpret_cast<const u16*>(p.q) + off;
     }
     // Cache positions column c may see: [0, len - q_len + token] (causal among the new tokens).
-    __device__ __forceinline__ int visible(int c) const { return visible_len[c]; }
+    __device__ __forceinline__ int visible(int c) const { return single_token ? len : visible_len[c]; }
 };
 
-// Fills the column tables of `Columns` (threads 0 .. GROUP_PAD - 1; the caller synchronises).
-// CTA column c is KV-head row first + c = token * group + h.
+// Fills the multi-token tables of `Columns` (threads 0 .. GROUP_PAD - 1; the caller
+// synchronises). CTA column c is KV-head row first + c = token * group + h.
 __device__ __forceinline__ void fill_columns(const DecodeParams& p, int first, int count, int batch,
                                              int kv_head, int len, long long* q_off, long long* out_off,
                                              long long* out_row, int* visible_len) {
     const int c = threadIdx.x;
     if (c >= GROUP_PAD) return;
-    // single-token decode (the common case) needs no division: column c is head c of the group
     const int row = c < count ? first + c : 0;
-    const int token = p.q_len == 1 ? 0 : row / p.group;
-    const int head = kv_head * p.group + (p.q_len == 1 ? row : row % p.group);
+    const int token = row / p.group;
+    const int head = kv_head * p.group + row % p.group;
     q_off[c] = batch * p.q_batch_stride + token * p.q_token_stride + head * p.q_head_stride;
     out_off[c] = batch * p.o_batch_stride + token * p.o_token_stride + head * p.o_head_stride;
     out_row[c] = ((long long)batch * p.q_len + token) * p.hq + head;
@@ -276,7 +291,7 @@ __device__ __forceinline__ void cluster_merge_slice(const DecodeParams& p, const
         const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
         *reinterpret_cast<u32*>(cols.out(p, g) + c.rank * c.slice + e) = pack_half2<IS_F16>(o0 * inv, o1 * inv);
         if (p.lse && c.rank == 0 && e == 0) {
-            p.lse[cols.row(g)] =
+            p.lse[cols.row(p, g)] =
                 l_sum > 0.f ? (m_max + __log2f(l_sum)) * 0.69314718055994531f : neg_inf();
         }
     }
@@ -464,15 +479,17 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     long long* col_row = reinterpret_cast<long long*>(smem + SharedPlan::col_row);
     int* col_visible = reinterpret_cast<int*>(smem + SharedPlan::col_visible);
     const int first_col = item.col_block * GROUP_PAD;
-    const Columns cols = {min(GROUP_PAD, p.cols - first_col), col_q, col_out, col_row, col_visible};
+    const Columns cols = {min(GROUP_PAD, p.cols - first_col), p.q_len == 1, batch,
+                          kv_head * p.group + first_col, len, col_q, col_out, col_row, col_visible};
     // The column tables are filled by consumer threads; the producer warp does not wait for
-    // them, so its first TMA leaves as early as it did before the tables existed (a one- or
-    // two-tile split's time is mostly that first round trip).
-    fill_columns(p, first_col, cols.count, batch, kv_head, len, col_q, col_out, col_row, col_visible);
+    // them, so its first TMA leaves as early as it would without them (a one- or two-tile
+    // split's time is mostly that first round trip).
+    if (!cols.single_token)
+        fill_columns(p, first_col, cols.count, batch, kv_head, len, col_q, col_out, col_row, col_visible);
     // FP32 partials of column g: static plan [split][output row], device plan [slot][column].
     const long long partial_base =
         p.work ? item.slot * GROUP_PAD : split * ((long long)p.batch * p.q_len * p.hq);
-    auto partial_row = [&](int g) { return partial_base + (p.work ? (long long)g : cols.row(g)); };
+    auto partial_row = [&](int g) { return partial_base + (p.work ? (long long)g : cols.row(p, g)); };
 
     if (num_tiles == 0) {
         // ---------------- empty split: publish neutral statistics and leave ----------------
@@ -500,7 +517,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                 cols.out(p, i / HEAD_DIM)[i % HEAD_DIM] = 0;
             }
             if (p.lse) {
-                for (int g = threadIdx.x; g < cols.count; g += THREADS) p.lse[cols.row(g)] = neg_inf();
+                for (int g = threadIdx.x; g < cols.count; g += THREADS) p.lse[cols.row(p, g)] = neg_inf();
             }
         }
         return;
@@ -526,7 +543,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     }
 
     // ================================= consumer warps ======================================
-    named_barrier_sync(1, CONSUMER_THREADS);  // column tables
+    if (!cols.single_token) named_barrier_sync(1, CONSUMER_THREADS);  // column tables
     // Q of the group -> shared memory, rows past the group zero-filled (their columns are
     // computed and dropped; zeros keep them finite).
     // Every load is issued before the first store: a loop that stores each chunk before loading
@@ -708,6 +725,24 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     }
     named_barrier_sync(1, CONSUMER_THREADS);
 
+    // The CTA's max and denominator per column, worked out once here rather than by every
+    // thread for every pair of head dims it writes below.
+    float* cta_m = reinterpret_cast<float*>(smem + SharedPlan::cta_m);
+    float* cta_l = reinterpret_cast<float*>(smem + SharedPlan::cta_l);
+    if (threadIdx.x < GROUP_PAD) {
+        const int g = threadIdx.x;
+        float m_cta = neg_inf();
+#pragma unroll
+        for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + g]);
+        const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
+        float l_cta = 0.f;
+#pragma unroll
+        for (int w = 0; w < CONSUMER_WARPS; ++w)
+            l_cta += warp_l[w * GROUP_PAD + g] * exp2_approx(warp_m[w * GROUP_PAD + g] - m_use);
+        cta_m[g] = m_cta;
+        cta_l[g] = l_cta;
+    }
+
     // Each warp rescales its O^T to the CTA-wide max and parks it in the drained ring.
     float* merge = reinterpret_cast<float*>(ring);
 #pragma unroll
@@ -729,36 +764,37 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         }
     named_barrier_sync(1, CONSUMER_THREADS);
 
-    // Sum the warps in a fixed order and write: two head-dim elements per thread per step.
+    // Sum the warps in a fixed order and write: four head-dim elements per thread per step
+    // (a cluster slice is at least four wide, HEAD_DIM / 16 at d64).
     const bool single_split = item.num_splits == 1;
     if (in_cluster) cluster_wait_acquire();  // every peer has started: its shared memory exists
-    for (int i = threadIdx.x; i < cols.count * (HEAD_DIM / 2); i += CONSUMER_THREADS) {
-        const int g = i / (HEAD_DIM / 2), d = (i % (HEAD_DIM / 2)) * 2;
-        float m_cta = neg_inf();
-#pragma unroll
-        for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + g]);
-        const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
-        float l_cta = 0.f, o0 = 0.f, o1 = 0.f;
+    for (int i = threadIdx.x; i < cols.count * (HEAD_DIM / 4); i += CONSUMER_THREADS) {
+        const int g = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
+        const float m_cta = cta_m[g], l_cta = cta_l[g];
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int w = 0; w < CONSUMER_WARPS; ++w) {
-            l_cta += warp_l[w * GROUP_PAD + g] * exp2_approx(warp_m[w * GROUP_PAD + g] - m_use);
-            const float* src = merge + w * MERGE_WARP_FLOATS + g * MERGE_ROW + d;
-            o0 += src[0];
-            o1 += src[1];
+            const float4 v = *reinterpret_cast<const float4*>(merge + w * MERGE_WARP_FLOATS + g * MERGE_ROW + d);
+            o.x += v.x;
+            o.y += v.y;
+            o.z += v.z;
+            o.w += v.w;
         }
         if (single_split) {
             const float inv = l_cta > 0.f ? 1.f / l_cta : 0.f;
-            *reinterpret_cast<u32*>(cols.out(p, g) + d) = pack_half2<IS_F16>(o0 * inv, o1 * inv);
+            *reinterpret_cast<uint2*>(cols.out(p, g) + d) =
+                make_uint2(pack_half2<IS_F16>(o.x * inv, o.y * inv), pack_half2<IS_F16>(o.z * inv, o.w * inv));
             if (p.lse && d == 0) {
-                p.lse[cols.row(g)] =
+                p.lse[cols.row(p, g)] =
                     l_cta > 0.f ? (m_cta + __log2f(l_cta)) * 0.69314718055994531f : neg_inf();
             }
         } else if (in_cluster) {
-            cluster_push_o(cluster, smem_addr(recv_o), g, d, o0, o1);
+            cluster_push_o(cluster, smem_addr(recv_o), g, d, o.x, o.y);
+            cluster_push_o(cluster, smem_addr(recv_o), g, d + 2, o.z, o.w);
             if (d == 0) cluster_push_stats(cluster, smem_addr(recv_m), smem_addr(recv_l), g, m_cta, l_cta);
         } else {
             const long long row = partial_row(g);
-            *reinterpret_cast<float2*>(p.o_partial + row * HEAD_DIM + d) = make_float2(o0, o1);
+            *reinterpret_cast<float4*>(p.o_partial + row * HEAD_DIM + d) = o;
             if (d == 0) {
                 p.m_partial[row] = m_cta;
                 p.l_partial[row] = l_cta;
