@@ -725,24 +725,6 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     }
     named_barrier_sync(1, CONSUMER_THREADS);
 
-    // The CTA's max and denominator per column, worked out once here rather than by every
-    // thread for every pair of head dims it writes below.
-    float* cta_m = reinterpret_cast<float*>(smem + SharedPlan::cta_m);
-    float* cta_l = reinterpret_cast<float*>(smem + SharedPlan::cta_l);
-    if (threadIdx.x < GROUP_PAD) {
-        const int g = threadIdx.x;
-        float m_cta = neg_inf();
-#pragma unroll
-        for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + g]);
-        const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
-        float l_cta = 0.f;
-#pragma unroll
-        for (int w = 0; w < CONSUMER_WARPS; ++w)
-            l_cta += warp_l[w * GROUP_PAD + g] * exp2_approx(warp_m[w * GROUP_PAD + g] - m_use);
-        cta_m[g] = m_cta;
-        cta_l[g] = l_cta;
-    }
-
     // Each warp rescales its O^T to the CTA-wide max and parks it in the drained ring.
     float* merge = reinterpret_cast<float*>(ring);
 #pragma unroll
@@ -770,10 +752,15 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     if (in_cluster) cluster_wait_acquire();  // every peer has started: its shared memory exists
     for (int i = threadIdx.x; i < cols.count * (HEAD_DIM / 4); i += CONSUMER_THREADS) {
         const int g = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
-        const float m_cta = cta_m[g], l_cta = cta_l[g];
+        float m_cta = neg_inf();
+#pragma unroll
+        for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + g]);
+        const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
+        float l_cta = 0.f;
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int w = 0; w < CONSUMER_WARPS; ++w) {
+            l_cta += warp_l[w * GROUP_PAD + g] * exp2_approx(warp_m[w * GROUP_PAD + g] - m_use);
             const float4 v = *reinterpret_cast<const float4*>(merge + w * MERGE_WARP_FLOATS + g * MERGE_ROW + d);
             o.x += v.x;
             o.y += v.y;
