@@ -134,10 +134,7 @@ struct SharedPlan {
     static constexpr int col_out = col_q + 8 * GROUP_PAD;
     static constexpr int col_row = col_out + 8 * GROUP_PAD;
     static constexpr int col_visible = col_row + 8 * GROUP_PAD;
-    // the CTA's max and denominator per column, once the warps have merged
-    static constexpr int cta_m = col_visible + 4 * GROUP_PAD;
-    static constexpr int cta_l = cta_m + 4 * GROUP_PAD;
-    static constexpr int bytes = cta_l + 4 * GROUP_PAD;
+    static constexpr int bytes = col_visible + 4 * GROUP_PAD;
 };
 
 static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
@@ -747,7 +744,10 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     named_barrier_sync(1, CONSUMER_THREADS);
 
     // Sum the warps in a fixed order and write: four head-dim elements per thread per step
-    // (a cluster slice is at least four wide, HEAD_DIM / 16 at d64).
+    // (a cluster slice is at least four wide, HEAD_DIM / 16 at d64). Each thread works its
+    // column's CTA max and denominator out again from the warps' statistics: measured faster
+    // than sharing them through shared memory, which puts one thread's chain in front of the
+    // merge barrier (bench/NOTES.md, v25).
     const bool single_split = item.num_splits == 1;
     if (in_cluster) cluster_wait_acquire();  // every peer has started: its shared memory exists
     for (int i = threadIdx.x; i < cols.count * (HEAD_DIM / 4); i += CONSUMER_THREADS) {

@@ -101,9 +101,8 @@ impl DecodeVariant {
         let stats = 2 * 4 * (4 * self.consumer_groups) * self.n_tiles * 8;
         // what cluster peers push (m, l per rank and head; O of this CTA's head-dim slice)
         let cluster_inbox = 4 * self.n_tiles * 8 * (2 * plan::MAX_CLUSTER_SPLITS + self.head_dim);
-        // per-column tables: Q and output offsets, output row (8 bytes each), visible length;
-        // then the CTA's max and denominator per column
-        let columns = (28 + 8) * self.n_tiles * 8;
+        // per-column tables: Q and output offsets, output row (8 bytes each), visible length
+        let columns = 28 * self.n_tiles * 8;
         1024 + ring_region + q + barriers + stats + cluster_inbox + columns
     }
 
