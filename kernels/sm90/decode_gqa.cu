@@ -429,6 +429,12 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
+    // The tensor maps are kernel parameters, never written by the previous kernel, so their
+    // descriptor fetch may overlap its tail instead of delaying our first TMA.
+    if (threadIdx.x == PRODUCER_WARP * 32) {
+        prefetch_tensor_map(&p.k_map);
+        prefetch_tensor_map(&p.v_map);
+    }
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(&k_full[s], 1);
@@ -522,10 +528,6 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     if (warp == PRODUCER_WARP) {
         // =============================== producer warp ===================================
-        if (lane == 0) {
-            prefetch_tensor_map(&p.k_map);
-            prefetch_tensor_map(&p.v_map);
-        }
         ProducerRing ring_state = {ring, k_full, v_full, empty, l2_policy_evict_first()};
         if constexpr (PAGED) {
             produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane);
