@@ -50,6 +50,13 @@ struct alignas(128) DecodeParams {
     int plan_tile;          // positions per tile (the decode kernel's TILE_TOKENS)
     int block_cols;         // columns per decode CTA (8 x n8 tiles): partial slots hold this many
     int plan_slots;         // FP32 partial slots in the workspace (device plan)
+    // Contiguous caches, for the L2 warm-up before the PDL wait only (prefetch addresses; the
+    // loads go through the tensor maps): base addresses and strides, or k_cache = null where a
+    // stride does not fit 32 bits (or the cache is paged).
+    const void* k_cache;
+    const void* v_cache;
+    long long k_batch_stride, v_batch_stride;
+    int k_token_stride, k_head_stride, v_token_stride, v_head_stride;
 };
 
 // params.rs asserts the same size, and its tests lay this struct out from this file's text and

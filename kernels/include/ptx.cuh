@@ -82,6 +82,12 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tensor_map, i
         : "memory");
 }
 
+// Prefetch of one global line into L2 through the load/store path (PTX ISA 9.7.9.15,
+// prefetch): nothing returns, so nothing waits for it, and the TMA unit is not involved.
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
+}
+
 // Pulls a tensor map (a kernel parameter) into the descriptor cache before its first use
 // (PTX ISA 9.7.9.26, prefetch.tensormap).
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {

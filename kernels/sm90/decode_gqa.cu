@@ -407,6 +407,37 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
     }
 }
 
+// ================================ L2 warm-up before the PDL wait ============================
+// A one- or two-tile split waits out its first DRAM round trip in full, and that trip starts
+// only after the PDL wait. Prefetches into L2 may start before it: the previous kernel's writes
+// land in L2, so the loads after the wait still see them. The consumer threads, idle until the
+// wait, each prefetch a 128-byte line of the split's first WARM_TILES tiles (K and V) through
+// the load/store path; TMA prefetches (v26) queued in the SM's TMA unit ahead of the previous
+// call's loads. Contiguous caches under a static plan only (a paged cache needs its block table
+// and a device plan its work item, both possibly written by the previous kernel); the range
+// assumes every request is max_len long, since the lengths may not be read yet: a shorter one
+// only warms positions it will not read.
+constexpr int WARM_TILES = 2;
+constexpr int LINES_PER_ROW = HEAD_DIM * 2 / 128;  // 128-byte lines per K or V row
+
+__device__ __forceinline__ void warm_first_tiles(const DecodeParams& p) {
+    const WorkItem item = work_item(p);
+    const SplitRange range = split_range(p.max_len, item.num_splits, item.split, TILE_TOKENS);
+    const int rows = min(range.end - range.begin, WARM_TILES * TILE_TOKENS);
+    const int lines = rows * LINES_PER_ROW;
+    for (int i = threadIdx.x; i < 2 * lines; i += CONSUMER_THREADS) {
+        const bool is_v = i >= lines;
+        const int r = (is_v ? i - lines : i) / LINES_PER_ROW, line = i % LINES_PER_ROW;
+        const long long element =
+            is_v ? item.batch * p.v_batch_stride + (long long)(range.begin + r) * p.v_token_stride +
+                       (long long)item.kv_head * p.v_head_stride
+                 : item.batch * p.k_batch_stride + (long long)(range.begin + r) * p.k_token_stride +
+                       (long long)item.kv_head * p.k_head_stride;
+        const unsigned char* base = static_cast<const unsigned char*>(is_v ? p.v_cache : p.k_cache);
+        prefetch_l2(base + element * 2 + line * 128);
+    }
+}
+
 }  // namespace kvs
 
 using namespace kvs;
@@ -454,6 +485,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         cluster = cluster_shape(p);
         cluster_arrive_relaxed();  // phase 1, waited on just before the first remote store
     }
+
+    if (!PAGED && !p.work && p.k_cache && warp < CONSUMER_WARPS) warm_first_tiles(p);
 
     // Everything above overlaps the previous kernel's tail; nothing below may read global
     // memory before it has finished.

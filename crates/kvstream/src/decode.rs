@@ -272,6 +272,10 @@ impl Decoder {
             ),
         };
         let row = (p.hq * p.head_dim) as i64; // q and out: [batch, q_len, hq, d]
+        // contiguous caches' addresses for the decode's L2 warm-up (params.cuh): none where a
+        // position or head stride needs more than 32 bits
+        let fits = |st: KvStrides| i32::try_from(st.token).is_ok() && i32::try_from(st.head).is_ok();
+        let warm = p.paged.is_none() && fits(p.k_strides) && fits(p.v_strides);
         let params = DecodeParams {
             k_map: map("k_cache", t.k, p.k_strides)?,
             v_map: map("v_cache", t.v, p.v_strides)?,
@@ -313,6 +317,14 @@ impl Decoder {
             plan_tile: self.plan.decode.tile_tokens as i32,
             block_cols: (self.plan.decode.n_tiles * 8) as i32,
             plan_slots: self.plan.device_plan.map_or(0, |d| d.slots as i32),
+            k_cache: if warm { t.k } else { 0 },
+            v_cache: if warm { t.v } else { 0 },
+            k_batch_stride: p.k_strides.batch,
+            v_batch_stride: p.v_strides.batch,
+            k_token_stride: p.k_strides.token as i32,
+            k_head_stride: p.k_strides.head as i32,
+            v_token_stride: p.v_strides.token as i32,
+            v_head_stride: p.v_strides.head as i32,
         };
         if let Some(planner) = &self.planner {
             let cfg = LaunchConfig {

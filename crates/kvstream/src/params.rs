@@ -48,6 +48,14 @@ pub struct DecodeParams {
     pub plan_tile: i32,
     pub block_cols: i32,
     pub plan_slots: i32,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub k_batch_stride: i64,
+    pub v_batch_stride: i64,
+    pub k_token_stride: i32,
+    pub k_head_stride: i32,
+    pub v_token_stride: i32,
+    pub v_head_stride: i32,
 }
 
 // Same number as the static_assert in params.cuh; the tests below compare every field's offset.
@@ -145,6 +153,14 @@ mod tests {
             plan_tile,
             block_cols,
             plan_slots,
+            k_cache,
+            v_cache,
+            k_batch_stride,
+            v_batch_stride,
+            k_token_stride,
+            k_head_stride,
+            v_token_stride,
+            v_head_stride,
         );
         let (cuda, size) = cuda_layout();
         let rust: Vec<(String, usize)> =
