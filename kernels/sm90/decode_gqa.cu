@@ -173,16 +173,17 @@ struct Columns {
         return single_token ? (long long)batch * p.hq + first_head + c : out_row[c];
     }
     __device__ __forceinline__ u16* out(const DecodeParams& p, int c) const {
-        const long long off = single_token
-                                  ? batch * p.o_batch_stride + (long long)(first_head + c) * p.o_head_stride
-                                  : out_off[c];
-        return reinterpret_cast<u16*>(p.out) + off;
+        return reinterpret_cast<u16*>(p.out) +
+               (single_token ? head_offset(p.o_batch_stride, p.o_head_stride, c) : out_off[c]);
     }
     __device__ __forceinline__ const u16* q(const DecodeParams& p, int c) const {
-        const long long off = single_token
-                                  ? batch * p.q_batch_stride + (long long)(first_head + c) * p.q_head_stride
-                                  : q_off[c];
-        return reinterpret_cast<const u16*>(p.q) + off;
+        return reinterpret_cast<const u16*>(p.q) +
+               (single_token ? head_offset(p.q_batch_stride, p.q_head_stride, c) : q_off[c]);
+    }
+    // Single-token: element offset of column c's row (token 0, head first_head + c) in Q or out.
+    __device__ __forceinline__ long long head_offset(long long batch_stride, long long head_stride,
+                                                     int c) const {
+        return batch * batch_stride + (long long)(first_head + c) * head_stride;
     }
     // Cache positions column c may see: [0, len - q_len + token] (causal among the new tokens).
     __device__ __forceinline__ int visible(int c) const { return single_token ? len : visible_len[c]; }
