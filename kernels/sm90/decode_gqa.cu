@@ -412,30 +412,41 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
 // A one- or two-tile split waits out its first DRAM round trip in full, and that trip starts
 // only after the PDL wait. Prefetches into L2 may start before it: the previous kernel's writes
 // land in L2, so the loads after the wait still see them. The consumer threads, idle until the
-// wait, each prefetch a 128-byte line of the split's first WARM_TILES tiles (K and V) through
-// the load/store path; TMA prefetches (v26) queued in the SM's TMA unit ahead of the previous
-// call's loads. Contiguous caches under a static plan only (a paged cache needs its block table
-// and a device plan its work item, both possibly written by the previous kernel); the range
-// assumes every request is max_len long, since the lengths may not be read yet: a shorter one
-// only warms positions it will not read.
+// wait, each warm one K or V row (position) of the split's first WARM_TILES tiles, a 128-byte
+// `prefetch.global.L2` per line, through the load/store path: TMA prefetches (v26) queued in the
+// SM's TMA unit ahead of the previous call's loads. Static plans only (a device plan's work item
+// is written by the planner, the kernel just before); the range assumes every request is max_len
+// long, since the lengths may not be read yet: a shorter one only warms positions it will not
+// read.
+// Paged caches: a row's page id is read here too, as a hint only. The previous kernel may still
+// be writing the table; a stale id then warms a page that is not read, and nothing else uses
+// it: the producer reads the table again after the wait. The read is `ld.global.cg` (L2, no L1
+// line that the later read could hit stale), and the id is clamped to the pool.
 constexpr int WARM_TILES = 2;
 constexpr int LINES_PER_ROW = HEAD_DIM * 2 / 128;  // 128-byte lines per K or V row
 
 __device__ __forceinline__ void warm_first_tiles(const DecodeParams& p) {
     const WorkItem item = work_item(p);
+    if (threadIdx.x == 0 && p.seqlens) prefetch_l2(p.seqlens + item.batch);
     const SplitRange range = split_range(p.max_len, item.num_splits, item.split, TILE_TOKENS);
     const int rows = min(range.end - range.begin, WARM_TILES * TILE_TOKENS);
-    const int lines = rows * LINES_PER_ROW;
-    for (int i = threadIdx.x; i < 2 * lines; i += CONSUMER_THREADS) {
-        const bool is_v = i >= lines;
-        const int r = (is_v ? i - lines : i) / LINES_PER_ROW, line = i % LINES_PER_ROW;
+    for (int i = threadIdx.x; i < 2 * rows; i += CONSUMER_THREADS) {
+        const bool is_v = i >= rows;
+        const int pos = range.begin + (is_v ? i - rows : i);
+        // Paged: "batch" stride = page stride, positions = positions within the page.
+        long long outer = item.batch, inner = pos;
+        if (PAGED) {
+            const int shift = __ffs(p.page_size) - 1;
+            const int id = ld_global_l2(p.block_table + (long long)item.batch * p.table_stride + (pos >> shift));
+            outer = min(max(id, 0), p.num_pages - 1);
+            inner = pos & (p.page_size - 1);
+        }
         const long long element =
-            is_v ? item.batch * p.v_batch_stride + (long long)(range.begin + r) * p.v_token_stride +
-                       (long long)item.kv_head * p.v_head_stride
-                 : item.batch * p.k_batch_stride + (long long)(range.begin + r) * p.k_token_stride +
-                       (long long)item.kv_head * p.k_head_stride;
-        const unsigned char* base = static_cast<const unsigned char*>(is_v ? p.v_cache : p.k_cache);
-        prefetch_l2(base + element * 2 + line * 128);
+            is_v ? outer * p.v_batch_stride + inner * p.v_token_stride + (long long)item.kv_head * p.v_head_stride
+                 : outer * p.k_batch_stride + inner * p.k_token_stride + (long long)item.kv_head * p.k_head_stride;
+        const unsigned char* row = static_cast<const unsigned char*>(is_v ? p.v_cache : p.k_cache) + element * 2;
+#pragma unroll
+        for (int line = 0; line < LINES_PER_ROW; ++line) prefetch_l2(row + line * 128);
     }
 }
 
@@ -487,7 +498,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         cluster_arrive_relaxed();  // phase 1, waited on just before the first remote store
     }
 
-    if (!PAGED && !p.work && p.k_cache && warp < CONSUMER_WARPS) warm_first_tiles(p);
+    if (!p.work && p.k_cache && warp < CONSUMER_WARPS) warm_first_tiles(p);
 
     // Everything above overlaps the previous kernel's tail; nothing below may read global
     // memory before it has finished.
