@@ -50,10 +50,9 @@ struct alignas(128) DecodeParams {
     int plan_tile;          // positions per tile (the decode kernel's TILE_TOKENS)
     int block_cols;         // columns per decode CTA (8 x n8 tiles): partial slots hold this many
     int plan_slots;         // FP32 partial slots in the workspace (device plan)
-    int num_pages;          // paged: pages in the pool
-    // For the decode's L2 warm-up before the PDL wait only (prefetch addresses; the loads go
-    // through the tensor maps): the caches' base addresses and strides, or k_cache = null where a
-    // stride does not fit 32 bits. Paged: the pool, "batch" strides are page strides.
+    // Contiguous caches, for the L2 warm-up before the PDL wait only (prefetch addresses; the
+    // loads go through the tensor maps): base addresses and strides, or k_cache = null where a
+    // stride does not fit 32 bits (or the cache is paged).
     const void* k_cache;
     const void* v_cache;
     long long k_batch_stride, v_batch_stride;
