@@ -271,10 +271,12 @@ impl Decoder {
                 arg, ptr, p.dtype, p.head_dim, p.hkv, p.max_len, p.batch, strides, tile,
             ),
         };
-        let row = (p.hq * p.head_dim) as i64; // q and out: [batch, q_len, hq, d]
+        // q and out: [batch, q_len, hq, d]
+        let row = (p.hq * p.head_dim) as i64;
         // contiguous caches' addresses for the decode's L2 warm-up (params.cuh): none where a
         // position or head stride needs more than 32 bits
-        let fits = |st: KvStrides| i32::try_from(st.token).is_ok() && i32::try_from(st.head).is_ok();
+        let fits =
+            |st: KvStrides| i32::try_from(st.token).is_ok() && i32::try_from(st.head).is_ok();
         let warm = p.paged.is_none() && fits(p.k_strides) && fits(p.v_strides);
         let params = DecodeParams {
             k_map: map("k_cache", t.k, p.k_strides)?,
