@@ -42,7 +42,8 @@
 //! reduction: one launch, DSMEM, powers of two up to 16 splits). Rule ([`auto_reduction`]):
 //! **cluster reduction when there are 2, 4 or 8 splits of at most 2 tiles each and at most 8
 //! query columns per KV head** ([`AUTO_CLUSTER_MAX_SPLITS`], [`AUTO_CLUSTER_MAX_TILES`],
-//! [`AUTO_CLUSTER_MAX_COLUMNS`]), kernel reduction otherwise; PDL on in both modes. Measured with `kvstream bench --modes` on two H200s (run A at e0d1f75, run B
+//! [`AUTO_CLUSTER_MAX_COLUMNS`]), and on the paged plan two splits in a cluster where the
+//! heuristic wants 2-4 ([`paged_cluster_pair`]); kernel reduction otherwise; PDL on in both modes. Measured with `kvstream bench --modes` on two H200s (run A at e0d1f75, run B
 //! at c790eea; `results/kvstream-bench-2026-11-29-{e0d1f75,c790eea}.json`), cluster time /
 //! kernel time at the heuristic's split count (< 1: cluster faster):
 //!
@@ -225,6 +226,25 @@ pub fn auto_reduction(num_splits: usize, tiles_per_split: usize, columns: usize)
     } else {
         Reduction::Kernel
     }
+}
+
+/// Most splits the paged heuristic may ask for and still be served by two splits merged in a
+/// cluster ([`paged_cluster_pair`]).
+pub const PAGED_PAIR_MAX_SPLITS: usize = 4;
+
+/// Whether a paged-plan problem ([`takes_paged_plan`]) for which the heuristic wants
+/// `heuristic` splits runs two splits merged in a cluster instead: where the batch already
+/// supplies a quarter or more of the paged target (2-4 splits), the combine launch costs more
+/// than the extra splits save, and clusters of 4 paged CTAs place badly. Forced modes at 5ca22fb,
+/// 32/8 d128 page 16 b8 (`results/ab-2026-11-29/run-5ca22fb/serving-modes-5ca22fb.json`, us):
+/// L4096 kernel n4 (the heuristic) 38.70, n2 40.06, n8 40.62, cluster of 4 49.52, **cluster of
+/// 2 36.81** (contiguous 35.26); L32768 n4 260.77, n2 268.98, cluster of 4 339.04, **cluster of
+/// 2 259.09**. At b32 the heuristic asks for one split (forcing a cluster of 2 there: 135.3 vs
+/// 132.8 us, 10120ff), at b1 for 16, so neither changes. Query columns as in [`auto_reduction`].
+pub fn paged_cluster_pair(problem: &DecodeProblem, heuristic: usize) -> bool {
+    takes_paged_plan(problem)
+        && (2..=PAGED_PAIR_MAX_SPLITS).contains(&heuristic)
+        && problem.columns() <= AUTO_CLUSTER_MAX_COLUMNS
 }
 
 /// What the caller may force.
@@ -471,14 +491,26 @@ pub fn plan(
                 format!("one of {CLUSTER_SPLITS:?} with cluster reduction"),
             ))
         }
+        (None, _)
+            if options.reduction != Some(Reduction::Kernel)
+                && paged_cluster_pair(problem, heuristic_splits(problem, device)) =>
+        {
+            2
+        }
         (None, Reduction::Kernel) => heuristic_splits(problem, device),
         (None, Reduction::Cluster) => cluster_splits(heuristic_splits(problem, device)),
     };
     let tiles = problem.max_len.div_ceil(tile_tokens(problem.head_dim));
     let tiles_per_split = tiles.div_ceil(num_splits);
-    let reduction = options
-        .reduction
-        .unwrap_or_else(|| auto_reduction(num_splits, tiles_per_split, problem.columns()));
+    let reduction = options.reduction.unwrap_or_else(|| {
+        if options.num_splits.is_none()
+            && paged_cluster_pair(problem, heuristic_splits(problem, device))
+        {
+            Reduction::Cluster
+        } else {
+            auto_reduction(num_splits, tiles_per_split, problem.columns())
+        }
+    });
     // (request, KV head, column block) units: one CTA each per split
     let units = problem.hkv * DecodeVariant::for_problem(problem).column_blocks(problem);
     let full_wave = fills_the_gpu_unsplit(problem.batch * units, num_splits, device);
@@ -887,6 +919,45 @@ mod tests {
         )
         .unwrap();
         assert_eq!(pl.num_splits, 33);
+    }
+
+    #[test]
+    fn paged_batches_of_two_to_four_splits_take_a_cluster_pair() {
+        let paged = |batch, page| {
+            DecodeProblem::new(batch, 32, 8, 128, 4096, DType::Bf16)
+                .unwrap()
+                .with_paged(page, batch * 4096 / page, None)
+                .unwrap()
+        };
+        let auto = |p: &DecodeProblem, options| plan(p, DeviceFacts::H200, options).unwrap();
+        // b8: 64 units, the paged heuristic wants 4 splits
+        let pl = auto(&paged(8, 16), PlanOptions::default());
+        assert_eq!((pl.num_splits, pl.reduction), (2, Reduction::Cluster));
+        assert!(pl.combine.is_none());
+        // forcing cluster reduction gives the same pair, forcing kernel reduction the heuristic
+        let cluster = PlanOptions {
+            reduction: Some(Reduction::Cluster),
+            ..Default::default()
+        };
+        assert_eq!(auto(&paged(8, 16), cluster).num_splits, 2);
+        let kernel = PlanOptions {
+            reduction: Some(Reduction::Kernel),
+            ..Default::default()
+        };
+        assert_eq!(auto(&paged(8, 16), kernel).num_splits, 4);
+        // b1 (16 splits), b32 (1 split) and pages of a tile (contiguous plan) are unchanged
+        assert_eq!(
+            auto(&paged(1, 16), PlanOptions::default()).reduction,
+            Reduction::Kernel
+        );
+        assert_eq!(auto(&paged(32, 16), PlanOptions::default()).num_splits, 1);
+        assert_eq!(auto(&paged(8, 64), PlanOptions::default()).num_splits, 1);
+        // a forced split count is kept as asked
+        let forced = PlanOptions {
+            num_splits: Some(4),
+            ..Default::default()
+        };
+        assert_eq!(auto(&paged(8, 16), forced).num_splits, 4);
     }
 
     #[test]
