@@ -241,6 +241,8 @@ pub const PAGED_PAIR_MAX_SPLITS: usize = 4;
 /// 2 36.81** (contiguous 35.26); L32768 n4 260.77, n2 268.98, cluster of 4 339.04, **cluster of
 /// 2 259.09**. At b32 the heuristic asks for one split (forcing a cluster of 2 there: 135.3 vs
 /// 132.8 us, 10120ff), at b1 for 16, so neither changes. Query columns as in [`auto_reduction`].
+/// As the rule, same run against the build before it (`results/ab-2026-11-29/run-0e949d5/`):
+/// b8 L4096 38.19 -> 36.86 us, b8 L32768 261.90 -> 259.36, pages in pool order 262.78 -> 246.90.
 pub fn paged_cluster_pair(problem: &DecodeProblem, heuristic: usize) -> bool {
     takes_paged_plan(problem)
         && (2..=PAGED_PAIR_MAX_SPLITS).contains(&heuristic)
