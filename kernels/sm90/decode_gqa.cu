@@ -67,6 +67,7 @@ constexpr int STAGES = KVS_STAGES;
 
 constexpr int CONSUMER_GROUPS = KVS_CONSUMER_GROUPS;
 constexpr bool PAGED = KVS_PAGED;
+constexpr bool JOINED_HALVES = KVS_JOINED_HALVES;  // see kv_chunk
 constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
@@ -85,6 +86,8 @@ constexpr int D_TILES = HEAD_DIM / 16;
 // per SM.
 constexpr int MIN_CTAS_PER_SM =
     PAGED && STAGES == 2 && (CONSUMER_GROUPS == 1 ? N_TILES <= 2 : N_TILES == 1 && HEAD_DIM == 128) ? 2 : 1;
+
+static_assert(!JOINED_HALVES || (PAGED && HEAD_DIM == 128), "joined halves: paged d128 only");
 
 // K and V tiles arrive as TMA boxes of 64 head dims (128 bytes) x TILE_TOKENS positions, one box
 // per 64 dims, with the 128-byte swizzle: 16-byte chunk c of position t sits at chunk c ^ (t % 8)
@@ -147,8 +150,16 @@ static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern bo
 
 // Shared address of 16-byte chunk `chunk` (head dims 8*chunk .. 8*chunk+7) of position `t` in a
 // K or V tile.
-__device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk) {
-    return tile + (chunk / 8) * BOX_BYTES + t * 128 + (((chunk % 8) ^ (t % 8)) << 4);
+// Pages of 8-32 positions at d128 (JOINED_HALVES; launch.rs, joined_page_map): one TMA box per
+// page run holds both 64-dim halves, so the tile is [run][half][position in run][128 bytes]
+// rather than [half][position][128 bytes], and a tile takes half the boxes. Runs of 8+ positions
+// keep every 8-row group on one swizzle phase, so the ldmatrix reads stay conflict-free.
+// `run_rows` is the page size there (unused otherwise).
+__device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk, int run_rows) {
+    const u32 swizzled = ((chunk % 8) ^ (t % 8)) << 4;
+    if constexpr (!JOINED_HALVES) return tile + (chunk / 8) * BOX_BYTES + t * 128 + swizzled;
+    return tile + (t & -run_rows) * (BOXES * 128) + (t & (run_rows - 1)) * 128 +
+           (chunk / 8) * run_rows * 128 + swizzled;
 }
 
 // ================================ query rows (columns) =====================================
@@ -396,6 +407,11 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                         const int rr = chunk_page + lane + 32 * i - tile_page;  // this lane's run
                         if (rr < 0 || rr >= w.boxes) continue;
                         const int in_page = (tile_begin + rr * run) & in_page_mask;
+                        if constexpr (JOINED_HALVES) {  // whole pages: in_page is 0
+                            tma_load_5d(dst[kv] + rr * run * BOXES * 128, map[kv], 0, 0, 0, kv_head,
+                                        ids[b][i], bar[kv], r.policy);
+                            continue;
+                        }
 #pragma unroll
                         for (int box = 0; box < BOXES; ++box)
                             tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * 64,
@@ -661,8 +677,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int kk = 0; kk < D_TILES; kk += 2) {
                 u32 a0[4], a1[4];
-                ldmatrix_x4(a0, kv_chunk(k_tile, slice_row + a_row, 2 * kk + a_col / 8));
-                ldmatrix_x4(a1, kv_chunk(k_tile, slice_row + a_row, 2 * (kk + 1) + a_col / 8));
+                ldmatrix_x4(a0, kv_chunk(k_tile, slice_row + a_row, 2 * kk + a_col / 8, p.page_size));
+                ldmatrix_x4(a1, kv_chunk(k_tile, slice_row + a_row, 2 * (kk + 1) + a_col / 8, p.page_size));
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt) {
                     u32 b[4];
@@ -723,7 +739,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int dt = 0; dt < D_TILES; ++dt) {
                 u32 a[4];
-                ldmatrix_x4_trans(a, kv_chunk(v_tile, slice_row + v_row, 2 * dt + v_col / 8));
+                ldmatrix_x4_trans(a, kv_chunk(v_tile, slice_row + v_row, 2 * dt + v_col / 8, p.page_size));
                 a[0] &= keep_lo;
                 a[1] &= keep_lo;
                 a[2] &= keep_hi;
