@@ -43,9 +43,10 @@
 //! **cluster reduction when there are 2, 4 or 8 splits of at most 2 tiles each and at most 8
 //! query columns per KV head** ([`AUTO_CLUSTER_MAX_SPLITS`], [`AUTO_CLUSTER_MAX_TILES`],
 //! [`AUTO_CLUSTER_MAX_COLUMNS`]), and on the paged plan two splits in a cluster where the
-//! heuristic wants 2-4 ([`paged_cluster_pair`]); kernel reduction otherwise; PDL on in both modes. Measured with `kvstream bench --modes` on two H200s (run A at e0d1f75, run B
-//! at c790eea; `results/kvstream-bench-2026-11-29-{e0d1f75,c790eea}.json`), cluster time /
-//! kernel time at the heuristic's split count (< 1: cluster faster):
+//! heuristic wants 2-4 ([`paged_cluster_pair`]); kernel reduction otherwise; PDL on in both
+//! modes. Measured with `kvstream bench --modes` on two H200s (run A at e0d1f75, run B at
+//! c790eea; `results/kvstream-bench-2026-11-29-{e0d1f75,c790eea}.json`), cluster time / kernel
+//! time at the heuristic's split count (< 1: cluster faster):
 //!
 //! | shape              | splits | tiles/split | run A | run B |
 //! |--------------------|-------:|------------:|------:|------:|
@@ -476,6 +477,11 @@ pub fn plan(
         return plan_on_device(problem, device, options);
     }
     let forced_reduction = options.reduction.unwrap_or_default();
+    // paged batches of 2-4 heuristic splits: two splits in a cluster unless the caller forces
+    // the split count or kernel reduction
+    let cluster_pair = options.num_splits.is_none()
+        && options.reduction != Some(Reduction::Kernel)
+        && paged_cluster_pair(problem, heuristic_splits(problem, device));
     let num_splits = match (options.num_splits, forced_reduction) {
         (Some(n), Reduction::Kernel) if (1..=MAX_SPLITS).contains(&n) => n,
         (Some(n), Reduction::Cluster) if CLUSTER_SPLITS.contains(&n) => n,
@@ -493,21 +499,14 @@ pub fn plan(
                 format!("one of {CLUSTER_SPLITS:?} with cluster reduction"),
             ))
         }
-        (None, _)
-            if options.reduction != Some(Reduction::Kernel)
-                && paged_cluster_pair(problem, heuristic_splits(problem, device)) =>
-        {
-            2
-        }
+        (None, _) if cluster_pair => 2,
         (None, Reduction::Kernel) => heuristic_splits(problem, device),
         (None, Reduction::Cluster) => cluster_splits(heuristic_splits(problem, device)),
     };
     let tiles = problem.max_len.div_ceil(tile_tokens(problem.head_dim));
     let tiles_per_split = tiles.div_ceil(num_splits);
     let reduction = options.reduction.unwrap_or_else(|| {
-        if options.num_splits.is_none()
-            && paged_cluster_pair(problem, heuristic_splits(problem, device))
-        {
+        if cluster_pair {
             Reduction::Cluster
         } else {
             auto_reduction(num_splits, tiles_per_split, problem.columns())
