@@ -434,9 +434,10 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
 // long, since the lengths may not be read yet: a shorter one only warms positions it will not
 // read. Where it runs (decode kernel entry, measured in bench/NOTES.md v27-v29): contiguous
 // caches under a static plan in kernel reduction. Not paged caches (their page ids, read before
-// the wait as hints, cost 0.2-6 us on page-16 and page-64 rows), not device plans (the work item
-// is written by the planner, the kernel just before), not cluster reduction (measured 0.2-0.45
-// us slower on the mha rows; the cause is not known).
+// the wait as hints, made 5 of 10 paged rows slower, page 64 b8 L32768 by 6.6 us), not device
+// plans (the work item is written by the planner, the kernel just before), not cluster reduction
+// (0.2-0.45 us slower on three of the six mha rows, mha-d64-L1024 among them, whose automatic
+// mode is cluster reduction; the cause is not known).
 constexpr int WARM_TILES = 2;
 constexpr int LINES_PER_ROW = HEAD_DIM * 2 / 128;  // 128-byte lines per K or V row
 

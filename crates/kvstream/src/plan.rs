@@ -477,11 +477,12 @@ pub fn plan(
         return plan_on_device(problem, device, options);
     }
     let forced_reduction = options.reduction.unwrap_or_default();
+    let heuristic = heuristic_splits(problem, device);
     // paged batches of 2-4 heuristic splits: two splits in a cluster unless the caller forces
     // the split count or kernel reduction
     let cluster_pair = options.num_splits.is_none()
         && options.reduction != Some(Reduction::Kernel)
-        && paged_cluster_pair(problem, heuristic_splits(problem, device));
+        && paged_cluster_pair(problem, heuristic);
     let num_splits = match (options.num_splits, forced_reduction) {
         (Some(n), Reduction::Kernel) if (1..=MAX_SPLITS).contains(&n) => n,
         (Some(n), Reduction::Cluster) if CLUSTER_SPLITS.contains(&n) => n,
@@ -500,8 +501,8 @@ pub fn plan(
             ))
         }
         (None, _) if cluster_pair => 2,
-        (None, Reduction::Kernel) => heuristic_splits(problem, device),
-        (None, Reduction::Cluster) => cluster_splits(heuristic_splits(problem, device)),
+        (None, Reduction::Kernel) => heuristic,
+        (None, Reduction::Cluster) => cluster_splits(heuristic),
     };
     let tiles = problem.max_len.div_ceil(tile_tokens(problem.head_dim));
     let tiles_per_split = tiles.div_ceil(num_splits);
