@@ -7,7 +7,7 @@
 // 8 fills an n8 tile instead of padding a 64-row tile. One CTA handles one (request, kv head,
 // split); the split's tiles stream through a ring of shared-memory stages filled by TMA.
 //
-// Warp roles (CTA of 4 * CONSUMER_GROUPS + 1 warps):
+// Warp roles (CTA of 4 * CONSUMER_GROUPS + PRODUCER_WARPS warps):
 //   warps 0..4G-1 consumers, in CONSUMER_GROUPS groups of four; group g takes the tiles
 //                t = g, g + G, ... (two groups work on two tiles at once, so the softmax and MMA
 //                latency of one tile hides behind the other's). Inside a group each warp owns
@@ -19,6 +19,8 @@
 //                (64 head dims x TILE_TOKENS positions each, 128-byte swizzle), each completing
 //                on its own `full` barrier, so S^T = K Q^T and the softmax run while V is still
 //                in flight; waits on the stage's `empty` barrier before reusing it.
+//   warp 4G + 1  (joined-halves pages only) a second producer: warp 4G then streams K and this
+//                one V, each over the same stages and barriers.
 //
 // Ring protocol, stage s = tile % STAGES, parity = (tile / STAGES) & 1:
 //   producer: wait empty[s] (from the second lap); for K then V: arrive.expect_tx(full, bytes), TMA
@@ -71,8 +73,12 @@ constexpr bool JOINED_HALVES = KVS_JOINED_HALVES;  // see kv_chunk
 constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
-constexpr int THREADS = CONSUMER_THREADS + 32;
-constexpr int PRODUCER_WARP = CONSUMER_WARPS;
+// Joined-halves pages are issued by two producer warps, one streaming K and one V: a small page's
+// boxes leave one at a time from the lane that holds its id, so one warp issuing both tensors
+// serialises a stage's 2 x (tile / page) boxes (see produce_paged).
+constexpr int PRODUCER_WARPS = JOINED_HALVES ? 2 : 1;
+constexpr int THREADS = CONSUMER_THREADS + 32 * PRODUCER_WARPS;
+constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the first one
 constexpr int ROWS_PER_WARP = TILE_TOKENS / GROUP_WARPS;
 constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
 constexpr int GROUP_PAD = N_TILES * 8;
@@ -373,9 +379,10 @@ __device__ __forceinline__ void load_page_chunk(int (&ids)[RUNS_PER_LANE], const
     }
 }
 
+// `producer`: which producer warp this is (PRODUCER_WARPS == 2: 0 streams K, 1 streams V).
 __device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
                                               SplitRange range, int num_tiles, int batch, int kv_head,
-                                              int lane) {
+                                              int lane, int producer) {
     const int shift = __ffs(p.page_size) - 1;
     const int run = min(p.page_size, TILE_TOKENS);
     const PageWalk w = {p.block_table + (long long)batch * p.table_stride, range.begin >> shift,
@@ -400,6 +407,7 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                 u64* bar[2] = {&r.k_full[stage], &r.v_full[stage]};
 #pragma unroll
                 for (int kv = 0; kv < 2; ++kv) {  // K, then V
+                    if (PRODUCER_WARPS == 2 && kv != producer) continue;
                     if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_TX_BYTES);
                     __syncwarp();
 #pragma unroll
@@ -578,11 +586,11 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         return;
     }
 
-    if (warp == PRODUCER_WARP) {
-        // =============================== producer warp ===================================
+    if (warp >= PRODUCER_WARP) {
+        // ============================== producer warp(s) =================================
         ProducerRing ring_state = {ring, k_full, v_full, empty, l2_policy_evict_first()};
         if constexpr (PAGED) {
-            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane);
+            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane, warp - PRODUCER_WARP);
         } else if (lane == 0) {
             produce_contiguous(p, ring_state, range, num_tiles, batch, kv_head);
         }

@@ -96,9 +96,19 @@ impl DecodeVariant {
         problem.columns().div_ceil(8 * self.n_tiles)
     }
 
-    /// Threads per CTA: the consumer warps and one producer warp (decode_gqa.cu).
+    /// Producer warps: joined-halves pages stream K and V from a warp each (decode_gqa.cu,
+    /// `PRODUCER_WARPS`), every other variant from one.
+    pub fn producer_warps(&self) -> usize {
+        if self.joined_halves {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Threads per CTA: the consumer warps and the producer warp(s) (decode_gqa.cu).
     pub fn threads(&self) -> u32 {
-        (self.consumer_groups * 4 * 32 + 32) as u32
+        ((self.consumer_groups * 4 + self.producer_warps()) * 32) as u32
     }
 
     /// Whether `consumer_groups` groups fit the register file with this group size: every
