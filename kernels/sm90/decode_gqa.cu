@@ -380,17 +380,53 @@ __device__ __forceinline__ void load_page_chunk(int (&ids)[RUNS_PER_LANE], const
 }
 
 // `producer`: which producer warp this is (PRODUCER_WARPS == 2: 0 streams K, 1 streams V).
-__device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
-                                              SplitRange range, int num_tiles, int batch, int kv_head,
-                                              int lane, int producer) {
+__device__ __forceinline__ PageWalk page_walk(const DecodeParams& p, SplitRange range, int batch) {
     const int shift = __ffs(p.page_size) - 1;
     const int run = min(p.page_size, TILE_TOKENS);
-    const PageWalk w = {p.block_table + (long long)batch * p.table_stride, range.begin >> shift,
-                        ((range.end - 1) >> shift) + 1, shift, run, TILE_TOKENS / run};
+    return {p.block_table + (long long)batch * p.table_stride, range.begin >> shift,
+            ((range.end - 1) >> shift) + 1, shift, run, TILE_TOKENS / run};
+}
+
+// The block-table ids of a split's first two chunks, read before the request's length is known
+// (static plans), so that the table's round trip overlaps the length's instead of following it:
+// the split as it would be for a request of max_len positions, which every request of a uniform
+// batch is. produce_paged keeps them when the split turns out to start on the same page and end
+// no later, and reads the table again otherwise.
+struct EarlyPageIds {
+    int first_page, end_page;  // first_page -1: none read
+    int ids[2][RUNS_PER_LANE];
+};
+
+__device__ __forceinline__ void read_early_page_ids(EarlyPageIds& e, const DecodeParams& p,
+                                                    const WorkItem& item, int lane) {
+    e.first_page = -1;
+    const SplitRange range = split_range(p.max_len, item.num_splits, item.split, TILE_TOKENS);
+    if (range.end <= range.begin) return;
+    const PageWalk w = page_walk(p, range, item.batch);
+    load_page_chunk(e.ids[0], w, 0, lane);
+    load_page_chunk(e.ids[1], w, 1, lane);
+    e.first_page = w.first_page;
+    e.end_page = w.end_page;
+}
+
+__device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
+                                              SplitRange range, int num_tiles, int batch, int kv_head,
+                                              int lane, int producer, const EarlyPageIds& early) {
+    const PageWalk w = page_walk(p, range, batch);
+    const int shift = w.page_shift, run = w.run;
     const int in_page_mask = p.page_size - 1;
     int ids[2][RUNS_PER_LANE];
-    load_page_chunk(ids[0], w, 0, lane);
-    load_page_chunk(ids[1], w, 1, lane);
+    if (early.first_page == w.first_page && w.end_page <= early.end_page) {
+        // pages past this split's end read as -1, as load_page_chunk would have left them
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+#pragma unroll
+            for (int i = 0; i < RUNS_PER_LANE; ++i)
+                ids[b][i] = w.first_page + b * CHUNK_PAGES + lane + 32 * i < w.end_page ? early.ids[b][i] : -1;
+    } else {
+        load_page_chunk(ids[0], w, 0, lane);
+        load_page_chunk(ids[1], w, 1, lane);
+    }
     int tile = 0;
     for (int chunk0 = 0; tile < num_tiles; chunk0 += 2) {
 #pragma unroll
@@ -525,6 +561,9 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     const WorkItem item = work_item(p);
     if (item.batch < 0) return;  // device plan: more CTAs than work this call
+    EarlyPageIds early_ids;
+    early_ids.first_page = -1;
+    if (PAGED && !p.work && warp >= PRODUCER_WARP) read_early_page_ids(early_ids, p, item, lane);
     const bool in_cluster = p.cluster_splits > 1 && item.num_splits > 1;
     if (in_cluster && !static_cluster) {
         cluster = cluster_shape(p);
@@ -590,7 +629,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         // ============================== producer warp(s) =================================
         ProducerRing ring_state = {ring, k_full, v_full, empty, l2_policy_evict_first()};
         if constexpr (PAGED) {
-            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane, warp - PRODUCER_WARP);
+            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane, warp - PRODUCER_WARP, early_ids);
         } else if (lane == 0) {
             produce_contiguous(p, ring_state, range, num_tiles, batch, kv_head);
         }

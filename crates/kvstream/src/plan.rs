@@ -925,13 +925,19 @@ mod tests {
         // joined-halves pages of 16 and 32 plan like the contiguous cache
         for page_size in [16, 32] {
             let pl = plan(
-                &p.clone().with_paged(page_size, 4096 / page_size, None).unwrap(),
+                &p.clone()
+                    .with_paged(page_size, 4096 / page_size, None)
+                    .unwrap(),
                 DeviceFacts::H200,
                 PlanOptions::default(),
             )
             .unwrap();
             assert!(pl.decode.joined_halves);
-            assert_eq!((pl.num_splits, pl.decode.stages), (8, STAGES), "page {page_size}");
+            assert_eq!(
+                (pl.num_splits, pl.decode.stages),
+                (8, STAGES),
+                "page {page_size}"
+            );
         }
         // pages of a whole tile or more stream like a contiguous cache and take its plan
         let long = DecodeProblem::new(1, 32, 8, 128, 32768, DType::Bf16).unwrap();
