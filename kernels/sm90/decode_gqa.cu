@@ -19,9 +19,8 @@
 //                (64 head dims x TILE_TOKENS positions each, 128-byte swizzle), each completing
 //                on its own `full` barrier, so S^T = K Q^T and the softmax run while V is still
 //                in flight; waits on the stage's `empty` barrier before reusing it.
-//   warps 4G+1.. (joined-halves pages only) more producers: with PRODUCER_WARPS = 2 or 4, even
-//                producers stream K and odd ones V, each over the same stages and barriers, the
-//                first of each tensor arming the stage's barrier.
+//   warp 4G + 1  (joined-halves pages only) a second producer: warp 4G then streams K and this
+//                one V, each over the same stages and barriers.
 //
 // Ring protocol, stage s = tile % STAGES, parity = (tile / STAGES) & 1:
 //   producer: wait empty[s] (from the second lap); for K then V: arrive.expect_tx(full, bytes), TMA
@@ -74,13 +73,10 @@ constexpr bool JOINED_HALVES = KVS_JOINED_HALVES;  // see kv_chunk
 constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
-// Producer warps (KVS_PRODUCER_WARPS, chosen by the host: DecodeVariant::producer_warps): one,
-// or for joined-halves pages 2 or 4, half of them streaming K and half V, each K or V warp
-// issuing every (PRODUCER_WARPS / 2)-th page run of a tile. A small page's boxes leave one at a
-// time from the lane that holds its id, so a single warp serialises all of a stage's boxes
-// (see produce_paged); 4 where one CTA has the SM, 2 where two share it (register budget).
-constexpr int PRODUCER_WARPS = KVS_PRODUCER_WARPS;
-constexpr int RUN_PARTS = PRODUCER_WARPS > 1 ? PRODUCER_WARPS / 2 : 1;  // producer warps per tensor
+// Joined-halves pages are issued by two producer warps, one streaming K and one V: a small page's
+// boxes leave one at a time from the lane that holds its id, so one warp issuing both tensors
+// serialises a stage's 2 x (tile / page) boxes (see produce_paged).
+constexpr int PRODUCER_WARPS = JOINED_HALVES ? 2 : 1;
 constexpr int THREADS = CONSUMER_THREADS + 32 * PRODUCER_WARPS;
 constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the first one
 constexpr int ROWS_PER_WARP = TILE_TOKENS / GROUP_WARPS;
@@ -94,14 +90,10 @@ constexpr int D_TILES = HEAD_DIM / 16;
 // one column block in 95; d64 (97+) and two column blocks (~150) would spill under that cap, and
 // one consumer group (168 under the cap) fits up to two column blocks. The others keep one CTA
 // per SM.
-// (Mirrored by DecodeVariant::shares_sm on the host.)
 constexpr int MIN_CTAS_PER_SM =
     PAGED && STAGES == 2 && (CONSUMER_GROUPS == 1 ? N_TILES <= 2 : N_TILES == 1 && HEAD_DIM == 128) ? 2 : 1;
 
 static_assert(!JOINED_HALVES || (PAGED && HEAD_DIM == 128), "joined halves: paged d128 only");
-static_assert(PRODUCER_WARPS == 1 || (JOINED_HALVES && (PRODUCER_WARPS == 2 || PRODUCER_WARPS == 4)),
-              "more than one producer warp: joined halves only, 2 or 4");
-static_assert(MIN_CTAS_PER_SM == 1 || PRODUCER_WARPS <= 2, "two CTAs per SM: at most 2 producers");
 
 // K and V tiles arrive as TMA boxes of 64 head dims (128 bytes) x TILE_TOKENS positions, one box
 // per 64 dims, with the 128-byte swizzle: 16-byte chunk c of position t sits at chunk c ^ (t % 8)
@@ -387,56 +379,18 @@ __device__ __forceinline__ void load_page_chunk(int (&ids)[RUNS_PER_LANE], const
     }
 }
 
-// `producer`: which producer warp this is (see PRODUCER_WARPS). Boxes of the other warps of the
-// same tensor may complete on the stage's barrier before its first warp arms it: the barrier's
-// transaction count goes negative meanwhile, and the phase cannot complete before that arrival.
-__device__ __forceinline__ PageWalk page_walk(const DecodeParams& p, SplitRange range, int batch) {
-    const int shift = __ffs(p.page_size) - 1;
-    const int run = min(p.page_size, TILE_TOKENS);
-    return {p.block_table + (long long)batch * p.table_stride, range.begin >> shift,
-            ((range.end - 1) >> shift) + 1, shift, run, TILE_TOKENS / run};
-}
-
-// The block-table ids of a split's first two chunks, read before the request's length is known
-// (static plans), so that the table's round trip overlaps the length's instead of following it:
-// the split as it would be for a request of max_len positions, which every request of a uniform
-// batch is. produce_paged keeps them when the split turns out to start on the same page and end
-// no later, and reads the table again otherwise.
-struct EarlyPageIds {
-    int first_page, end_page;  // first_page -1: none read
-    int ids[2][RUNS_PER_LANE];
-};
-
-__device__ __forceinline__ void read_early_page_ids(EarlyPageIds& e, const DecodeParams& p,
-                                                    const WorkItem& item, int lane) {
-    e.first_page = -1;
-    const SplitRange range = split_range(p.max_len, item.num_splits, item.split, TILE_TOKENS);
-    if (range.end <= range.begin) return;
-    const PageWalk w = page_walk(p, range, item.batch);
-    load_page_chunk(e.ids[0], w, 0, lane);
-    load_page_chunk(e.ids[1], w, 1, lane);
-    e.first_page = w.first_page;
-    e.end_page = w.end_page;
-}
-
+// `producer`: which producer warp this is (PRODUCER_WARPS == 2: 0 streams K, 1 streams V).
 __device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
                                               SplitRange range, int num_tiles, int batch, int kv_head,
-                                              int lane, int producer, const EarlyPageIds& early) {
-    const PageWalk w = page_walk(p, range, batch);
-    const int shift = w.page_shift, run = w.run;
+                                              int lane, int producer) {
+    const int shift = __ffs(p.page_size) - 1;
+    const int run = min(p.page_size, TILE_TOKENS);
+    const PageWalk w = {p.block_table + (long long)batch * p.table_stride, range.begin >> shift,
+                        ((range.end - 1) >> shift) + 1, shift, run, TILE_TOKENS / run};
     const int in_page_mask = p.page_size - 1;
     int ids[2][RUNS_PER_LANE];
-    if (early.first_page == w.first_page && w.end_page <= early.end_page) {
-        // pages past this split's end read as -1, as load_page_chunk would have left them
-#pragma unroll
-        for (int b = 0; b < 2; ++b)
-#pragma unroll
-            for (int i = 0; i < RUNS_PER_LANE; ++i)
-                ids[b][i] = w.first_page + b * CHUNK_PAGES + lane + 32 * i < w.end_page ? early.ids[b][i] : -1;
-    } else {
-        load_page_chunk(ids[0], w, 0, lane);
-        load_page_chunk(ids[1], w, 1, lane);
-    }
+    load_page_chunk(ids[0], w, 0, lane);
+    load_page_chunk(ids[1], w, 1, lane);
     int tile = 0;
     for (int chunk0 = 0; tile < num_tiles; chunk0 += 2) {
 #pragma unroll
@@ -448,31 +402,30 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                 if (tile_page >= chunk_page + CHUNK_PAGES) break;
                 const int stage = tile % STAGES;
                 if (tile >= STAGES) mbarrier_wait(&r.empty[stage], ((tile / STAGES) - 1) & 1);
-                unsigned char* k_dst = r.ring + stage * STAGE_BYTES;
-                // one tensor's boxes of this tile, the runs of this warp (or all of them)
-                auto issue = [&](unsigned char* dst, const TensorMap* map, u64* bar) {
-                    if (lane == 0 && producer < 2) mbarrier_arrive_expect_tx(bar, TILE_TX_BYTES);
+                unsigned char* dst[2] = {r.ring + stage * STAGE_BYTES, r.ring + stage * STAGE_BYTES + TILE_BYTES};
+                const TensorMap* map[2] = {&p.k_map, &p.v_map};
+                u64* bar[2] = {&r.k_full[stage], &r.v_full[stage]};
+#pragma unroll
+                for (int kv = 0; kv < 2; ++kv) {  // K, then V
+                    if (PRODUCER_WARPS == 2 && kv != producer) continue;
+                    if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_TX_BYTES);
                     __syncwarp();
 #pragma unroll
                     for (int i = 0; i < RUNS_PER_LANE; ++i) {
                         const int rr = chunk_page + lane + 32 * i - tile_page;  // this lane's run
-                        if (rr < 0 || rr >= w.boxes || rr % RUN_PARTS != producer / 2) continue;
+                        if (rr < 0 || rr >= w.boxes) continue;
                         const int in_page = (tile_begin + rr * run) & in_page_mask;
                         if constexpr (JOINED_HALVES) {  // whole pages: in_page is 0
-                            tma_load_5d(dst + rr * run * BOXES * 128, map, 0, 0, 0, kv_head, ids[b][i], bar,
-                                        r.policy);
+                            tma_load_5d(dst[kv] + rr * run * BOXES * 128, map[kv], 0, 0, 0, kv_head,
+                                        ids[b][i], bar[kv], r.policy);
                             continue;
                         }
 #pragma unroll
                         for (int box = 0; box < BOXES; ++box)
-                            tma_load_4d(dst + box * BOX_BYTES + rr * run * 128, map, box * 64, kv_head, in_page,
-                                        ids[b][i], bar, r.policy);
+                            tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * 64,
+                                        kv_head, in_page, ids[b][i], bar[kv], r.policy);
                     }
-                };
-                // (selected with branches, not by indexing arrays of pointers with the warp's
-                // tensor: that puts the arrays in local memory)
-                if (PRODUCER_WARPS == 1 || producer % 2 == 0) issue(k_dst, &p.k_map, &r.k_full[stage]);
-                if (PRODUCER_WARPS == 1 || producer % 2 == 1) issue(k_dst + TILE_BYTES, &p.v_map, &r.v_full[stage]);
+                }
             }
             load_page_chunk(ids[b], w, chunk0 + b + 2, lane);
         }
@@ -572,9 +525,6 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
     const WorkItem item = work_item(p);
     if (item.batch < 0) return;  // device plan: more CTAs than work this call
-    EarlyPageIds early_ids;
-    early_ids.first_page = -1;
-    if (PAGED && !p.work && warp >= PRODUCER_WARP) read_early_page_ids(early_ids, p, item, lane);
     const bool in_cluster = p.cluster_splits > 1 && item.num_splits > 1;
     if (in_cluster && !static_cluster) {
         cluster = cluster_shape(p);
@@ -640,7 +590,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         // ============================== producer warp(s) =================================
         ProducerRing ring_state = {ring, k_full, v_full, empty, l2_policy_evict_first()};
         if constexpr (PAGED) {
-            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane, warp - PRODUCER_WARP, early_ids);
+            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane, warp - PRODUCER_WARP);
         } else if (lane == 0) {
             produce_contiguous(p, ring_state, range, num_tiles, batch, kv_head);
         }

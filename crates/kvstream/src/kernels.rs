@@ -96,29 +96,14 @@ impl DecodeVariant {
         problem.columns().div_ceil(8 * self.n_tiles)
     }
 
-    /// Producer warps (decode_gqa.cu, `PRODUCER_WARPS`): joined-halves pages split K and V and
-    /// the page runs of a tile over 4 warps where the CTA has its SM alone, over 2 where two
-    /// CTAs share it ([`Self::shares_sm`]: four more warps would cap the registers below what
-    /// the consumers need); every other variant has one.
+    /// Producer warps: joined-halves pages stream K and V from a warp each (decode_gqa.cu,
+    /// `PRODUCER_WARPS`), every other variant from one.
     pub fn producer_warps(&self) -> usize {
-        match (self.joined_halves, self.shares_sm()) {
-            (false, _) => 1,
-            (true, true) => 2,
-            (true, false) => 4,
+        if self.joined_halves {
+            2
+        } else {
+            1
         }
-    }
-
-    /// Whether the kernel is built for two CTAs per SM (decode_gqa.cu, `MIN_CTAS_PER_SM`):
-    /// paged caches on the 2-stage ring with one or two query tiles and one consumer group, or
-    /// one d128 tile and two groups.
-    pub fn shares_sm(&self) -> bool {
-        self.paged
-            && self.stages == 2
-            && if self.consumer_groups == 1 {
-                self.n_tiles <= 2
-            } else {
-                self.n_tiles == 1 && self.head_dim == 128
-            }
     }
 
     /// Threads per CTA: the consumer warps and the producer warp(s) (decode_gqa.cu).
@@ -196,10 +181,6 @@ impl Variant for DecodeVariant {
             (
                 "KVS_JOINED_HALVES".into(),
                 u8::from(self.joined_halves).to_string(),
-            ),
-            (
-                "KVS_PRODUCER_WARPS".into(),
-                self.producer_warps().to_string(),
             ),
         ]
     }
