@@ -82,6 +82,17 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tensor_map, i
         : "memory");
 }
 
+// The same for a 5-D box.
+__device__ __forceinline__ void tma_load_5d(void* dst, const void* tensor_map, int c0, int c1,
+                                            int c2, int c3, int c4, u64* bar, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5, %6}], [%7], %8;"
+        :: "r"(smem_addr(dst)), "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
+           "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
+}
+
 // Prefetch of one global line into L2 through the load/store path (PTX ISA 9.7.9.15,
 // prefetch): nothing returns, so nothing waits for it, and the TMA unit is not involved.
 __device__ __forceinline__ void prefetch_l2(const void* ptr) {

@@ -7,7 +7,7 @@
 // 8 fills an n8 tile instead of padding a 64-row tile. One CTA handles one (request, kv head,
 // split); the split's tiles stream through a ring of shared-memory stages filled by TMA.
 //
-// Warp roles (CTA of 4 * CONSUMER_GROUPS + 1 warps):
+// Warp roles (CTA of 4 * CONSUMER_GROUPS + PRODUCER_WARPS warps):
 //   warps 0..4G-1 consumers, in CONSUMER_GROUPS groups of four; group g takes the tiles
 //                t = g, g + G, ... (two groups work on two tiles at once, so the softmax and MMA
 //                latency of one tile hides behind the other's). Inside a group each warp owns
@@ -19,6 +19,8 @@
 //                (64 head dims x TILE_TOKENS positions each, 128-byte swizzle), each completing
 //                on its own `full` barrier, so S^T = K Q^T and the softmax run while V is still
 //                in flight; waits on the stage's `empty` barrier before reusing it.
+//   warp 4G + 1  (joined-halves pages only) a second producer: warp 4G then streams K and this
+//                one V, each over the same stages and barriers.
 //
 // Ring protocol, stage s = tile % STAGES, parity = (tile / STAGES) & 1:
 //   producer: wait empty[s] (from the second lap); for K then V: arrive.expect_tx(full, bytes), TMA
@@ -67,11 +69,16 @@ constexpr int STAGES = KVS_STAGES;
 
 constexpr int CONSUMER_GROUPS = KVS_CONSUMER_GROUPS;
 constexpr bool PAGED = KVS_PAGED;
+constexpr bool JOINED_HALVES = KVS_JOINED_HALVES;  // see kv_chunk
 constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
-constexpr int THREADS = CONSUMER_THREADS + 32;
-constexpr int PRODUCER_WARP = CONSUMER_WARPS;
+// Joined-halves pages are issued by two producer warps, one streaming K and one V: a small page's
+// boxes leave one at a time from the lane that holds its id, so one warp issuing both tensors
+// serialises a stage's 2 x (tile / page) boxes (see produce_paged).
+constexpr int PRODUCER_WARPS = JOINED_HALVES ? 2 : 1;
+constexpr int THREADS = CONSUMER_THREADS + 32 * PRODUCER_WARPS;
+constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the first one
 constexpr int ROWS_PER_WARP = TILE_TOKENS / GROUP_WARPS;
 constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
 constexpr int GROUP_PAD = N_TILES * 8;
@@ -85,6 +92,8 @@ constexpr int D_TILES = HEAD_DIM / 16;
 // per SM.
 constexpr int MIN_CTAS_PER_SM =
     PAGED && STAGES == 2 && (CONSUMER_GROUPS == 1 ? N_TILES <= 2 : N_TILES == 1 && HEAD_DIM == 128) ? 2 : 1;
+
+static_assert(!JOINED_HALVES || (PAGED && HEAD_DIM == 128), "joined halves: paged d128 only");
 
 // K and V tiles arrive as TMA boxes of 64 head dims (128 bytes) x TILE_TOKENS positions, one box
 // per 64 dims, with the 128-byte swizzle: 16-byte chunk c of position t sits at chunk c ^ (t % 8)
@@ -147,8 +156,16 @@ static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern bo
 
 // Shared address of 16-byte chunk `chunk` (head dims 8*chunk .. 8*chunk+7) of position `t` in a
 // K or V tile.
-__device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk) {
-    return tile + (chunk / 8) * BOX_BYTES + t * 128 + (((chunk % 8) ^ (t % 8)) << 4);
+// Pages of 8-32 positions at d128 (JOINED_HALVES; launch.rs, joined_page_map): one TMA box per
+// page run holds both 64-dim halves, so the tile is [run][half][position in run][128 bytes]
+// rather than [half][position][128 bytes], and a tile takes half the boxes. Runs of 8+ positions
+// keep every 8-row group on one swizzle phase, so the ldmatrix reads stay conflict-free.
+// `run_rows` is the page size there (unused otherwise).
+__device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk, int run_rows) {
+    const u32 swizzled = ((chunk % 8) ^ (t % 8)) << 4;
+    if constexpr (!JOINED_HALVES) return tile + (chunk / 8) * BOX_BYTES + t * 128 + swizzled;
+    return tile + (t & -run_rows) * (BOXES * 128) + (t & (run_rows - 1)) * 128 +
+           (chunk / 8) * run_rows * 128 + swizzled;
 }
 
 // ================================ query rows (columns) =====================================
@@ -362,9 +379,10 @@ __device__ __forceinline__ void load_page_chunk(int (&ids)[RUNS_PER_LANE], const
     }
 }
 
+// `producer`: which producer warp this is (PRODUCER_WARPS == 2: 0 streams K, 1 streams V).
 __device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
                                               SplitRange range, int num_tiles, int batch, int kv_head,
-                                              int lane) {
+                                              int lane, int producer) {
     const int shift = __ffs(p.page_size) - 1;
     const int run = min(p.page_size, TILE_TOKENS);
     const PageWalk w = {p.block_table + (long long)batch * p.table_stride, range.begin >> shift,
@@ -389,6 +407,7 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                 u64* bar[2] = {&r.k_full[stage], &r.v_full[stage]};
 #pragma unroll
                 for (int kv = 0; kv < 2; ++kv) {  // K, then V
+                    if (PRODUCER_WARPS == 2 && kv != producer) continue;
                     if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_TX_BYTES);
                     __syncwarp();
 #pragma unroll
@@ -396,6 +415,11 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                         const int rr = chunk_page + lane + 32 * i - tile_page;  // this lane's run
                         if (rr < 0 || rr >= w.boxes) continue;
                         const int in_page = (tile_begin + rr * run) & in_page_mask;
+                        if constexpr (JOINED_HALVES) {  // whole pages: in_page is 0
+                            tma_load_5d(dst[kv] + rr * run * BOXES * 128, map[kv], 0, 0, 0, kv_head,
+                                        ids[b][i], bar[kv], r.policy);
+                            continue;
+                        }
 #pragma unroll
                         for (int box = 0; box < BOXES; ++box)
                             tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * 64,
@@ -562,11 +586,11 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         return;
     }
 
-    if (warp == PRODUCER_WARP) {
-        // =============================== producer warp ===================================
+    if (warp >= PRODUCER_WARP) {
+        // ============================== producer warp(s) =================================
         ProducerRing ring_state = {ring, k_full, v_full, empty, l2_policy_evict_first()};
         if constexpr (PAGED) {
-            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane);
+            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane, warp - PRODUCER_WARP);
         } else if (lane == 0) {
             produce_contiguous(p, ring_state, range, num_tiles, batch, kv_head);
         }
@@ -662,8 +686,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int kk = 0; kk < D_TILES; kk += 2) {
                 u32 a0[4], a1[4];
-                ldmatrix_x4(a0, kv_chunk(k_tile, slice_row + a_row, 2 * kk + a_col / 8));
-                ldmatrix_x4(a1, kv_chunk(k_tile, slice_row + a_row, 2 * (kk + 1) + a_col / 8));
+                ldmatrix_x4(a0, kv_chunk(k_tile, slice_row + a_row, 2 * kk + a_col / 8, p.page_size));
+                ldmatrix_x4(a1, kv_chunk(k_tile, slice_row + a_row, 2 * (kk + 1) + a_col / 8, p.page_size));
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt) {
                     u32 b[4];
@@ -724,7 +748,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int dt = 0; dt < D_TILES; ++dt) {
                 u32 a[4];
-                ldmatrix_x4_trans(a, kv_chunk(v_tile, slice_row + v_row, 2 * dt + v_col / 8));
+                ldmatrix_x4_trans(a, kv_chunk(v_tile, slice_row + v_row, 2 * dt + v_col / 8, p.page_size));
                 a[0] &= keep_lo;
                 a[1] &= keep_lo;
                 a[2] &= keep_hi;

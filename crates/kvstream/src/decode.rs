@@ -11,7 +11,7 @@ use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::error::{Error, Result};
 use crate::kernels::{AnyVariant, PlanWorkVariant, COMBINE_THREADS};
-use crate::launch::{kv_tensor_map, launch, max_active_clusters, LaunchConfig};
+use crate::launch::{joined_page_map, kv_tensor_map, launch, max_active_clusters, LaunchConfig};
 use crate::params::DecodeParams;
 use crate::plan::{plan, DecodePlan, PlanOptions, Reduction};
 use crate::problem::{DType, DecodeProblem, KvStrides};
@@ -255,6 +255,10 @@ impl Decoder {
         let at = |off: usize| if ws == 0 { 0 } else { ws + off as u64 };
         let tile = self.plan.decode.box_tokens();
         let map = |arg, ptr, strides| match p.paged {
+            // pages of 8 positions up to a tile at d128: one box per page run, both halves
+            Some(pg) if self.plan.decode.joined_halves => {
+                joined_page_map(arg, ptr, p.dtype, p.hkv, pg.page_size, pg.num_pages)
+            }
             // the pool as {d, hkv, page_size, num_pages}; boxes of whole pages up to a tile
             Some(pg) => kv_tensor_map(
                 arg,

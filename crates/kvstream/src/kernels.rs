@@ -56,6 +56,10 @@ pub struct DecodeVariant {
     pub consumer_groups: usize,
     /// Paged cache (the producer warp streams page runs); contiguous otherwise.
     pub paged: bool,
+    /// Paged d128 cache with pages of 8 positions up to a tile: one TMA box per page run holds
+    /// both 64-dim halves ([`crate::launch::joined_page_map`]), half the boxes of the two-box
+    /// layout; decode_gqa.cu lays the tile out to match (`kv_chunk`). See [`Self::joins_halves`].
+    pub joined_halves: bool,
 }
 
 impl DecodeVariant {
@@ -69,7 +73,21 @@ impl DecodeVariant {
             stages: plan::STAGES,
             consumer_groups: 1,
             paged: problem.paged.is_some(),
+            joined_halves: problem.paged.is_some_and(|pg| {
+                Self::joins_halves(
+                    problem.head_dim,
+                    plan::tile_tokens(problem.head_dim),
+                    pg.page_size,
+                )
+            }),
         }
+    }
+
+    /// Whether pages of `page_size` positions are read with joined halves: d128 (two 64-dim
+    /// halves per position) and pages of at least 8 positions (one swizzle phase) but smaller
+    /// than a tile (larger pages already take one box per half and tile).
+    pub fn joins_halves(head_dim: usize, tile_tokens: usize, page_size: usize) -> bool {
+        head_dim == 128 && (8..tile_tokens).contains(&page_size)
     }
 
     /// CTAs along the query rows of one KV head: the rows (q_len x group) in blocks of at most
@@ -78,9 +96,19 @@ impl DecodeVariant {
         problem.columns().div_ceil(8 * self.n_tiles)
     }
 
-    /// Threads per CTA: the consumer warps and one producer warp (decode_gqa.cu).
+    /// Producer warps: joined-halves pages stream K and V from a warp each (decode_gqa.cu,
+    /// `PRODUCER_WARPS`), every other variant from one.
+    pub fn producer_warps(&self) -> usize {
+        if self.joined_halves {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Threads per CTA: the consumer warps and the producer warp(s) (decode_gqa.cu).
     pub fn threads(&self) -> u32 {
-        (self.consumer_groups * 4 * 32 + 32) as u32
+        ((self.consumer_groups * 4 + self.producer_warps()) * 32) as u32
     }
 
     /// Whether `consumer_groups` groups fit the register file with this group size: every
@@ -122,7 +150,11 @@ impl Variant for DecodeVariant {
             self.tile_tokens,
             self.stages,
             self.consumer_groups,
-            if self.paged { ".paged" } else { "" }
+            match (self.paged, self.joined_halves) {
+                (false, _) => "",
+                (true, false) => ".paged",
+                (true, true) => ".paged.joined",
+            }
         )
     }
     fn source(&self) -> &'static str {
@@ -146,6 +178,10 @@ impl Variant for DecodeVariant {
                 self.consumer_groups.to_string(),
             ),
             ("KVS_PAGED".into(), u8::from(self.paged).to_string()),
+            (
+                "KVS_JOINED_HALVES".into(),
+                u8::from(self.joined_halves).to_string(),
+            ),
         ]
     }
 }
@@ -292,7 +328,12 @@ pub fn all_variants() -> Vec<AnyVariant> {
                         continue;
                     }
                     for stages in plan::SUPPORTED_STAGES {
-                        for paged in [false, true] {
+                        // contiguous, paged, and paged with joined halves where it applies
+                        for (paged, joined_halves) in [(false, false), (true, false), (true, true)]
+                        {
+                            if joined_halves && head_dim != 128 {
+                                continue;
+                            }
                             out.push(AnyVariant::Decode(DecodeVariant {
                                 dtype,
                                 head_dim,
@@ -301,6 +342,7 @@ pub fn all_variants() -> Vec<AnyVariant> {
                                 stages,
                                 consumer_groups,
                                 paged,
+                                joined_halves,
                             }));
                         }
                     }
@@ -317,6 +359,27 @@ pub fn all_variants() -> Vec<AnyVariant> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn joined_halves_only_for_d128_pages_of_8_up_to_a_tile() {
+        use crate::problem::SUPPORTED_PAGE_SIZES;
+        let joined = |head_dim| -> Vec<usize> {
+            SUPPORTED_PAGE_SIZES
+                .into_iter()
+                .filter(|&s| {
+                    let p = DecodeProblem::new(1, 8, 1, head_dim, 1024, DType::Bf16)
+                        .unwrap()
+                        .with_paged(s, 1024 / s + 1, None)
+                        .unwrap();
+                    DecodeVariant::for_problem(&p).joined_halves
+                })
+                .collect()
+        };
+        assert_eq!(joined(128), [8, 16, 32]);
+        assert!(joined(64).is_empty());
+        let contiguous = DecodeProblem::new(1, 8, 1, 128, 1024, DType::Bf16).unwrap();
+        assert!(!DecodeVariant::for_problem(&contiguous).joined_halves);
+    }
 
     #[test]
     fn every_planned_variant_is_listed() {

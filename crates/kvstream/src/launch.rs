@@ -119,27 +119,71 @@ pub fn kv_tensor_map(
     box_tokens: usize,
 ) -> Result<sys::CUtensorMap> {
     let elem = dtype.size() as u64;
-    let dims: [u64; 4] = [head_dim as u64, hkv as u64, max_len as u64, batch as u64];
-    // byte strides of dims 1..3 (dim 0 is contiguous)
-    let byte_strides: [u64; 3] = [
-        strides.head as u64 * elem,
-        strides.token as u64 * elem,
-        strides.batch as u64 * elem,
-    ];
-    let box_dims: [u32; 4] = [64, 1, box_tokens as u32, 1];
-    let element_strides: [u32; 4] = [1, 1, 1, 1];
+    encode_tiled(
+        arg,
+        ptr,
+        dtype,
+        &[head_dim as u64, hkv as u64, max_len as u64, batch as u64],
+        // byte strides of dims 1.. (dim 0 is contiguous)
+        &[
+            strides.head as u64 * elem,
+            strides.token as u64 * elem,
+            strides.batch as u64 * elem,
+        ],
+        &[64, 1, box_tokens as u32, 1],
+    )
+}
+
+/// Encodes the tensor map of a page pool `[num_pages, page_size, hkv, 128]` whose boxes hold both
+/// 64-dim halves of one page run: the 5-D tensor `{64 dims, page_size positions, 2 halves, hkv,
+/// num_pages}` (the halves' stride, 128 bytes, is smaller than the positions'), boxes `{64,
+/// page_size, 2, 1, 1}`, so the box lands in shared memory as [half][position][128 bytes]. For
+/// pages of 8-32 positions at d128 (`DecodeVariant::joins_halves`): half the boxes per tile.
+pub fn joined_page_map(
+    arg: &'static str,
+    ptr: u64,
+    dtype: DType,
+    hkv: usize,
+    page_size: usize,
+    num_pages: usize,
+) -> Result<sys::CUtensorMap> {
+    let elem = dtype.size() as u64;
+    let position = hkv as u64 * 128 * elem;
+    encode_tiled(
+        arg,
+        ptr,
+        dtype,
+        &[64, page_size as u64, 2, hkv as u64, num_pages as u64],
+        &[position, 64 * elem, 128 * elem, page_size as u64 * position],
+        &[64, page_size as u32, 2, 1, 1],
+    )
+}
+
+/// cuTensorMapEncodeTiled with the decode kernel's settings: 128-byte swizzle, 256-byte L2
+/// promotion, zeros outside the tensor.
+fn encode_tiled(
+    arg: &'static str,
+    ptr: u64,
+    dtype: DType,
+    dims: &[u64],
+    byte_strides: &[u64],
+    box_dims: &[u32],
+) -> Result<sys::CUtensorMap> {
+    debug_assert!(byte_strides.len() + 1 == dims.len() && box_dims.len() == dims.len());
+    let element_strides = [1u32; 5];
     let data_type = match dtype {
         DType::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
     };
     // SAFETY: all-zero bytes are a valid (if meaningless) tensor map; it is fully written below.
     let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
-    // SAFETY: every array has the rank's length; the pointer is only recorded, not dereferenced.
+    // SAFETY: every array has at least the rank's length; the pointer is only recorded, not
+    // dereferenced.
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
             data_type,
-            4,
+            dims.len() as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             byte_strides.as_ptr(),

@@ -140,11 +140,25 @@ pub const DEVICE_PLAN_PAGED_RESIDENT_CTAS: usize = 1;
 /// and 4-stage ring beat the paged plan on them (ea68dbc, 32/8 d128, page 64 / contiguous, us:
 /// b1 L4096 8 splits 8.80 / 8.56, paged plan 9.34; b8 L4096 one split 35.8 / 34.8, paged plan
 /// 38.8; b1 L32768 8 splits 37.3 / 36.2, paged plan 38.9; b8 L32768 one split 258.2 / 254.7).
+///
+/// Pages of 16 positions or more read with joined halves (d128, [`DecodeVariant::joins_halves`],
+/// two producer warps) take the contiguous plan too: a box then moves 4 KB or more, and forced
+/// configurations at 4f9e36f (v34, `results/ab-2026-11-29/run-4f9e36f/forced/`, 32/8 d128 page
+/// 16, us; paged plan / contiguous plan's configuration / contiguous cache) measured b1 L4096
+/// 9.44 / 8.93 (`n8-s4`) / 8.39, b8 L4096 36.9 (cluster pair) / 36.3 (`n1-s4`) / 34.7, b1
+/// L32768 38.9 / 37.8-38.1 (`n8-s4`) / 35.8. Pages of 8 (2 KB boxes) are not measured and keep
+/// the paged plan.
 pub fn takes_paged_plan(problem: &DecodeProblem) -> bool {
-    problem
-        .paged
-        .is_some_and(|pg| pg.page_size < tile_tokens(problem.head_dim))
+    let tile = tile_tokens(problem.head_dim);
+    problem.paged.is_some_and(|pg| {
+        pg.page_size < tile
+            && !(pg.page_size >= JOINED_CONTIGUOUS_PLAN_MIN_PAGE
+                && DecodeVariant::joins_halves(problem.head_dim, tile, pg.page_size))
+    })
 }
+
+/// Smallest joined-halves page that takes the contiguous plan (see [`takes_paged_plan`]).
+pub const JOINED_CONTIGUOUS_PLAN_MIN_PAGE: usize = 16;
 
 /// Whether one split per (request, KV head) already gives at least 15/16 of the SMs a CTA.
 pub fn fills_the_gpu_unsplit(ctas: usize, num_splits: usize, device: DeviceFacts) -> bool {
@@ -895,10 +909,36 @@ mod tests {
         let p = DecodeProblem::new(1, 32, 8, 128, 4096, DType::Bf16).unwrap();
         let contiguous = plan(&p, DeviceFacts::H200, PlanOptions::default()).unwrap();
         assert_eq!(contiguous.num_splits, 8); // target 66 CTAs over 8 units
-        let paged = p.with_paged(16, 256, None).unwrap();
+        let paged = p.clone().with_paged(8, 512, None).unwrap();
         let pl = plan(&paged, DeviceFacts::H200, PlanOptions::default()).unwrap();
         assert_eq!(pl.num_splits, 16); // 264 CTAs wanted, 64 tiles / 4
         assert_eq!(pl.decode.stages, PAGED_STAGES);
+        // d64 tiles hold 128 positions: its pages of 64 stay on the paged plan
+        let d64 = DecodeProblem::new(1, 32, 8, 64, 4096, DType::Bf16).unwrap();
+        let pl = plan(
+            &d64.with_paged(64, 64, None).unwrap(),
+            DeviceFacts::H200,
+            PlanOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(pl.decode.stages, PAGED_STAGES);
+        // joined-halves pages of 16 and 32 plan like the contiguous cache
+        for page_size in [16, 32] {
+            let pl = plan(
+                &p.clone()
+                    .with_paged(page_size, 4096 / page_size, None)
+                    .unwrap(),
+                DeviceFacts::H200,
+                PlanOptions::default(),
+            )
+            .unwrap();
+            assert!(pl.decode.joined_halves);
+            assert_eq!(
+                (pl.num_splits, pl.decode.stages),
+                (8, STAGES),
+                "page {page_size}"
+            );
+        }
         // pages of a whole tile or more stream like a contiguous cache and take its plan
         let long = DecodeProblem::new(1, 32, 8, 128, 32768, DType::Bf16).unwrap();
         let contiguous = plan(&long, DeviceFacts::H200, PlanOptions::default()).unwrap();
@@ -915,7 +955,7 @@ mod tests {
             );
         }
         let pl = plan(
-            &long.with_paged(32, 1024, None).unwrap(),
+            &long.with_paged(8, 4096, None).unwrap(),
             DeviceFacts::H200,
             PlanOptions::default(),
         )
@@ -933,7 +973,7 @@ mod tests {
         };
         let auto = |p: &DecodeProblem, options| plan(p, DeviceFacts::H200, options).unwrap();
         // b8: 64 units, the paged heuristic wants 4 splits
-        let pl = auto(&paged(8, 16), PlanOptions::default());
+        let pl = auto(&paged(8, 8), PlanOptions::default());
         assert_eq!((pl.num_splits, pl.reduction), (2, Reduction::Cluster));
         assert!(pl.combine.is_none());
         // forcing cluster reduction gives the same pair, forcing kernel reduction the heuristic
@@ -941,25 +981,28 @@ mod tests {
             reduction: Some(Reduction::Cluster),
             ..Default::default()
         };
-        assert_eq!(auto(&paged(8, 16), cluster).num_splits, 2);
+        assert_eq!(auto(&paged(8, 8), cluster).num_splits, 2);
         let kernel = PlanOptions {
             reduction: Some(Reduction::Kernel),
             ..Default::default()
         };
-        assert_eq!(auto(&paged(8, 16), kernel).num_splits, 4);
+        assert_eq!(auto(&paged(8, 8), kernel).num_splits, 4);
         // b1 (16 splits), b32 (1 split) and pages of a tile (contiguous plan) are unchanged
         assert_eq!(
-            auto(&paged(1, 16), PlanOptions::default()).reduction,
+            auto(&paged(1, 8), PlanOptions::default()).reduction,
             Reduction::Kernel
         );
-        assert_eq!(auto(&paged(32, 16), PlanOptions::default()).num_splits, 1);
+        assert_eq!(auto(&paged(32, 8), PlanOptions::default()).num_splits, 1);
         assert_eq!(auto(&paged(8, 64), PlanOptions::default()).num_splits, 1);
+        // joined-halves pages of 16 take the contiguous plan: one split, no cluster
+        let pl = auto(&paged(8, 16), PlanOptions::default());
+        assert_eq!((pl.num_splits, pl.decode.stages), (1, STAGES));
         // a forced split count is kept as asked
         let forced = PlanOptions {
             num_splits: Some(4),
             ..Default::default()
         };
-        assert_eq!(auto(&paged(8, 16), forced).num_splits, 4);
+        assert_eq!(auto(&paged(8, 8), forced).num_splits, 4);
     }
 
     #[test]
