@@ -147,7 +147,10 @@ pub const DEVICE_PLAN_PAGED_RESIDENT_CTAS: usize = 1;
 /// 16, us; paged plan / contiguous plan's configuration / contiguous cache) measured b1 L4096
 /// 9.44 / 8.93 (`n8-s4`) / 8.39, b8 L4096 36.9 (cluster pair) / 36.3 (`n1-s4`) / 34.7, b1
 /// L32768 38.9 / 37.8-38.1 (`n8-s4`) / 35.8. Pages of 8 (2 KB boxes) are not measured and keep
-/// the paged plan.
+/// the paged plan. As landed (c0bac70 against 7e3bce1, the build before joined halves, same
+/// run, `results/ab-2026-11-29/run-c0bac70/`, page 16, us): b1 L4096 9.17 -> 8.90, b1 L32768
+/// 38.81 -> 37.67, b8 L4096 36.93 -> 36.21, b8 L32768 261.4 -> 260.0, b32 L4096 134.4 -> 133.6,
+/// b128 L4096 524.8 -> 517.6.
 pub fn takes_paged_plan(problem: &DecodeProblem) -> bool {
     let tile = tile_tokens(problem.head_dim);
     problem.paged.is_some_and(|pg| {
