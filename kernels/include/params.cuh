@@ -50,9 +50,10 @@ struct alignas(128) DecodeParams {
     int plan_tile;          // positions per tile (the decode kernel's TILE_TOKENS)
     int block_cols;         // columns per decode CTA (8 x n8 tiles): partial slots hold this many
     int plan_slots;         // FP32 partial slots in the workspace (device plan)
-    // Contiguous caches, for the L2 warm-up before the PDL wait only (prefetch addresses; the
-    // loads go through the tensor maps): base addresses and strides, or k_cache = null where a
-    // stride does not fit 32 bits (or the cache is paged).
+    int num_pages;          // paged: pages in the pool (0 otherwise)
+    // For the decode's L2 warm-up before the PDL wait only (prefetch addresses; the loads go
+    // through the tensor maps): the caches' base addresses and strides, or k_cache = null where a
+    // stride does not fit 32 bits. A page pool's "batch" stride is its page stride.
     const void* k_cache;
     const void* v_cache;
     long long k_batch_stride, v_batch_stride;

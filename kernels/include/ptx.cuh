@@ -99,6 +99,14 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
 }
 
+// A 32-bit global load cached in L2 only: no L1 line is left that a later load of the same
+// address could hit while another kernel rewrites it.
+__device__ __forceinline__ int ld_global_l2(const int* ptr) {
+    int v;
+    asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(ptr));
+    return v;
+}
+
 // Pulls a tensor map (a kernel parameter) into the descriptor cache before its first use
 // (PTX ISA 9.7.9.26, prefetch.tensormap).
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {

@@ -440,13 +440,20 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
 // `prefetch.global.L2` per line, through the load/store path (TMA prefetches, v26, queued in the
 // SM's TMA unit ahead of the previous call's loads). The range assumes every request is max_len
 // long, since the lengths may not be read yet: a shorter one only warms positions it will not
-// read. Where it runs (decode kernel entry, measured in bench/NOTES.md v27-v29): contiguous
-// caches under a static plan in kernel reduction. Not paged caches (their page ids, read before
-// the wait as hints, made 5 of 10 paged rows slower, page 64 b8 L32768 by 6.6 us), not device
-// plans (the work item is written by the planner, the kernel just before), not cluster reduction
+// read. Where it runs (decode kernel entry, measured in bench/NOTES.md v27-v29, v37): contiguous
+// caches under a static plan in kernel reduction, and joined-halves pages there when the
+// request is split (WARMS_PAGES). Not other paged caches (their page ids, read before the wait
+// as hints, made 5 of 10 paged rows slower, page 64 b8 L32768 by 6.6 us, v28), not device plans
+// (the work item is written by the planner, the kernel just before), not cluster reduction
 // (0.2-0.45 us slower on three of the six mha rows, mha-d64-L1024 among them, whose automatic
 // mode is cluster reduction; the cause is not known).
+// Pages: a row's page id is read here as a hint only. The previous kernel may still be writing
+// the table; a stale id then warms a page that is not read, and nothing else uses it (the
+// producer reads the table again after the wait). The read is `ld.global.cg` (L2, no L1 line
+// that the later read could hit stale), and the id is clamped to the pool.
 constexpr int WARM_TILES = 2;
+// (not where two CTAs share the SM: the n1 g2 variant then spills under its 96-register cap)
+constexpr bool WARMS_PAGES = JOINED_HALVES && MIN_CTAS_PER_SM == 1;
 constexpr int LINES_PER_ROW = HEAD_DIM * 2 / 128;  // 128-byte lines per K or V row
 
 __device__ __forceinline__ void warm_first_tiles(const DecodeParams& p) {
@@ -455,10 +462,18 @@ __device__ __forceinline__ void warm_first_tiles(const DecodeParams& p) {
     const int rows = min(range.end - range.begin, WARM_TILES * TILE_TOKENS);
     for (int i = threadIdx.x; i < 2 * rows; i += CONSUMER_THREADS) {
         const bool is_v = i >= rows;
-        const long long pos = range.begin + (is_v ? i - rows : i);
+        const int pos = range.begin + (is_v ? i - rows : i);
+        // contiguous: (request, position); pages: (page, position in the page)
+        long long outer = item.batch, inner = pos;
+        if constexpr (PAGED) {
+            const int shift = __ffs(p.page_size) - 1;
+            const int id = ld_global_l2(p.block_table + (long long)item.batch * p.table_stride + (pos >> shift));
+            outer = min(max(id, 0), p.num_pages - 1);
+            inner = pos & (p.page_size - 1);
+        }
         const long long element =
-            is_v ? item.batch * p.v_batch_stride + pos * p.v_token_stride + (long long)item.kv_head * p.v_head_stride
-                 : item.batch * p.k_batch_stride + pos * p.k_token_stride + (long long)item.kv_head * p.k_head_stride;
+            is_v ? outer * p.v_batch_stride + inner * p.v_token_stride + (long long)item.kv_head * p.v_head_stride
+                 : outer * p.k_batch_stride + inner * p.k_token_stride + (long long)item.kv_head * p.k_head_stride;
         const unsigned char* row = static_cast<const unsigned char*>(is_v ? p.v_cache : p.k_cache) + element * 2;
 #pragma unroll
         for (int line = 0; line < LINES_PER_ROW; ++line) prefetch_l2(row + line * 128);
@@ -513,7 +528,9 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         cluster_arrive_relaxed();  // phase 1, waited on just before the first remote store
     }
 
-    if (!PAGED && !p.work && !static_cluster && p.k_cache && warp < CONSUMER_WARPS) warm_first_tiles(p);
+    if ((!PAGED || (WARMS_PAGES && p.num_splits > 1)) && !p.work && !static_cluster && p.k_cache &&
+        warp < CONSUMER_WARPS)
+        warm_first_tiles(p);
 
     // Everything above overlaps the previous kernel's tail; nothing below may read global
     // memory before it has finished.

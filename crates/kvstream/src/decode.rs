@@ -277,11 +277,18 @@ impl Decoder {
         };
         // q and out: [batch, q_len, hq, d]
         let row = (p.hq * p.head_dim) as i64;
-        // contiguous caches' addresses for the decode's L2 warm-up (params.cuh): none where a
-        // position or head stride needs more than 32 bits
+        // the caches' addresses for the decode's L2 warm-up (params.cuh): none where a position
+        // or head stride needs more than 32 bits; a page pool's "batch" stride is its page stride
+        let (k_warm, v_warm) = match p.paged {
+            Some(pg) => {
+                let pool = KvStrides::contiguous(pg.page_size, p.hkv, p.head_dim);
+                (pool, pool)
+            }
+            None => (p.k_strides, p.v_strides),
+        };
         let fits =
             |st: KvStrides| i32::try_from(st.token).is_ok() && i32::try_from(st.head).is_ok();
-        let warm = p.paged.is_none() && fits(p.k_strides) && fits(p.v_strides);
+        let warm = fits(k_warm) && fits(v_warm);
         let params = DecodeParams {
             k_map: map("k_cache", t.k, p.k_strides)?,
             v_map: map("v_cache", t.v, p.v_strides)?,
@@ -323,14 +330,15 @@ impl Decoder {
             plan_tile: self.plan.decode.tile_tokens as i32,
             block_cols: (self.plan.decode.n_tiles * 8) as i32,
             plan_slots: self.plan.device_plan.map_or(0, |d| d.slots as i32),
+            num_pages: p.paged.map_or(0, |pg| pg.num_pages as i32),
             k_cache: if warm { t.k } else { 0 },
             v_cache: if warm { t.v } else { 0 },
-            k_batch_stride: p.k_strides.batch,
-            v_batch_stride: p.v_strides.batch,
-            k_token_stride: p.k_strides.token as i32,
-            k_head_stride: p.k_strides.head as i32,
-            v_token_stride: p.v_strides.token as i32,
-            v_head_stride: p.v_strides.head as i32,
+            k_batch_stride: k_warm.batch,
+            v_batch_stride: v_warm.batch,
+            k_token_stride: k_warm.token as i32,
+            k_head_stride: k_warm.head as i32,
+            v_token_stride: v_warm.token as i32,
+            v_head_stride: v_warm.head as i32,
         };
         if let Some(planner) = &self.planner {
             let cfg = LaunchConfig {
