@@ -56,6 +56,9 @@
 //   KVS_PAGED        0: contiguous cache (lane 0 streams whole tiles); 1: paged cache (the
 //                    producer lanes stream page runs); separate variants keep the common
 //                    contiguous kernel as small as it was before paging existed
+//   KVS_JOINED_HALVES  1: d128 pages of 8-32 positions, both 64-dim halves of a page run in one
+//                    TMA box (kv_chunk), two producer warps (K and V), and for split requests
+//                    the first pages warmed in L2 before the PDL wait (WARMS_PAGES)
 #include "ptx.cuh"
 #include "params.cuh"
 
