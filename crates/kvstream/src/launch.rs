@@ -123,14 +123,14 @@ pub fn kv_tensor_map(
         arg,
         ptr,
         dtype,
-        &[head_dim as u64, hkv as u64, max_len as u64, batch as u64],
+        [head_dim as u64, hkv as u64, max_len as u64, batch as u64],
         // byte strides of dims 1.. (dim 0 is contiguous)
         &[
             strides.head as u64 * elem,
             strides.token as u64 * elem,
             strides.batch as u64 * elem,
         ],
-        &[64, 1, box_tokens as u32, 1],
+        [64, 1, box_tokens as u32, 1],
     )
 }
 
@@ -153,37 +153,38 @@ pub fn joined_page_map(
         arg,
         ptr,
         dtype,
-        &[64, page_size as u64, 2, hkv as u64, num_pages as u64],
+        [64, page_size as u64, 2, hkv as u64, num_pages as u64],
         &[position, 64 * elem, 128 * elem, page_size as u64 * position],
-        &[64, page_size as u32, 2, 1, 1],
+        [64, page_size as u32, 2, 1, 1],
     )
 }
 
 /// cuTensorMapEncodeTiled with the decode kernel's settings: 128-byte swizzle, 256-byte L2
 /// promotion, zeros outside the tensor.
-fn encode_tiled(
+fn encode_tiled<const RANK: usize>(
     arg: &'static str,
     ptr: u64,
     dtype: DType,
-    dims: &[u64],
+    dims: [u64; RANK],
     byte_strides: &[u64],
-    box_dims: &[u32],
+    box_dims: [u32; RANK],
 ) -> Result<sys::CUtensorMap> {
-    debug_assert!(byte_strides.len() + 1 == dims.len() && box_dims.len() == dims.len());
-    let element_strides = [1u32; 5];
+    // (the driver reads RANK - 1 of them: checked in release builds too, it guards the FFI call)
+    assert_eq!(byte_strides.len() + 1, RANK, "tensor map strides");
+    let element_strides = [1u32; RANK];
     let data_type = match dtype {
         DType::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
     };
     // SAFETY: all-zero bytes are a valid (if meaningless) tensor map; it is fully written below.
     let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
-    // SAFETY: every array has at least the rank's length; the pointer is only recorded, not
-    // dereferenced.
+    // SAFETY: dims, box_dims and element_strides have RANK entries and byte_strides RANK - 1
+    // (asserted above); the pointer is only recorded, not dereferenced.
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
             data_type,
-            dims.len() as u32,
+            RANK as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             byte_strides.as_ptr(),
