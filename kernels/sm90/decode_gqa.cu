@@ -59,6 +59,7 @@
 //   KVS_JOINED_HALVES  1: d128 pages of 8-32 positions, both 64-dim halves of a page run in one
 //                    TMA box (kv_chunk), two producer warps (K and V), and for split requests
 //                    the first pages warmed in L2 before the PDL wait (WARMS_PAGES)
+//   KVS_PRODUCER_WARPS  2 with joined halves, 1 otherwise (the host sizes the CTA from it)
 #include "ptx.cuh"
 #include "params.cuh"
 
@@ -76,10 +77,11 @@ constexpr bool JOINED_HALVES = KVS_JOINED_HALVES;  // see kv_chunk
 constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
-// Joined-halves pages are issued by two producer warps, one streaming K and one V: a small page's
-// boxes leave one at a time from the lane that holds its id, so one warp issuing both tensors
-// serialises a stage's 2 x (tile / page) boxes (see produce_paged).
-constexpr int PRODUCER_WARPS = JOINED_HALVES ? 2 : 1;
+// Producer warps, from the host (DecodeVariant::producer_warps, which also sizes the launch):
+// joined-halves pages are issued by two, one streaming K and one V (a small page's boxes leave
+// one at a time from the lane that holds its id, so one warp issuing both tensors serialises a
+// stage's 2 x (tile / page) boxes, see produce_paged); every other variant has one.
+constexpr int PRODUCER_WARPS = KVS_PRODUCER_WARPS;
 constexpr int THREADS = CONSUMER_THREADS + 32 * PRODUCER_WARPS;
 constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the first one
 constexpr int ROWS_PER_WARP = TILE_TOKENS / GROUP_WARPS;
@@ -97,6 +99,7 @@ constexpr int MIN_CTAS_PER_SM =
     PAGED && STAGES == 2 && (CONSUMER_GROUPS == 1 ? N_TILES <= 2 : N_TILES == 1 && HEAD_DIM == 128) ? 2 : 1;
 
 static_assert(!JOINED_HALVES || (PAGED && HEAD_DIM == 128), "joined halves: paged d128 only");
+static_assert(PRODUCER_WARPS == (JOINED_HALVES ? 2 : 1), "producer warps: 2 for joined halves, else 1");
 
 // K and V tiles arrive as TMA boxes of 64 head dims (128 bytes) x TILE_TOKENS positions, one box
 // per 64 dims, with the 128-byte swizzle: 16-byte chunk c of position t sits at chunk c ^ (t % 8)

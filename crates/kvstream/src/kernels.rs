@@ -96,8 +96,9 @@ impl DecodeVariant {
         problem.columns().div_ceil(8 * self.n_tiles)
     }
 
-    /// Producer warps: joined-halves pages stream K and V from a warp each (decode_gqa.cu,
-    /// `PRODUCER_WARPS`), every other variant from one.
+    /// Producer warps: joined-halves pages stream K and V from a warp each, every other variant
+    /// from one. Passed to the kernel as `KVS_PRODUCER_WARPS`, so the launch's thread count and
+    /// the kernel's warp roles come from this one place (decode_gqa.cu asserts the rule).
     pub fn producer_warps(&self) -> usize {
         if self.joined_halves {
             2
@@ -181,6 +182,10 @@ impl Variant for DecodeVariant {
             (
                 "KVS_JOINED_HALVES".into(),
                 u8::from(self.joined_halves).to_string(),
+            ),
+            (
+                "KVS_PRODUCER_WARPS".into(),
+                self.producer_warps().to_string(),
             ),
         ]
     }
