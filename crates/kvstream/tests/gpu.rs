@@ -13,6 +13,8 @@
 //! - `bad_pointers_are_rejected`: null, misaligned, host and too-short arguments are refused by
 //!   name, a dtype mismatch is refused, and a refused call writes nothing.
 //! - `zero_length_batch_gives_zeros_and_neg_inf`: all requests empty, with and without splits.
+//! - `stale_hints_before_the_pdl_wait_are_not_used`: a kernel that lets the decode launch and
+//!   then rewrites its block table and lengths; the decode uses the new ones.
 //!
 //! Every test is ignored, so `cargo test` on a machine without a GPU lists them and moves on. On
 //! an H100/H200 (NVRTC 13 on the library path, see `scripts/test.sh`):
@@ -23,7 +25,9 @@
 //!
 //! Add `--nocapture` to see the summaries. Knobs of the random test: `KVSTREAM_GPU_CASES`
 //! (default 300; use a handful under `compute-sanitizer`), `KVSTREAM_GPU_SEED` (decimal or
-//! `0x` hex) and `KVSTREAM_GPU_SUMMARY` (a path: a JSON summary is written there). A GPU that
+//! `0x` hex) and `KVSTREAM_GPU_SUMMARY` (a path: a JSON summary is written there).
+//! `KVSTREAM_GPU_SERIALISED=1` (set under `compute-sanitizer`, which runs kernels one at a time)
+//! lets the stale-hint test run without the PDL overlap it otherwise requires. A GPU that
 //! cannot be opened is a test failure, never a skip.
 
 use std::collections::BTreeMap;
@@ -1524,5 +1528,246 @@ fn zero_length_batch_gives_zeros_and_neg_inf() {
     for splits in [1, 16] {
         zero_length_case::<bf16>(&rt, &stream, 128, splits);
         zero_length_case::<f16>(&rt, &stream, 64, splits);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hints read before the PDL wait
+// ---------------------------------------------------------------------------------------------
+
+/// Test kernels for the PDL overlap: `late_writer` lets the next kernel launch at once, pauses,
+/// copies `count` words and stamps its finish time; `launched_at` stamps its start time before
+/// its PDL wait (launched after `late_writer`, it shows that the overlap really happens).
+const LATE_WRITER_SRC: &str = r#"
+struct LateWriterParams {
+    int* dst;
+    const int* src;
+    int count;
+    int pad;
+    unsigned long long pause_ns;
+    unsigned long long* stamps;  // [0]: late_writer's finish, [1]: launched_at's start
+};
+__device__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+extern "C" __global__ void late_writer(const __grid_constant__ LateWriterParams p) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const unsigned long long start = now_ns();
+    while (now_ns() - start < p.pause_ns) {}
+    for (int i = threadIdx.x; i < p.count; i += blockDim.x) p.dst[i] = p.src[i];
+    __syncthreads();
+    if (threadIdx.x == 0) p.stamps[0] = now_ns();
+}
+extern "C" __global__ void launched_at(const __grid_constant__ LateWriterParams p) {
+    if (threadIdx.x == 0) p.stamps[1] = now_ns();
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+"#;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct LateWriterParams {
+    dst: u64,
+    src: u64,
+    count: i32,
+    pad: i32,
+    pause_ns: u64,
+    stamps: u64,
+}
+
+struct LateWriterKernel(&'static str);
+
+impl kvstream::kernels::Variant for LateWriterKernel {
+    fn name(&self) -> String {
+        format!("test.{}", self.0)
+    }
+    fn source(&self) -> &'static str {
+        LATE_WRITER_SRC
+    }
+    fn entry(&self) -> &'static str {
+        self.0
+    }
+    fn defines(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+}
+
+fn load_test_kernel(rt: &Arc<Runtime>, entry: &'static str) -> sys::CUfunction {
+    rt.bind().expect("binding the context");
+    let compiled = kvstream::jit::compile::compile(&LateWriterKernel(entry))
+        .unwrap_or_else(|e| panic!("compiling {entry}: {e}"));
+    // SAFETY: an sm_90a CUBIN from NVRTC; the driver copies the image before returning. The
+    // module stays loaded for the rest of the process.
+    unsafe {
+        let module = cudarc::driver::result::module::load_data(compiled.cubin.as_ptr() as *const _)
+            .unwrap_or_else(|e| panic!("loading {entry}: {e}"));
+        let name = std::ffi::CString::new(entry).unwrap();
+        cudarc::driver::result::module::get_function(module, name)
+            .unwrap_or_else(|e| panic!("finding {entry}: {e}"))
+    }
+}
+
+/// One CTA of 128 threads, PDL as asked.
+fn launch_test_kernel(
+    func: sys::CUfunction,
+    stream: &Arc<CudaStream>,
+    params: &LateWriterParams,
+    pdl: bool,
+) {
+    let cfg = kvstream::launch::LaunchConfig {
+        grid: [1, 1, 1],
+        block: [128, 1, 1],
+        shared_bytes: 0,
+        pdl,
+        cluster: None,
+    };
+    // SAFETY: the kernels take one LateWriterParams; every pointer in it is live device memory
+    // of at least the sizes the kernels touch.
+    unsafe { kvstream::launch::launch(func, &cfg, stream.cu_stream(), params, "a test kernel") }
+        .unwrap_or_else(|e| panic!("launching a test kernel: {e}"));
+}
+
+/// Joined-halves pages of split requests read page ids before the PDL wait, as hints for their
+/// L2 warm-up (decode_gqa.cu, "L2 warm-up before the PDL wait"); nothing read there may decide
+/// what the decode computes. Here the kernel in front of the decode lets it launch at once and
+/// only then, after a pause, rewrites the block table (another page order) and the lengths (one
+/// longer, one shorter): the decode must use the new ones, equal to the reference and bitwise to
+/// a decode run after a synchronise. A probe launched the same way shows that the overlap
+/// happens, so the decode really starts while the old words are in place.
+/// Expected run time: about a second.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn stale_hints_before_the_pdl_wait_are_not_used() {
+    let (rt, _) = open_gpu();
+    let stream = rt.context().new_stream().expect("creating a stream");
+    let writer = load_test_kernel(&rt, "late_writer");
+    let probe = load_test_kernel(&rt, "launched_at");
+    let mut stamps = stream.alloc_zeros::<u64>(2).expect("allocating stamps");
+    let scratch = upload(&stream, &[0i32]);
+    let stamp_params = LateWriterParams {
+        dst: scratch.device_ptr(&stream).0,
+        src: scratch.device_ptr(&stream).0,
+        count: 0,
+        pad: 0,
+        pause_ns: 50_000,
+        stamps: stamps.device_ptr_mut(&stream).0,
+    };
+    launch_test_kernel(writer, &stream, &stamp_params, false);
+    launch_test_kernel(probe, &stream, &stamp_params, true);
+    stream.synchronize().expect("the probe kernels failed");
+    let t = download(&stream, &stamps);
+    // compute-sanitizer serialises kernels: there the rewrite lands before the decode starts,
+    // and the test still checks the decode, only not with stale words
+    let serialised = std::env::var_os("KVSTREAM_GPU_SERIALISED").is_some();
+    assert!(
+        t[1] < t[0] || serialised,
+        "the kernel after late_writer started at {} ns, after it finished ({} ns): no PDL overlap, \
+         so this test would not exercise stale hints (set KVSTREAM_GPU_SERIALISED=1 where kernels \
+         are serialised on purpose, e.g. under compute-sanitizer)",
+        t[1],
+        t[0]
+    );
+
+    let (batch, max_len) = (2, 4096);
+    let new_lens = [2500, max_len];
+    let old_lens = [max_len, 1000];
+    for page_size in [16, 32] {
+        let base = DecodeProblem::new(batch, 32, 8, 128, max_len, DType::Bf16).expect("a problem");
+        let paged = base
+            .clone()
+            .with_paged(page_size, pool_pages(batch, max_len, page_size), None)
+            .expect("a paged problem");
+        let pg = paged.paged.unwrap();
+        let mut rng = SplitMix64::new(0x57A1E + page_size as u64);
+        let x = make_inputs::<bf16>(&mut rng, &base, &new_lens);
+        let want = reference(&base, &x, &new_lens);
+        let pages = page_inputs(&mut rng, &paged, &x);
+        // old words: a table that points at the wrong pages, and the old lengths
+        let mut old_words: Vec<i32> = pages.table.iter().rev().copied().collect();
+        old_words.extend(lens_i32(&old_lens));
+        let mut new_words = pages.table.clone();
+        new_words.extend(lens_i32(&new_lens));
+        let opts = PlanOptions {
+            num_splits: Some(8),
+            reduction: Some(Reduction::Kernel),
+            ..Default::default()
+        };
+        let dec = make_decoder(&rt, &paged, opts);
+        let plan = dec.plan();
+        assert!(
+            plan.decode.joined_halves
+                && plan.decode.stages == 4
+                && plan.pdl
+                && plan.num_splits == 8
+                && plan.device_plan.is_none(),
+            "page {page_size}: the plan must be a static, PDL-chained split of joined-halves pages \
+             to read hints: {plan:?}"
+        );
+        let mut live = upload(&stream, &old_words);
+        let staged = upload(&stream, &new_words);
+        let q = upload(&stream, &x.q);
+        let k = upload(&stream, &pages.k);
+        let v = upload(&stream, &pages.v);
+        let mut o = Outputs::<bf16>::new(&stream, &base, true);
+        let table_words = batch * pg.table_stride;
+        let mut run = |o: &mut Outputs<bf16>, live: &mut CudaSlice<i32>, late_write: bool| {
+            o.poison(&stream);
+            let live_ptr = live.device_ptr_mut(&stream).0;
+            if late_write {
+                let params = LateWriterParams {
+                    dst: live_ptr,
+                    src: staged.device_ptr(&stream).0,
+                    count: new_words.len() as i32,
+                    pad: 0,
+                    pause_ns: 50_000,
+                    stamps: stamps.device_ptr_mut(&stream).0,
+                };
+                launch_test_kernel(writer, &stream, &params, false);
+            }
+            let tensors = DecodeTensors {
+                q: q.device_ptr(&stream).0,
+                k: k.device_ptr(&stream).0,
+                v: v.device_ptr(&stream).0,
+                out: o.out.device_ptr_mut(&stream).0,
+                lse: o.lse.as_mut().map(|l| l.device_ptr_mut(&stream).0),
+                seqlens: Some(live_ptr + 4 * table_words as u64),
+                block_table: Some(live_ptr),
+            };
+            // SAFETY: every pointer is live device memory of the sizes the problem implies.
+            unsafe { dec.run(&tensors, stream.cu_stream()) }
+                .unwrap_or_else(|e| panic!("page {page_size}: decode refused: {e}"));
+            stream
+                .synchronize()
+                .unwrap_or_else(|e| panic!("page {page_size}: the decode failed on the GPU: {e}"));
+            o.read(&stream)
+        };
+        let stale = run(&mut o, &mut live, true);
+        assert_eq!(
+            download(&stream, &live),
+            new_words,
+            "late_writer did not write"
+        );
+        check_output(&base, &stale, &want)
+            .unwrap_or_else(|e| panic!("page {page_size}, table and lengths rewritten late: {e}"));
+        let settled = run(&mut o, &mut live, false);
+        same_bits(
+            &stale,
+            &settled,
+            &format!("page {page_size}: late rewrite vs settled"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+/// The test kernels above compile without a GPU (NVRTC only), so a mistake in them shows in CI
+/// rather than on the GPU machine.
+#[test]
+fn late_writer_kernels_compile() {
+    for entry in ["late_writer", "launched_at"] {
+        let compiled = kvstream::jit::compile::compile(&LateWriterKernel(entry))
+            .unwrap_or_else(|e| panic!("compiling {entry}: {e}"));
+        assert!(!compiled.cubin.is_empty(), "{entry}: empty CUBIN");
     }
 }
