@@ -486,6 +486,23 @@ __device__ __forceinline__ void warm_first_tiles(const DecodeParams& p) {
     }
 }
 
+// The query rows, warmed in L2 before the PDL wait too (single-token decode, static plans): the
+// consumers' Q loads right after the wait otherwise queue behind the first lap's KV traffic, and
+// a split cannot start without them. As for the KV lines, a prefetch sees the previous kernel's
+// writes (they land in L2), so only the addresses need to be known: the work item and the head
+// strides.
+__device__ __forceinline__ void warm_query_rows(const DecodeParams& p) {
+    const WorkItem item = work_item(p);
+    const int first_col = item.col_block * GROUP_PAD;
+    const int count = min(GROUP_PAD, p.cols - first_col);
+    const int line = threadIdx.x;  // one 128-byte line per thread
+    if (line >= count * LINES_PER_ROW) return;
+    const int c = line / LINES_PER_ROW;
+    const long long element = (long long)item.batch * p.q_batch_stride +
+                              (long long)(item.kv_head * p.group + first_col + c) * p.q_head_stride;
+    prefetch_l2(static_cast<const unsigned char*>(p.q) + element * 2 + (line % LINES_PER_ROW) * 128);
+}
+
 }  // namespace kvs
 
 using namespace kvs;
@@ -534,6 +551,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         cluster_arrive_relaxed();  // phase 1, waited on just before the first remote store
     }
 
+    if (!p.work && p.q_len == 1 && warp < CONSUMER_WARPS) warm_query_rows(p);
     if ((!PAGED || (WARMS_PAGES && p.num_splits > 1)) && !p.work && !static_cluster && p.k_cache &&
         warp < CONSUMER_WARPS)
         warm_first_tiles(p);
