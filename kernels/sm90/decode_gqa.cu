@@ -486,11 +486,13 @@ __device__ __forceinline__ void warm_first_tiles(const DecodeParams& p) {
     }
 }
 
-// The query rows, warmed in L2 before the PDL wait too (single-token decode, static plans): the
-// consumers' Q loads right after the wait otherwise queue behind the first lap's KV traffic, and
-// a split cannot start without them. As for the KV lines, a prefetch sees the previous kernel's
-// writes (they land in L2), so only the addresses need to be known: the work item and the head
-// strides.
+// The query rows, warmed in L2 before the PDL wait too (single-token decode, static plans: the
+// case measured, bench/NOTES.md v40; multi-token rows would need fill_columns' per-column
+// division first): the consumers' Q loads right after the wait can queue behind the first lap's
+// KV traffic, and a split cannot start without them. As for the KV lines, a prefetch sees the
+// previous kernel's writes (they land in L2), so only the addresses need to be known: the work
+// item and the head strides, as in Columns::head_offset. (Building a Columns here instead
+// added 248 instructions to the d128 s4 g2 kernel's prologue; the rows are computed again.)
 __device__ __forceinline__ void warm_query_rows(const DecodeParams& p) {
     const WorkItem item = work_item(p);
     const int first_col = item.col_block * GROUP_PAD;
