@@ -9,6 +9,8 @@
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
 # FA3 wheel travels in .whl/); both pack their outputs into $OUT/<part>-results.tar.gz.
+# `trace` runs the serving rows TRACE_IDS with the phase-trace kernels (prepare with TRACE=1)
+# and summarises them with bench/trace.py into $OUT/trace (timings there carry the stamps).
 # `serving` runs bench/serving.json (SERVING_ARGS) and bench/serving_peers.py (PEERS_ARGS, e.g.
 # --fa3-contiguous: FA3 on a contiguous copy of the skewed batch).
 set -u
@@ -82,6 +84,13 @@ if want compare; then
     python3 bench/compare.py --matrix bench/matrix.json --commit "${COMMIT:-unknown}" ${COMPARE_ARGS:-} \
     2>&1 | tee $O/compare.txt | tail -80
   tar czf $O/compare-results.tar.gz bench/results bench/RESULTS.md 2>/dev/null
+fi
+if want trace; then
+  mkdir -p $O/trace
+  KVSTREAM_TRACE=$O/trace timeout 300 $B bench --matrix bench/serving.json \
+    --ids "${TRACE_IDS:-contig-b1-L4096,paged16-b1-L4096,paged64-b1-L4096}" --no-plots \
+    --json $O/trace/bench-traced.json 2>&1 | tail -12
+  python3 bench/trace.py $O/trace --json $O/trace/summary.json | tee $O/trace/summary.txt
 fi
 if want serving; then
   # serving rows (skew under one graph with the device plan, paged vs contiguous, multi-token)

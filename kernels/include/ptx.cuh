@@ -114,6 +114,31 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Timers and placement (PTX ISA chapter 10, special registers %globaltimer, %clock, %smid): the
+// phase trace of KVS_TRACE builds only
+// ---------------------------------------------------------------------------------------------
+
+// Nanoseconds on a clock every SM shares, so stamps of different CTAs compare.
+__device__ __forceinline__ u64 global_timer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    return t;
+}
+
+// This SM's cycle counter (low 32 bits): finer than the global timer, local to the SM.
+__device__ __forceinline__ u32 sm_clock() {
+    u32 c;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(c) :: "memory");
+    return c;
+}
+
+__device__ __forceinline__ u32 sm_id() {
+    u32 id;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+    return id;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Programmatic dependent launch (PTX ISA 9.7.12.16, griddepcontrol)
 // ---------------------------------------------------------------------------------------------
 

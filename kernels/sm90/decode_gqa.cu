@@ -60,8 +60,13 @@
 //                    TMA box (kv_chunk), two producer warps (K and V), and for split requests
 //                    the first pages warmed in L2 before the PDL wait (WARMS_PAGES)
 //   KVS_PRODUCER_WARPS  2 with joined halves, 1 otherwise (the host sizes the CTA from it)
+//   KVS_TRACE        1: debug build with the phase trace (see below); never in a plan
 #include "ptx.cuh"
 #include "params.cuh"
+
+#ifndef KVS_TRACE
+#define KVS_TRACE 0
+#endif
 
 namespace kvs {
 
@@ -74,6 +79,7 @@ constexpr int STAGES = KVS_STAGES;
 constexpr int CONSUMER_GROUPS = KVS_CONSUMER_GROUPS;
 constexpr bool PAGED = KVS_PAGED;
 constexpr bool JOINED_HALVES = KVS_JOINED_HALVES;  // see kv_chunk
+constexpr bool TRACE = KVS_TRACE;  // phase trace (debug builds)
 constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
@@ -172,6 +178,75 @@ __device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk, int run_rows
     if constexpr (!JOINED_HALVES) return tile + (chunk / 8) * BOX_BYTES + t * 128 + swizzled;
     return tile + (t & -run_rows) * (BOXES * 128) + (t & (run_rows - 1)) * 128 +
            (chunk / 8) * run_rows * 128 + swizzled;
+}
+
+// ================================ phase trace (KVS_TRACE builds) ==========================
+// Where a CTA's time goes, per phase, on the clock all SMs share: one stamp per trace point,
+// taken by the one thread that sees the phase end, parked in shared memory and written out as
+// one record per CTA at its end (a ring of TRACE_RECORDS; `kvs_trace_count` counts every CTA
+// ever recorded, so a reader takes the last min(count, TRACE_RECORDS)). Records are written
+// only by consumer thread 0 once the output is stored; empty splits and device-plan CTAs
+// without work leave none. The host side is `KVSTREAM_TRACE=<dir> kvstream bench` (bench.rs,
+// bench/trace.py); release plans never compile it.
+enum TracePoint {
+    TRACE_ENTRY,        // first instruction (thread 0)
+    TRACE_WAITED,       // PDL wait returned (thread 0)
+    TRACE_FIRST_ISSUE,  // the first tile's K boxes issued (producer, K warp, lane 0)
+    TRACE_Q_STAGED,     // Q in shared memory (thread 0)
+    TRACE_FIRST_TILE,   // the first K tile has landed (consumer warp 0)
+    TRACE_LAST_TILE,    // the last V tile has landed (the consumer warp that reads it)
+    TRACE_LOOP_DONE,    // consumer warp 0 left the KV loop
+    TRACE_EXIT,         // every consumer warp has stored its output (thread 0)
+    TRACE_POINTS
+};
+struct TraceRecord {
+    u64 ns[TRACE_POINTS];       // global timer, 0 where a point was not reached
+    u32 cycles[TRACE_POINTS];   // SM clock at the same points
+    u32 block[3], sm, tiles, splits, len, flags;  // flags: bit 0 paged, bit 1 joined halves
+};
+static_assert(sizeof(TraceRecord) == 128, "records are 128 bytes (bench.rs reads them so)");
+constexpr int TRACE_RECORDS = 1 << 15;
+#if KVS_TRACE
+extern "C" {  // unmangled, for cuModuleGetGlobal
+__device__ TraceRecord kvs_trace[TRACE_RECORDS];
+__device__ unsigned int kvs_trace_count;
+}
+__shared__ u64 trace_ns[TRACE_POINTS];
+__shared__ u32 trace_cycles[TRACE_POINTS];
+#endif
+
+// Thread 0 at entry: points a CTA never reaches read 0.
+__device__ __forceinline__ void trace_clear() {
+#if KVS_TRACE
+    for (int i = 0; i < TRACE_POINTS; ++i) trace_ns[i] = 0;
+#endif
+}
+
+__device__ __forceinline__ void trace_stamp(TracePoint point) {
+#if KVS_TRACE
+    trace_ns[point] = global_timer_ns();
+    trace_cycles[point] = sm_clock();
+#endif
+}
+
+// Thread 0, after the consumers' last barrier.
+__device__ __forceinline__ void trace_write(int tiles, int splits, int len) {
+#if KVS_TRACE
+    trace_stamp(TRACE_EXIT);
+    TraceRecord& r = kvs_trace[atomicAdd(&kvs_trace_count, 1u) % TRACE_RECORDS];
+    for (int i = 0; i < TRACE_POINTS; ++i) {
+        r.ns[i] = trace_ns[i];
+        r.cycles[i] = trace_cycles[i];
+    }
+    r.block[0] = blockIdx.x;
+    r.block[1] = blockIdx.y;
+    r.block[2] = blockIdx.z;
+    r.sm = sm_id();
+    r.tiles = tiles;
+    r.splits = splits;
+    r.len = len;
+    r.flags = (PAGED ? 1u : 0u) | (JOINED_HALVES ? 2u : 0u);
+#endif
 }
 
 // ================================ query rows (columns) =====================================
@@ -351,6 +426,7 @@ __device__ __forceinline__ void produce_contiguous(const DecodeParams& p, const 
         for (int box = 0; box < BOXES; ++box)
             tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * 64, kv_head, tile_begin, batch,
                         &r.v_full[stage], r.policy);
+        if (TRACE && tile == 0) trace_stamp(TRACE_FIRST_ISSUE);
     }
 }
 
@@ -432,6 +508,7 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                                         kv_head, in_page, ids[b][i], bar[kv], r.policy);
                     }
                 }
+                if (TRACE && tile == 0 && lane == 0 && producer == 0) trace_stamp(TRACE_FIRST_ISSUE);
             }
             load_page_chunk(ids[b], w, chunk0 + b + 2, lane);
         }
@@ -526,6 +603,10 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     float* recv_o = reinterpret_cast<float*>(smem + SharedPlan::recv_o);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
+    if (TRACE && threadIdx.x == 0) {
+        trace_clear();
+        trace_stamp(TRACE_ENTRY);
+    }
 
     // The tensor maps are kernel parameters, never written by the previous kernel, so their
     // descriptor fetch may overlap its tail instead of delaying our first TMA.
@@ -561,6 +642,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     // Everything above overlaps the previous kernel's tail; nothing below may read global
     // memory before it has finished.
     pdl_wait_for_producer();
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
     // The next kernel (the combine, or the next decode) may launch as soon as every CTA of this
     // grid has started: its CTAs then sit resident at their own wait, and our completion, not
     // their launch, is what remains on the critical path.
@@ -668,6 +750,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             if (i < Q_CHUNKS) *reinterpret_cast<uint4*>(q_smem + g * SMEM_ROW + c * 16) = val[k];
         }
         named_barrier_sync(1, CONSUMER_THREADS);
+        if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_Q_STAGED);
     }
 
     const int group = warp / GROUP_WARPS;
@@ -712,6 +795,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         const int stage = tile % STAGES;
         const u32 parity = (tile / STAGES) & 1;
         mbarrier_wait(&k_full[stage], parity);
+        if (TRACE && tile == 0 && warp == 0 && lane == 0) trace_stamp(TRACE_FIRST_TILE);
         const u32 k_tile = ring_base + stage * STAGE_BYTES;
         const u32 v_tile = k_tile + TILE_BYTES;
         const int tile_begin = range.begin + tile * TILE_TOKENS;
@@ -779,6 +863,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 
             // ---- O^T += V^T P^T ----
             if (ms == 0) mbarrier_wait(&v_full[stage], parity);
+            if (TRACE && ms == 0 && tile == num_tiles - 1 && warp % GROUP_WARPS == 0 && lane == 0)
+                trace_stamp(TRACE_LAST_TILE);
             // Positions past the end carry P = 0, but the V rows there may hold anything
             // (NaN included, and 0 * NaN = NaN): clear them in the partial last tile. Lane holds
             // V^T columns (positions) 2*(lane%4) + {0,1} in a[0..1] and 8 more in a[2..3].
@@ -804,6 +890,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         __syncwarp();
         if (lane == 0) mbarrier_arrive(&empty[stage]);
     }
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_LOOP_DONE);
 
     // ============================ end of split: merge the warps ============================
     // Denominators were accumulated per lane over its own rows; finish them across the 8 lanes
@@ -892,6 +979,10 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                 p.l_partial[row] = l_cta;
             }
         }
+    }
+    if (TRACE) {
+        named_barrier_sync(1, CONSUMER_THREADS);
+        if (threadIdx.x == 0) trace_write(num_tiles, item.num_splits, len);
     }
     if (in_cluster) cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, cols);
 }

@@ -24,6 +24,7 @@ use kvstream::{DType, DecodeProblem, DecodeTensors, Decoder, Error, PlanOptions,
 use crate::plot;
 use crate::results::{self, BenchResults, ImplResult, Matrix, Row, Shape};
 use crate::timing::{self, alloc, capture, driver, pool_sets, time_graphs};
+use crate::trace;
 
 /// Relative error a bf16 decode must stay under.
 pub const TOLERANCE: f64 = 1e-2;
@@ -935,7 +936,14 @@ fn measure_shape(
     // ---- one interleaved timing of everything ----
     let mut list: Vec<(&CudaGraph, usize)> = timed.iter().map(|t| (&t.2, arena.sets)).collect();
     list.extend(floor.iter().map(|(_, g)| (g, floor_sets)));
+    let trace_dir = kvstream::jit::compile::trace_dir();
+    if trace_dir.is_some() {
+        trace::reset(rt, stream)?;
+    }
     let timings = time_graphs(stream, &list, rounds)?;
+    if let Some(dir) = &trace_dir {
+        trace::dump(rt, stream, dir, &shape.id)?;
+    }
     for (i, (key, decoder, _, err)) in timed.iter().enumerate() {
         let t = timings[i];
         let plan = decoder.plan();

@@ -14,6 +14,7 @@ mod demo;
 mod plot;
 mod results;
 mod timing;
+mod trace;
 
 #[derive(Parser)]
 #[command(

@@ -171,6 +171,28 @@ impl Runtime {
         Ok(kernel)
     }
 
+    /// Every loaded module's global `name` (an `extern "C"` `__device__` variable), as
+    /// (variant name, device address, bytes); modules without it are skipped. For debug
+    /// readers such as the phase trace (decode_gqa.cu, `KVS_TRACE`).
+    pub fn module_globals(&self, name: &str) -> Result<Vec<(String, u64, usize)>> {
+        let symbol = std::ffi::CString::new(name)
+            .map_err(|_| Error::invalid("name", name, "a symbol name without NUL bytes"))?;
+        let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+        let mut found = Vec::new();
+        for (variant, (module, _, _)) in loaded.iter() {
+            let (mut ptr, mut bytes) = (0, 0);
+            // SAFETY: the module is live while `loaded` holds it; plain out-parameters.
+            let status = unsafe {
+                sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module.0, symbol.as_ptr())
+            };
+            if status == sys::CUresult::CUDA_SUCCESS {
+                found.push((variant.as_variant().name(), ptr, bytes));
+            }
+        }
+        found.sort();
+        Ok(found)
+    }
+
     /// The device a pointer belongs to, or an error naming `arg` if it is not device memory.
     pub fn check_pointer(&self, arg: &'static str, ptr: u64, align: u64) -> Result<()> {
         if ptr == 0 {

@@ -119,6 +119,19 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
+/// Environment variable that turns on the decode kernel's phase trace (`KVS_TRACE`,
+/// decode_gqa.cu) in every kernel compiled by this process; `kvstream bench` writes the
+/// records into the directory it names. A debugging build: the stamps cost a few instructions
+/// and a barrier per CTA, so traced timings are not results.
+pub const TRACE_ENV: &str = "KVSTREAM_TRACE";
+
+/// The phase-trace directory, when [`TRACE_ENV`] names one.
+pub fn trace_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os(TRACE_ENV)
+        .filter(|d| !d.is_empty())
+        .map(Into::into)
+}
+
 /// The full option list for a variant (also part of the cache key).
 pub fn options(variant: &dyn Variant) -> Vec<String> {
     let mut opts = vec![
@@ -133,6 +146,9 @@ pub fn options(variant: &dyn Variant) -> Vec<String> {
             .into_iter()
             .map(|(k, v)| format!("-D{k}={v}")),
     );
+    if trace_dir().is_some() {
+        opts.push("-DKVS_TRACE=1".to_string());
+    }
     opts
 }
 

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Summarises the decode kernel's phase trace (decode_gqa.cu `KVS_TRACE`).
+
+    KVSTREAM_TRACE=<dir> kvstream bench --ids ...   # writes <dir>/<shape>.<variant>.csv
+    python3 bench/trace.py <dir> [--json out.json]
+
+One CSV line per CTA. CTAs are grouped into calls by the moment their PDL wait returned (a call's
+CTAs are released together when the kernel before them completes; calls are microseconds apart).
+Per call, times are taken from that release (the earliest `waited` of the call): for each trace
+point the median over the call's CTAs and the latest CTA; then the median of those over calls.
+`period` is the release-to-release time of consecutive calls (one decode plus its combine: the
+per-call latency the graph timer sees), `tail` is what of it lies after the call's last CTA has
+left (the combine and the next call's release), `early` how long before the release the
+call's first CTA entered the kernel (what PDL overlaps).
+"""
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+
+POINTS = ["entry", "waited", "first_issue", "q_staged", "first_tile", "last_tile", "loop_done", "exit"]
+CALL_GAP_NS = 1500  # releases of one call lie closer than this; calls lie further apart
+
+
+def calls_of(rows):
+    rows = sorted(rows, key=lambda r: r["waited_ns"])
+    calls, cur = [], []
+    for r in rows:
+        if cur and r["waited_ns"] - cur[-1]["waited_ns"] > CALL_GAP_NS:
+            calls.append(cur)
+            cur = []
+        cur.append(r)
+    if cur:
+        calls.append(cur)
+    return calls
+
+
+def summarise(path):
+    with open(path) as f:
+        rows = [{k: int(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    calls = calls_of(rows)
+    # a call's CTA count is the grid's; keep only complete calls
+    size = statistics.mode(len(c) for c in calls)
+    calls = [c for c in calls if len(c) == size]
+    per_call = []
+    for i, c in enumerate(calls):
+        release = min(r["waited_ns"] for r in c)
+        d = {"ctas": len(c)}
+        for p in POINTS:
+            vals = [r[p + "_ns"] - release for r in c if r[p + "_ns"]]
+            if vals:
+                d[p + "_med"] = statistics.median(vals)
+                d[p + "_max"] = max(vals)
+        d["early"] = -min(r["entry_ns"] - release for r in c)
+        if i + 1 < len(calls):
+            nxt = min(r["waited_ns"] for r in calls[i + 1])
+            d["period"] = nxt - release
+            d["tail"] = nxt - (release + d["exit_max"])
+        per_call.append(d)
+    keys = sorted({k for d in per_call for k in d})
+    med = {k: statistics.median(d[k] for d in per_call if k in d) for k in keys}
+    # a CTA's own durations (per CTA, then the median over all CTAs)
+    own = {}
+    for a, b in [("waited", "first_issue"), ("first_issue", "first_tile"), ("first_tile", "last_tile"),
+                 ("last_tile", "exit"), ("waited", "exit")]:
+        vals = [r[b + "_ns"] - r[a + "_ns"] for c in calls for r in c if r[a + "_ns"] and r[b + "_ns"]]
+        if vals:
+            own[f"{a}->{b}"] = statistics.median(vals)
+    return {"file": os.path.basename(path), "calls": len(per_call), "ctas_per_call": size,
+            "tiles": statistics.median(r["tiles"] for r in rows), "median_over_calls": med,
+            "cta_durations_median": own}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    out = [summarise(os.path.join(a.dir, f)) for f in sorted(os.listdir(a.dir)) if f.endswith(".csv")]
+    for s in out:
+        m = s["median_over_calls"]
+        print(f"\n{s['file']}: {s['calls']} calls x {s['ctas_per_call']} CTAs, {s['tiles']:.0f} tiles per CTA")
+        print(f"  period {m.get('period', 0) / 1e3:.2f} us, tail {m.get('tail', 0) / 1e3:.2f} us, "
+              f"first CTA entered {m['early'] / 1e3:.2f} us before the release")
+        print("  from the release, us:   " + "  ".join(f"{p:>11}" for p in POINTS))
+        for kind in ("med", "max"):
+            print(f"    {kind:<20}  " + "  ".join(
+                f"{m.get(p + '_' + kind, float('nan')) / 1e3:11.2f}" for p in POINTS))
+        print("  per CTA, us: " + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in s["cta_durations_median"].items()))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

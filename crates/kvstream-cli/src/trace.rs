@@ -1,0 +1,113 @@
+//! The decode kernel's phase trace (`KVSTREAM_TRACE=<dir>`, decode_gqa.cu `KVS_TRACE`): after a
+//! shape's timing, every loaded decode module's records are written to
+//! `<dir>/<shape id>.<variant>.csv`, one line per CTA, for `bench/trace.py`.
+//!
+//! A debugging aid only: the traced kernels carry the stamps, so their timings are not results.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::sync::Arc;
+
+use cudarc::driver::{result as cu, CudaStream};
+use kvstream::{Error, Runtime};
+
+use crate::timing::driver;
+
+/// Trace points of decode_gqa.cu's `TracePoint`, in order.
+pub const POINTS: [&str; 8] = [
+    "entry",
+    "waited",
+    "first_issue",
+    "q_staged",
+    "first_tile",
+    "last_tile",
+    "loop_done",
+    "exit",
+];
+/// Record ring size and record bytes of decode_gqa.cu (`TRACE_RECORDS`, `TraceRecord`).
+const RECORDS: usize = 1 << 15;
+const RECORD_BYTES: usize = 128;
+
+/// Forgets every record so far (before a timing).
+pub fn reset(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> kvstream::Result<()> {
+    for (_, count_at, _) in rt.module_globals("kvs_trace_count")? {
+        let zero = [0u32];
+        // SAFETY: the global is 4 bytes of a live module; synchronised before `zero` drops.
+        driver("clearing the trace count", unsafe {
+            cu::memcpy_htod_async(count_at, &zero, stream.cu_stream())
+        })?;
+    }
+    driver("clearing the trace count", stream.synchronize())
+}
+
+/// Writes the records of every traced module to `dir`, named after `shape_id`.
+pub fn dump(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    dir: &Path,
+    shape_id: &str,
+) -> kvstream::Result<()> {
+    let io = |e: std::io::Error| Error::Driver {
+        context: format!("writing the trace to {}", dir.display()),
+        code: e.to_string(),
+    };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let records = rt.module_globals("kvs_trace")?;
+    for (variant, count_at, _) in rt.module_globals("kvs_trace_count")? {
+        let Some((_, records_at, bytes)) = records.iter().find(|r| r.0 == variant) else {
+            continue;
+        };
+        assert_eq!(
+            *bytes,
+            RECORDS * RECORD_BYTES,
+            "decode_gqa.cu's trace ring changed"
+        );
+        let mut count = [0u32];
+        let mut raw = vec![0u8; RECORDS * RECORD_BYTES];
+        // SAFETY: both globals belong to a live module and have exactly these sizes;
+        // synchronised before the buffers are read.
+        unsafe {
+            driver(
+                "reading the trace count",
+                cu::memcpy_dtoh_async(&mut count, count_at, stream.cu_stream()),
+            )?;
+            driver(
+                "reading the trace",
+                cu::memcpy_dtoh_async(&mut raw, *records_at, stream.cu_stream()),
+            )?;
+        }
+        driver("reading the trace", stream.synchronize())?;
+        let n = count[0] as usize;
+        if n == 0 {
+            continue;
+        }
+        let mut csv = String::new();
+        let _ = write!(csv, "seq");
+        for p in POINTS {
+            let _ = write!(csv, ",{p}_ns");
+        }
+        for p in POINTS {
+            let _ = write!(csv, ",{p}_cycles");
+        }
+        let _ = writeln!(csv, ",block_x,block_y,block_z,sm,tiles,splits,len,flags");
+        // oldest kept record first
+        for seq in n.saturating_sub(RECORDS)..n {
+            let r = &raw[(seq % RECORDS) * RECORD_BYTES..][..RECORD_BYTES];
+            let u64_at = |i: usize| u64::from_le_bytes(r[8 * i..8 * i + 8].try_into().unwrap());
+            let u32_at =
+                |i: usize| u32::from_le_bytes(r[64 + 4 * i..68 + 4 * i].try_into().unwrap());
+            let _ = write!(csv, "{seq}");
+            for i in 0..8 {
+                let _ = write!(csv, ",{}", u64_at(i));
+            }
+            for i in 0..16 {
+                let _ = write!(csv, ",{}", u32_at(i));
+            }
+            csv.push('\n');
+        }
+        let path = dir.join(format!("{shape_id}.{variant}.csv"));
+        std::fs::write(&path, csv).map_err(io)?;
+        eprintln!("trace: {n} records -> {}", path.display());
+    }
+    reset(rt, stream)
+}
