@@ -20,7 +20,8 @@ import os
 import statistics
 import sys
 
-POINTS = ["entry", "waited", "first_issue", "q_staged", "first_tile", "last_tile", "loop_done", "exit"]
+POINTS = ["entry", "waited", "producer_waited", "producer_ready", "first_issue", "q_issued", "q_staged",
+          "first_tile", "second_tile", "last_tile", "loop_done", "merged", "exit"]
 CALL_GAP_NS = 1500  # releases of one call lie closer than this; calls lie further apart
 
 
@@ -49,7 +50,7 @@ def summarise(path):
         release = min(r["waited_ns"] for r in c)
         d = {"ctas": len(c)}
         for p in POINTS:
-            vals = [r[p + "_ns"] - release for r in c if r[p + "_ns"]]
+            vals = [r.get(p + "_ns", 0) - release for r in c if r.get(p + "_ns", 0)]
             if vals:
                 d[p + "_med"] = statistics.median(vals)
                 d[p + "_max"] = max(vals)
@@ -63,9 +64,12 @@ def summarise(path):
     med = {k: statistics.median(d[k] for d in per_call if k in d) for k in keys}
     # a CTA's own durations (per CTA, then the median over all CTAs)
     own = {}
-    for a, b in [("waited", "first_issue"), ("first_issue", "first_tile"), ("first_tile", "last_tile"),
-                 ("last_tile", "exit"), ("waited", "exit")]:
-        vals = [r[b + "_ns"] - r[a + "_ns"] for c in calls for r in c if r[a + "_ns"] and r[b + "_ns"]]
+    for a, b in [("waited", "producer_waited"), ("producer_waited", "producer_ready"),
+                 ("producer_ready", "first_issue"), ("first_issue", "first_tile"),
+                 ("waited", "q_issued"), ("q_issued", "q_staged"), ("first_tile", "second_tile"),
+                 ("first_tile", "last_tile"), ("last_tile", "loop_done"), ("loop_done", "merged"),
+                 ("merged", "exit"), ("waited", "exit")]:
+        vals = [r[b + "_ns"] - r[a + "_ns"] for c in calls for r in c if r.get(a + "_ns") and r.get(b + "_ns")]
         if vals:
             own[f"{a}->{b}"] = statistics.median(vals)
     return {"file": os.path.basename(path), "calls": len(per_call), "ctas_per_call": size,
@@ -84,11 +88,13 @@ def main():
         print(f"\n{s['file']}: {s['calls']} calls x {s['ctas_per_call']} CTAs, {s['tiles']:.0f} tiles per CTA")
         print(f"  period {m.get('period', 0) / 1e3:.2f} us, tail {m.get('tail', 0) / 1e3:.2f} us, "
               f"first CTA entered {m['early'] / 1e3:.2f} us before the release")
-        print("  from the release, us:   " + "  ".join(f"{p:>11}" for p in POINTS))
-        for kind in ("med", "max"):
-            print(f"    {kind:<20}  " + "  ".join(
-                f"{m.get(p + '_' + kind, float('nan')) / 1e3:11.2f}" for p in POINTS))
-        print("  per CTA, us: " + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in s["cta_durations_median"].items()))
+        print("  from the release, us (median CTA, latest CTA; medians over calls):")
+        for p in POINTS:
+            if p + "_med" in m:
+                print(f"    {p:<16} {m[p + '_med'] / 1e3:7.2f} {m[p + '_max'] / 1e3:7.2f}")
+        print("  per CTA, us (median over CTAs):")
+        for k, v in s["cta_durations_median"].items():
+            print(f"    {k:<34} {v / 1e3:7.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -114,6 +114,15 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Scheduling
+// ---------------------------------------------------------------------------------------------
+
+// An empty volatile asm that reads `v`: `v` is computed before this point, and volatile asm keeps
+// its order with other volatile asm (griddepcontrol.wait), so the computation cannot sink below
+// a wait that follows.
+__device__ __forceinline__ void computed_here(int v) { asm volatile("" :: "r"(v)); }
+
+// ---------------------------------------------------------------------------------------------
 // Timers and placement (PTX ISA chapter 10, special registers %globaltimer, %clock, %smid): the
 // phase trace of KVS_TRACE builds only
 // ---------------------------------------------------------------------------------------------

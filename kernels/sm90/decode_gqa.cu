@@ -189,36 +189,43 @@ __device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk, int run_rows
 // without work leave none. The host side is `KVSTREAM_TRACE=<dir> kvstream bench` (bench.rs,
 // bench/trace.py); release plans never compile it.
 enum TracePoint {
-    TRACE_ENTRY,        // first instruction (thread 0)
-    TRACE_WAITED,       // PDL wait returned (thread 0)
-    TRACE_FIRST_ISSUE,  // the first tile's K boxes issued (producer, K warp, lane 0)
-    TRACE_Q_STAGED,     // Q in shared memory (thread 0)
-    TRACE_FIRST_TILE,   // the first K tile has landed (consumer warp 0)
-    TRACE_LAST_TILE,    // the last V tile has landed (the consumer warp that reads it)
-    TRACE_LOOP_DONE,    // consumer warp 0 left the KV loop
-    TRACE_EXIT,         // every consumer warp has stored its output (thread 0)
+    TRACE_ENTRY,            // first instruction (thread 0)
+    TRACE_WAITED,           // PDL wait returned (thread 0)
+    TRACE_PRODUCER_WAITED,  // PDL wait returned (producer, K warp, lane 0)
+    TRACE_PRODUCER_READY,   // the producer loop entered (same lane)
+    TRACE_FIRST_ISSUE,      // the first tile's K and V boxes issued (same lane)
+    TRACE_Q_ISSUED,         // Q loads issued (thread 0)
+    TRACE_Q_STAGED,         // Q in shared memory (thread 0)
+    TRACE_FIRST_TILE,       // the first K tile has landed (consumer warp 0)
+    TRACE_SECOND_TILE,      // the second K tile has landed (first warp of its group)
+    TRACE_LAST_TILE,        // the last V tile has landed (first warp of its group)
+    TRACE_LOOP_DONE,        // consumer warp 0 left the KV loop
+    TRACE_MERGED,           // the warps' O^T parked for the merge (thread 0)
+    TRACE_EXIT,             // every consumer warp has stored its output (thread 0)
     TRACE_POINTS
 };
+constexpr int TRACE_SLOTS = 16;  // points, padded
+static_assert(TRACE_POINTS <= TRACE_SLOTS, "trace slots");
 struct TraceRecord {
-    u64 ns[TRACE_POINTS];       // global timer, 0 where a point was not reached
-    u32 cycles[TRACE_POINTS];   // SM clock at the same points
+    u64 ns[TRACE_SLOTS];      // global timer, 0 where a point was not reached
+    u32 cycles[TRACE_SLOTS];  // SM clock at the same points
     u32 block[3], sm, tiles, splits, len, flags;  // flags: bit 0 paged, bit 1 joined halves
 };
-static_assert(sizeof(TraceRecord) == 128, "records are 128 bytes (bench.rs reads them so)");
+static_assert(sizeof(TraceRecord) == 224, "records are 224 bytes (trace.rs reads them so)");
 constexpr int TRACE_RECORDS = 1 << 15;
 #if KVS_TRACE
 extern "C" {  // unmangled, for cuModuleGetGlobal
 __device__ TraceRecord kvs_trace[TRACE_RECORDS];
 __device__ unsigned int kvs_trace_count;
 }
-__shared__ u64 trace_ns[TRACE_POINTS];
-__shared__ u32 trace_cycles[TRACE_POINTS];
+__shared__ u64 trace_ns[TRACE_SLOTS];
+__shared__ u32 trace_cycles[TRACE_SLOTS];
 #endif
 
 // Thread 0 at entry: points a CTA never reaches read 0.
 __device__ __forceinline__ void trace_clear() {
 #if KVS_TRACE
-    for (int i = 0; i < TRACE_POINTS; ++i) trace_ns[i] = 0;
+    for (int i = 0; i < TRACE_SLOTS; ++i) trace_ns[i] = 0;
 #endif
 }
 
@@ -234,7 +241,7 @@ __device__ __forceinline__ void trace_write(int tiles, int splits, int len) {
 #if KVS_TRACE
     trace_stamp(TRACE_EXIT);
     TraceRecord& r = kvs_trace[atomicAdd(&kvs_trace_count, 1u) % TRACE_RECORDS];
-    for (int i = 0; i < TRACE_POINTS; ++i) {
+    for (int i = 0; i < TRACE_SLOTS; ++i) {
         r.ns[i] = trace_ns[i];
         r.cycles[i] = trace_cycles[i];
     }
@@ -311,12 +318,16 @@ struct WorkItem {
     long long slot;  // device plan: FP32 partial slot of this split (requests with splits > 1)
 };
 
-__device__ __forceinline__ WorkItem work_item(const DecodeParams& p) {
-    if (!p.work) {
-        if (p.col_blocks == 1) return {(int)blockIdx.z, (int)blockIdx.y, 0, (int)blockIdx.x, p.num_splits, 0};
-        return {(int)blockIdx.z, (int)blockIdx.y / p.col_blocks, (int)blockIdx.y % p.col_blocks,
-                (int)blockIdx.x, p.num_splits, 0};
-    }
+// Static plan: from the grid and the kernel parameters alone, so it may be worked out before the
+// PDL wait.
+__device__ __forceinline__ WorkItem grid_work_item(const DecodeParams& p) {
+    if (p.col_blocks == 1) return {(int)blockIdx.z, (int)blockIdx.y, 0, (int)blockIdx.x, p.num_splits, 0};
+    return {(int)blockIdx.z, (int)blockIdx.y / p.col_blocks, (int)blockIdx.y % p.col_blocks,
+            (int)blockIdx.x, p.num_splits, 0};
+}
+
+// Device plan (p.work): from the planner's table, written by the kernel before this one.
+__device__ __forceinline__ WorkItem planned_work_item(const DecodeParams& p) {
     const int b = p.work[2 * blockIdx.x], j = p.work[2 * blockIdx.x + 1];
     if (b < 0) return {-1, 0, 0, 0, 1, 0};
     const int splits = p.request_plan[2 * b], slot_base = p.request_plan[2 * b + 1];
@@ -410,6 +421,7 @@ struct ProducerRing {
 __device__ __forceinline__ void produce_contiguous(const DecodeParams& p, const ProducerRing& r,
                                                    SplitRange range, int num_tiles, int batch,
                                                    int kv_head) {
+    if (TRACE) trace_stamp(TRACE_PRODUCER_READY);
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int stage = tile % STAGES;
         if (tile >= STAGES) mbarrier_wait(&r.empty[stage], ((tile / STAGES) - 1) & 1);
@@ -465,6 +477,7 @@ __device__ __forceinline__ void load_page_chunk(int (&ids)[RUNS_PER_LANE], const
 __device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
                                               SplitRange range, int num_tiles, int batch, int kv_head,
                                               int lane, int producer) {
+    if (TRACE && lane == 0 && producer == 0) trace_stamp(TRACE_PRODUCER_READY);
     const int shift = __ffs(p.page_size) - 1;
     const int run = min(p.page_size, TILE_TOKENS);
     const PageWalk w = {p.block_table + (long long)batch * p.table_stride, range.begin >> shift,
@@ -539,9 +552,9 @@ constexpr int WARM_TILES = 2;
 constexpr bool WARMS_PAGES = JOINED_HALVES && MIN_CTAS_PER_SM == 1;
 constexpr int LINES_PER_ROW = HEAD_DIM * 2 / 128;  // 128-byte lines per K or V row
 
-__device__ __forceinline__ void warm_first_tiles(const DecodeParams& p) {
-    const WorkItem item = work_item(p);
-    const SplitRange range = split_range(p.max_len, item.num_splits, item.split, TILE_TOKENS);
+// `item` and `range`: the static plan's, for a request of max_len positions.
+__device__ __forceinline__ void warm_first_tiles(const DecodeParams& p, const WorkItem& item,
+                                                 const SplitRange& range) {
     const int rows = min(range.end - range.begin, WARM_TILES * TILE_TOKENS);
     for (int i = threadIdx.x; i < 2 * rows; i += CONSUMER_THREADS) {
         const bool is_v = i >= rows;
@@ -570,8 +583,7 @@ __device__ __forceinline__ void warm_first_tiles(const DecodeParams& p) {
 // previous kernel's writes (they land in L2), so only the addresses need to be known: the work
 // item and the head strides, as in Columns::head_offset. (Building a Columns here instead
 // added 248 instructions to the d128 s4 g2 kernel's prologue; the rows are computed again.)
-__device__ __forceinline__ void warm_query_rows(const DecodeParams& p) {
-    const WorkItem item = work_item(p);
+__device__ __forceinline__ void warm_query_rows(const DecodeParams& p, const WorkItem& item) {
     const int first_col = item.col_block * GROUP_PAD;
     const int count = min(GROUP_PAD, p.cols - first_col);
     const int line = threadIdx.x;  // one 128-byte line per thread
@@ -634,21 +646,39 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         cluster_arrive_relaxed();  // phase 1, waited on just before the first remote store
     }
 
-    if (!p.work && p.q_len == 1 && warp < CONSUMER_WARPS) warm_query_rows(p);
+    // What the kernel parameters alone decide is worked out here, ahead of the wait: the static
+    // plan's work item and its KV range for a request of max_len positions (the range holds
+    // unless device lengths say otherwise). Left to the compiler, all of it sank below the wait,
+    // where the first TMA then left 0.7 us after the wait returned with no memory access in
+    // the way (the parameter reads and 64-bit divisions of the range; bench/NOTES.md v41).
+    // (Pinned only where one CTA has the SM: the two-CTA variants sit at their 96-register cap
+    // and serve long one-split rows, where this start matters least.)
+    WorkItem item = {};
+    SplitRange range = {};
+    if (!p.work) {
+        item = grid_work_item(p);
+        range = split_range(p.max_len, item.num_splits, item.split, TILE_TOKENS);
+        if (MIN_CTAS_PER_SM == 1) {
+            computed_here(range.begin);  // the division; the rest is cheap to redo after the wait
+            computed_here(range.end);
+        }
+    }
+    if (!p.work && p.q_len == 1 && warp < CONSUMER_WARPS) warm_query_rows(p, item);
     if ((!PAGED || (WARMS_PAGES && p.num_splits > 1)) && !p.work && !static_cluster && p.k_cache &&
         warp < CONSUMER_WARPS)
-        warm_first_tiles(p);
+        warm_first_tiles(p, item, range);
 
     // Everything above overlaps the previous kernel's tail; nothing below may read global
     // memory before it has finished.
     pdl_wait_for_producer();
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
+    if (TRACE && threadIdx.x == PRODUCER_WARP * 32) trace_stamp(TRACE_PRODUCER_WAITED);
     // The next kernel (the combine, or the next decode) may launch as soon as every CTA of this
     // grid has started: its CTAs then sit resident at their own wait, and our completion, not
     // their launch, is what remains on the critical path.
     pdl_release_dependents();
 
-    const WorkItem item = work_item(p);
+    if (p.work) item = planned_work_item(p);
     if (item.batch < 0) return;  // device plan: more CTAs than work this call
     const bool in_cluster = p.cluster_splits > 1 && item.num_splits > 1;
     if (in_cluster && !static_cluster) {
@@ -658,7 +688,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     const int batch = item.batch, kv_head = item.kv_head, split = item.split;
     // Lengths come from device memory the host never sees: clamp rather than trust them.
     const int len = max(0, min(p.seqlens ? p.seqlens[batch] : p.max_len, p.max_len));
-    const SplitRange range = split_range(len, item.num_splits, split, TILE_TOKENS);
+    if (p.seqlens || p.work) range = split_range(len, item.num_splits, split, TILE_TOKENS);
     const int num_tiles = range.end > range.begin
                               ? (range.end - range.begin + TILE_TOKENS - 1) / TILE_TOKENS
                               : 0;
@@ -744,6 +774,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             val[k] = make_uint4(0, 0, 0, 0);
             if (i < Q_CHUNKS && g < cols.count) val[k] = *reinterpret_cast<const uint4*>(cols.q(p, g) + c * 8);
         }
+        if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_Q_ISSUED);
 #pragma unroll
         for (int k = 0; k < PER_THREAD; ++k) {
             const int i = threadIdx.x + k * CONSUMER_THREADS, g = i / CHUNKS, c = i % CHUNKS;
@@ -796,6 +827,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         const u32 parity = (tile / STAGES) & 1;
         mbarrier_wait(&k_full[stage], parity);
         if (TRACE && tile == 0 && warp == 0 && lane == 0) trace_stamp(TRACE_FIRST_TILE);
+        if (TRACE && tile == 1 && warp % GROUP_WARPS == 0 && lane == 0) trace_stamp(TRACE_SECOND_TILE);
         const u32 k_tile = ring_base + stage * STAGE_BYTES;
         const u32 v_tile = k_tile + TILE_BYTES;
         const int tile_begin = range.begin + tile * TILE_TOKENS;
@@ -934,6 +966,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             }
         }
     named_barrier_sync(1, CONSUMER_THREADS);
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);
 
     // Sum the warps in a fixed order and write: four head-dim elements per thread per step
     // (a cluster slice is at least four wide, HEAD_DIM / 16 at d64). Each thread works its

@@ -14,19 +14,26 @@ use kvstream::{Error, Runtime};
 use crate::timing::driver;
 
 /// Trace points of decode_gqa.cu's `TracePoint`, in order.
-pub const POINTS: [&str; 8] = [
+pub const POINTS: [&str; 13] = [
     "entry",
     "waited",
+    "producer_waited",
+    "producer_ready",
     "first_issue",
+    "q_issued",
     "q_staged",
     "first_tile",
+    "second_tile",
     "last_tile",
     "loop_done",
+    "merged",
     "exit",
 ];
-/// Record ring size and record bytes of decode_gqa.cu (`TRACE_RECORDS`, `TraceRecord`).
+/// Record ring size, trace slots per record and record bytes of decode_gqa.cu
+/// (`TRACE_RECORDS`, `TRACE_SLOTS`, `TraceRecord`).
 const RECORDS: usize = 1 << 15;
-const RECORD_BYTES: usize = 128;
+const SLOTS: usize = 16;
+const RECORD_BYTES: usize = 224;
 
 /// Forgets every record so far (before a timing).
 pub fn reset(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> kvstream::Result<()> {
@@ -94,13 +101,18 @@ pub fn dump(
         for seq in n.saturating_sub(RECORDS)..n {
             let r = &raw[(seq % RECORDS) * RECORD_BYTES..][..RECORD_BYTES];
             let u64_at = |i: usize| u64::from_le_bytes(r[8 * i..8 * i + 8].try_into().unwrap());
-            let u32_at =
-                |i: usize| u32::from_le_bytes(r[64 + 4 * i..68 + 4 * i].try_into().unwrap());
+            let u32_at = |i: usize| {
+                let at = 8 * SLOTS + 4 * i;
+                u32::from_le_bytes(r[at..at + 4].try_into().unwrap())
+            };
             let _ = write!(csv, "{seq}");
-            for i in 0..8 {
+            for i in 0..POINTS.len() {
                 let _ = write!(csv, ",{}", u64_at(i));
             }
-            for i in 0..16 {
+            for i in 0..POINTS.len() {
+                let _ = write!(csv, ",{}", u32_at(i));
+            }
+            for i in SLOTS..SLOTS + 8 {
                 let _ = write!(csv, ",{}", u32_at(i));
             }
             csv.push('\n');
