@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 
-POINTS = ["entry", "waited", "producer_waited", "producer_ready", "first_issue", "q_issued", "q_staged",
+POINTS = ["entry", "waited", "producer_waited", "released", "planned", "ids_ready", "producer_ready", "first_issue", "q_issued", "q_staged",
           "first_tile", "second_tile", "last_tile", "loop_done", "merged", "exit"]
 CALL_GAP_NS = 1500  # releases of one call lie closer than this; calls lie further apart
 
@@ -64,7 +64,9 @@ def summarise(path):
     med = {k: statistics.median(d[k] for d in per_call if k in d) for k in keys}
     # a CTA's own durations (per CTA, then the median over all CTAs)
     own = {}
-    for a, b in [("waited", "producer_waited"), ("producer_waited", "producer_ready"),
+    for a, b in [("waited", "producer_waited"), ("producer_waited", "released"), ("released", "planned"),
+                 ("planned", "producer_ready"), ("producer_ready", "ids_ready"), ("ids_ready", "first_issue"),
+                 ("producer_waited", "producer_ready"),
                  ("producer_ready", "first_issue"), ("first_issue", "first_tile"),
                  ("waited", "q_issued"), ("q_issued", "q_staged"), ("first_tile", "second_tile"),
                  ("first_tile", "last_tile"), ("last_tile", "loop_done"), ("loop_done", "merged"),
