@@ -192,6 +192,9 @@ enum TracePoint {
     TRACE_ENTRY,            // first instruction (thread 0)
     TRACE_WAITED,           // PDL wait returned (thread 0)
     TRACE_PRODUCER_WAITED,  // PDL wait returned (producer, K warp, lane 0)
+    TRACE_RELEASED,         // dependents released (same lane)
+    TRACE_PLANNED,          // work item, length and range known (same lane)
+    TRACE_IDS_READY,        // paged: the first page id has arrived (same lane)
     TRACE_PRODUCER_READY,   // the producer loop entered (same lane)
     TRACE_FIRST_ISSUE,      // the first tile's K and V boxes issued (same lane)
     TRACE_Q_ISSUED,         // Q loads issued (thread 0)
@@ -496,6 +499,10 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                 const int tile_page = tile_begin >> shift;  // page of the tile's first run
                 if (tile_page >= chunk_page + CHUNK_PAGES) break;
                 const int stage = tile % STAGES;
+                if (TRACE && tile == 0 && lane == 0 && producer == 0) {
+                    computed_here(ids[b][0]);
+                    trace_stamp(TRACE_IDS_READY);
+                }
                 if (tile >= STAGES) mbarrier_wait(&r.empty[stage], ((tile / STAGES) - 1) & 1);
                 unsigned char* dst[2] = {r.ring + stage * STAGE_BYTES, r.ring + stage * STAGE_BYTES + TILE_BYTES};
                 const TensorMap* map[2] = {&p.k_map, &p.v_map};
@@ -677,6 +684,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     // grid has started: its CTAs then sit resident at their own wait, and our completion, not
     // their launch, is what remains on the critical path.
     pdl_release_dependents();
+    if (TRACE && threadIdx.x == PRODUCER_WARP * 32) trace_stamp(TRACE_RELEASED);
 
     if (p.work) item = planned_work_item(p);
     if (item.batch < 0) return;  // device plan: more CTAs than work this call
@@ -692,6 +700,10 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     const int num_tiles = range.end > range.begin
                               ? (range.end - range.begin + TILE_TOKENS - 1) / TILE_TOKENS
                               : 0;
+    if (TRACE && threadIdx.x == PRODUCER_WARP * 32) {
+        computed_here(num_tiles);
+        trace_stamp(TRACE_PLANNED);
+    }
     long long* col_q = reinterpret_cast<long long*>(smem + SharedPlan::col_q);
     long long* col_out = reinterpret_cast<long long*>(smem + SharedPlan::col_out);
     long long* col_row = reinterpret_cast<long long*>(smem + SharedPlan::col_row);

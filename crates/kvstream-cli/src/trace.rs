@@ -14,10 +14,13 @@ use kvstream::{Error, Runtime};
 use crate::timing::driver;
 
 /// Trace points of decode_gqa.cu's `TracePoint`, in order.
-pub const POINTS: [&str; 13] = [
+pub const POINTS: [&str; 16] = [
     "entry",
     "waited",
     "producer_waited",
+    "released",
+    "planned",
+    "ids_ready",
     "producer_ready",
     "first_issue",
     "q_issued",
