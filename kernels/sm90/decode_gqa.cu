@@ -660,14 +660,20 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     // the way (the parameter reads and 64-bit divisions of the range; bench/NOTES.md v41).
     // (Pinned only where one CTA has the SM: the two-CTA variants sit at their 96-register cap
     // and serve long one-split rows, where this start matters least.)
+    // After the wait, a static plan without device lengths then only branches on `replan`: the
+    // producer loop was still 0.45 us behind the wait with the range alone pinned, each
+    // parameter read and compare a step of one warp's dependent chain (NOTES v42 probe).
+    const bool replan = p.work || p.seqlens;
     WorkItem item = {};
     SplitRange range = {};
+    int len = p.max_len;
     if (!p.work) {
         item = grid_work_item(p);
         range = split_range(p.max_len, item.num_splits, item.split, TILE_TOKENS);
         if (MIN_CTAS_PER_SM == 1) {
-            computed_here(range.begin);  // the division; the rest is cheap to redo after the wait
+            computed_here(range.begin);
             computed_here(range.end);
+            computed_here(replan);
         }
     }
     if (!p.work && p.q_len == 1 && warp < CONSUMER_WARPS) warm_query_rows(p, item);
@@ -686,17 +692,21 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     pdl_release_dependents();
     if (TRACE && threadIdx.x == PRODUCER_WARP * 32) trace_stamp(TRACE_RELEASED);
 
-    if (p.work) item = planned_work_item(p);
-    if (item.batch < 0) return;  // device plan: more CTAs than work this call
+    if (replan) {
+        if (p.work) {
+            item = planned_work_item(p);
+            if (item.batch < 0) return;  // device plan: more CTAs than work this call
+        }
+        // Lengths come from device memory the host never sees: clamp rather than trust them.
+        if (p.seqlens) len = max(0, min(p.seqlens[item.batch], p.max_len));
+        range = split_range(len, item.num_splits, item.split, TILE_TOKENS);
+    }
     const bool in_cluster = p.cluster_splits > 1 && item.num_splits > 1;
     if (in_cluster && !static_cluster) {
         cluster = cluster_shape(p);
         cluster_arrive_relaxed();
     }
     const int batch = item.batch, kv_head = item.kv_head, split = item.split;
-    // Lengths come from device memory the host never sees: clamp rather than trust them.
-    const int len = max(0, min(p.seqlens ? p.seqlens[batch] : p.max_len, p.max_len));
-    if (p.seqlens || p.work) range = split_range(len, item.num_splits, split, TILE_TOKENS);
     const int num_tiles = range.end > range.begin
                               ? (range.end - range.begin + TILE_TOKENS - 1) / TILE_TOKENS
                               : 0;
