@@ -56,6 +56,42 @@ fn every_variant_compiles_to_sm90a_without_spills() {
     println!("{report}");
 }
 
+/// The phase-trace build (decode_gqa.cu `KVS_TRACE`, `KVSTREAM_TRACE=<dir> kvstream bench`) of
+/// the batch-1 serving variants keeps compiling, without spills, and exports the record ring the
+/// bench reads by name.
+#[test]
+fn traced_decode_kernels_compile_and_export_their_records() {
+    let traced: Vec<_> = all_variants()
+        .into_iter()
+        .filter(|v| {
+            v.as_variant()
+                .name()
+                .starts_with("decode_gqa.bf16.d128.n1.t64.s4.g2")
+        })
+        .collect();
+    assert_eq!(traced.len(), 3, "contiguous, paged and joined-halves paged");
+    for v in traced {
+        let var = v.as_variant();
+        let c = compile::compile_with(var, &["-DKVS_TRACE=1".to_string()])
+            .unwrap_or_else(|e| panic!("{e}"));
+        let r = c.report();
+        assert_eq!(
+            r.spill_stores + r.spill_loads,
+            0,
+            "{} traced: spills ({r})",
+            var.name()
+        );
+        for symbol in [&b"kvs_trace\0"[..], &b"kvs_trace_count\0"[..]] {
+            assert!(
+                c.cubin.windows(symbol.len()).any(|w| w == symbol),
+                "{} traced: no symbol {}",
+                var.name(),
+                String::from_utf8_lossy(&symbol[..symbol.len() - 1])
+            );
+        }
+    }
+}
+
 #[test]
 fn cache_serves_what_was_compiled_and_rebuilds_damage() {
     let dir = std::env::temp_dir().join(format!("kvstream-nvrtc-cache-{}", std::process::id()));

@@ -154,9 +154,16 @@ pub fn options(variant: &dyn Variant) -> Vec<String> {
 
 /// Compiles one variant with NVRTC (no cache; see [`super::cubin`]).
 pub fn compile(variant: &dyn Variant) -> Result<Compiled> {
+    compile_with(variant, &[])
+}
+
+/// [`compile`] with `extra` NVRTC options after the variant's own (e.g. `-DKVS_TRACE=1`, the
+/// phase-trace build, without setting [`TRACE_ENV`] for the whole process).
+pub fn compile_with(variant: &dyn Variant, extra: &[String]) -> Result<Compiled> {
     ensure_nvrtc()?;
     let name = variant.name();
-    let opts = options(variant);
+    let mut opts = options(variant);
+    opts.extend(extra.iter().cloned());
     let fail = |log: String| Error::Compile {
         variant: name.clone(),
         options: opts.clone(),
