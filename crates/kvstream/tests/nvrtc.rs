@@ -81,6 +81,12 @@ fn traced_decode_kernels_compile_and_export_their_records() {
             "{} traced: spills ({r})",
             var.name()
         );
+        let release = compile::compile(var).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            !release.cubin.windows(16).any(|w| w == b"kvs_trace_count\0"),
+            "{}: the release build carries the trace",
+            var.name()
+        );
         for symbol in [&b"kvs_trace\0"[..], &b"kvs_trace_count\0"[..]] {
             assert!(
                 c.cubin.windows(symbol.len()).any(|w| w == symbol),
