@@ -24,7 +24,8 @@ if [ -n "${DUMP_CUBINS:-}" ]; then
 else
   KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels > /dev/null
 fi
-# TRACE=1: the phase-trace builds too (gpu-run.sh's `trace` part; their cache keys differ)
+# TRACE=1: the phase-trace builds too (gpu-run.sh's `trace` part; their cache keys differ).
+# Any KVSTREAM_TRACE value turns the trace on; `kernels` only compiles, so nothing is written.
 [ -z "${TRACE:-}" ] || KVSTREAM_TRACE=/dev/null KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels > /dev/null
 [ -n "$(ls target/wheels/kvstream-*.whl 2>/dev/null)" ] || bash scripts/test-python.sh
 cp target/wheels/kvstream-*.whl .carry/wheels/

@@ -20,8 +20,6 @@ import os
 import statistics
 import sys
 
-POINTS = ["entry", "waited", "producer_waited", "released", "planned", "ids_ready", "producer_ready", "first_issue", "q_issued", "q_staged",
-          "first_tile", "second_tile", "last_tile", "loop_done", "merged", "exit"]
 CALL_GAP_NS = 1500  # releases of one call lie closer than this; calls lie further apart
 
 
@@ -40,7 +38,10 @@ def calls_of(rows):
 
 def summarise(path):
     with open(path) as f:
-        rows = [{k: int(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        reader = csv.DictReader(f)
+        rows = [{k: int(v) for k, v in r.items()} for r in reader]
+    # the trace points, in the kernel's order, from the header the bench wrote
+    points = [c[:-3] for c in reader.fieldnames if c.endswith("_ns")]
     calls = calls_of(rows)
     # a call's CTA count is the grid's; keep only complete calls
     size = statistics.mode(len(c) for c in calls)
@@ -49,8 +50,8 @@ def summarise(path):
     for i, c in enumerate(calls):
         release = min(r["waited_ns"] for r in c)
         d = {"ctas": len(c)}
-        for p in POINTS:
-            vals = [r.get(p + "_ns", 0) - release for r in c if r.get(p + "_ns", 0)]
+        for p in points:
+            vals = [r[p + "_ns"] - release for r in c if r[p + "_ns"]]
             if vals:
                 d[p + "_med"] = statistics.median(vals)
                 d[p + "_max"] = max(vals)
@@ -74,7 +75,7 @@ def summarise(path):
         vals = [r[b + "_ns"] - r[a + "_ns"] for c in calls for r in c if r.get(a + "_ns") and r.get(b + "_ns")]
         if vals:
             own[f"{a}->{b}"] = statistics.median(vals)
-    return {"file": os.path.basename(path), "calls": len(per_call), "ctas_per_call": size,
+    return {"file": os.path.basename(path), "points": points, "calls": len(per_call), "ctas_per_call": size,
             "tiles": statistics.median(r["tiles"] for r in rows), "median_over_calls": med,
             "cta_durations_median": own}
 
@@ -91,7 +92,7 @@ def main():
         print(f"  period {m.get('period', 0) / 1e3:.2f} us, tail {m.get('tail', 0) / 1e3:.2f} us, "
               f"first CTA entered {m['early'] / 1e3:.2f} us before the release")
         print("  from the release, us (median CTA, latest CTA; medians over calls):")
-        for p in POINTS:
+        for p in s["points"]:
             if p + "_med" in m:
                 print(f"    {p:<16} {m[p + '_med'] / 1e3:7.2f} {m[p + '_max'] / 1e3:7.2f}")
         print("  per CTA, us (median over CTAs):")

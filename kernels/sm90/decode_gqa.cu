@@ -654,15 +654,13 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     }
 
     // What the kernel parameters alone decide is worked out here, ahead of the wait: the static
-    // plan's work item and its KV range for a request of max_len positions (the range holds
-    // unless device lengths say otherwise). Left to the compiler, all of it sank below the wait,
-    // where the first TMA then left 0.7 us after the wait returned with no memory access in
-    // the way (the parameter reads and 64-bit divisions of the range; bench/NOTES.md v41).
-    // (Pinned only where one CTA has the SM: the two-CTA variants sit at their 96-register cap
-    // and serve long one-split rows, where this start matters least.)
-    // After the wait, a static plan without device lengths then only branches on `replan`: the
-    // producer loop was still 0.45 us behind the wait with the range alone pinned, each
-    // parameter read and compare a step of one warp's dependent chain (NOTES v42 probe).
+    // plan's work item, its KV range for a request of max_len positions, and whether anything
+    // must be redone after the wait (`replan`: device plan or device lengths). Left to the
+    // compiler, all of it sank below the wait, where one warp's chain of parameter reads,
+    // compares and 64-bit divisions kept the first TMA 0.67 us behind the wait with no memory
+    // access in the way (bench/NOTES.md v41 probe, v41, v43). Pinned only where one CTA has the
+    // SM: the two-CTA variants sit at their 96-register cap and serve long one-split rows, where
+    // this start matters least.
     const bool replan = p.work || p.seqlens;
     WorkItem item = {};
     SplitRange range = {};

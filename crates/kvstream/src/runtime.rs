@@ -177,16 +177,18 @@ impl Runtime {
     pub fn module_globals(&self, name: &str) -> Result<Vec<(String, u64, usize)>> {
         let symbol = std::ffi::CString::new(name)
             .map_err(|_| Error::invalid("name", name, "a symbol name without NUL bytes"))?;
+        self.bind()?;
         let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
         let mut found = Vec::new();
         for (variant, (module, _, _)) in loaded.iter() {
-            let (mut ptr, mut bytes) = (0, 0);
-            // SAFETY: the module is live while `loaded` holds it; plain out-parameters.
-            let status = unsafe {
-                sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, module.0, symbol.as_ptr())
-            };
-            if status == sys::CUresult::CUDA_SUCCESS {
-                found.push((variant.as_variant().name(), ptr, bytes));
+            // SAFETY: the module is live while `loaded` holds it.
+            match unsafe { cu::module::get_global(module.0, symbol.clone()) } {
+                Ok((ptr, bytes)) => found.push((variant.as_variant().name(), ptr, bytes)),
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_FOUND => {}
+                Err(e) => {
+                    let v = variant.as_variant().name();
+                    return Err(Error::driver(format!("looking up {name} in {v}"), e));
+                }
             }
         }
         found.sort();
