@@ -466,29 +466,42 @@ struct PageWalk {
     int boxes;         // runs per tile
 };
 
-// Pages past the split read as -1: their boxes are out of bounds and arrive zero-filled.
+// The walk of a split's pages: parameters and the split's range only.
+__device__ __forceinline__ PageWalk page_walk(const DecodeParams& p, int batch, SplitRange range) {
+    const int shift = __ffs(p.page_size) - 1;
+    const int run = min(p.page_size, TILE_TOKENS);
+    return {p.block_table + (long long)batch * p.table_stride, range.begin >> shift,
+            ((range.end - 1) >> shift) + 1, shift, run, TILE_TOKENS / run};
+}
+
+// Pages past the split read as -1: their boxes are out of bounds and arrive zero-filled. The
+// loads are volatile so that the first chunks stay where the kernel issues them (right after the
+// PDL wait, see the kernel) instead of sinking to their first use in the producer loop.
 __device__ __forceinline__ void load_page_chunk(int (&ids)[RUNS_PER_LANE], const PageWalk& w,
                                                 int chunk, int lane) {
 #pragma unroll
     for (int i = 0; i < RUNS_PER_LANE; ++i) {
         const int page = w.first_page + chunk * CHUNK_PAGES + lane + 32 * i;
-        ids[i] = page < w.end_page ? w.table[page] : -1;
+        ids[i] = page < w.end_page ? ld_global_l2(w.table + page) : -1;
     }
 }
 
-// `producer`: which producer warp this is (PRODUCER_WARPS == 2: 0 streams K, 1 streams V).
-__device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
-                                              SplitRange range, int num_tiles, int batch, int kv_head,
-                                              int lane, int producer) {
-    if (TRACE && lane == 0 && producer == 0) trace_stamp(TRACE_PRODUCER_READY);
-    const int shift = __ffs(p.page_size) - 1;
-    const int run = min(p.page_size, TILE_TOKENS);
-    const PageWalk w = {p.block_table + (long long)batch * p.table_stride, range.begin >> shift,
-                        ((range.end - 1) >> shift) + 1, shift, run, TILE_TOKENS / run};
-    const int in_page_mask = p.page_size - 1;
-    int ids[2][RUNS_PER_LANE];
+// The two chunks produce_paged starts from.
+__device__ __forceinline__ void load_first_page_chunks(int (&ids)[2][RUNS_PER_LANE], const PageWalk& w,
+                                                       int lane) {
     load_page_chunk(ids[0], w, 0, lane);
     load_page_chunk(ids[1], w, 1, lane);
+}
+
+// `producer`: which producer warp this is (PRODUCER_WARPS == 2: 0 streams K, 1 streams V).
+// `ids`: the walk's first two chunks, already loaded (load_first_page_chunks).
+__device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
+                                              SplitRange range, int num_tiles, const PageWalk& w,
+                                              int (&ids)[2][RUNS_PER_LANE], int kv_head, int lane,
+                                              int producer) {
+    if (TRACE && lane == 0 && producer == 0) trace_stamp(TRACE_PRODUCER_READY);
+    const int shift = w.page_shift, run = w.run;
+    const int in_page_mask = p.page_size - 1;
     int tile = 0;
     for (int chunk0 = 0; tile < num_tiles; chunk0 += 2) {
 #pragma unroll
@@ -682,6 +695,16 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     // Everything above overlaps the previous kernel's tail; nothing below may read global
     // memory before it has finished.
     pdl_wait_for_producer();
+    // A paged split's first box needs its page id, one table round trip after the wait that a
+    // contiguous split does not make. Where the range is final already (static plan, no device
+    // lengths), the producers issue that read before anything else, so it overlaps the rest of
+    // the prologue; otherwise they read once the range is known.
+    int page_ids[2][RUNS_PER_LANE];
+    PageWalk walk = {};
+    if (PAGED && warp >= PRODUCER_WARP && !replan) {
+        walk = page_walk(p, item.batch, range);
+        load_first_page_chunks(page_ids, walk, lane);
+    }
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
     if (TRACE && threadIdx.x == PRODUCER_WARP * 32) trace_stamp(TRACE_PRODUCER_WAITED);
     // The next kernel (the combine, or the next decode) may launch as soon as every CTA of this
@@ -765,7 +788,11 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         // ============================== producer warp(s) =================================
         ProducerRing ring_state = {ring, k_full, v_full, empty, l2_policy_evict_first()};
         if constexpr (PAGED) {
-            produce_paged(p, ring_state, range, num_tiles, batch, kv_head, lane, warp - PRODUCER_WARP);
+            if (replan) {
+                walk = page_walk(p, batch, range);
+                load_first_page_chunks(page_ids, walk, lane);
+            }
+            produce_paged(p, ring_state, range, num_tiles, walk, page_ids, kv_head, lane, warp - PRODUCER_WARP);
         } else if (lane == 0) {
             produce_contiguous(p, ring_state, range, num_tiles, batch, kv_head);
         }

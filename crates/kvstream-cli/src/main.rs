@@ -114,6 +114,9 @@ enum Command {
         /// Also write each raw CUBIN to this directory (for cuobjdump / nvdisasm).
         #[arg(long)]
         dump: Option<std::path::PathBuf>,
+        /// Only the variants whose name contains this text (e.g. `d128.n1.t64.s4.g2.paged`).
+        #[arg(long)]
+        only: Option<String>,
     },
     /// Print the plan the library would choose for a shape (no GPU needed; assumes 132 SMs).
     Plan {
@@ -138,7 +141,7 @@ fn main() -> ExitCode {
     let lib = |r: kvstream::Result<()>| r.map_err(|e| e.to_string());
     let result = match cli.command {
         Command::Demo { shape, rounds } => lib(demo::run(&shape, rounds)),
-        Command::Kernels { dump } => lib(kernels(dump.as_deref())),
+        Command::Kernels { dump, only } => lib(kernels(dump.as_deref(), only.as_deref())),
         Command::Plan { shape } => lib(print_plan(&shape)),
         Command::Bench(args) => bench::run(&args),
         Command::Plot { results, out } => replot(&results, out.as_deref()),
@@ -152,7 +155,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn kernels(dump: Option<&std::path::Path>) -> kvstream::Result<()> {
+fn kernels(dump: Option<&std::path::Path>, only: Option<&str>) -> kvstream::Result<()> {
     let (major, minor) = jit::compile::nvrtc_version()?;
     println!(
         "NVRTC {major}.{minor}, target {}, cache {}",
@@ -166,6 +169,9 @@ fn kernels(dump: Option<&std::path::Path>) -> kvstream::Result<()> {
     let mut failures = 0;
     for v in all_variants() {
         let var = v.as_variant();
+        if only.is_some_and(|text| !var.name().contains(text)) {
+            continue;
+        }
         let t = Instant::now();
         match jit::cubin(var) {
             Ok((c, origin)) => {
