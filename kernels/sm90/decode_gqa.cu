@@ -700,11 +700,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     // lengths), the producers issue that read before anything else, so it overlaps the rest of
     // the prologue; otherwise they read once the range is known.
     int page_ids[2][RUNS_PER_LANE];
-    PageWalk walk = {};
-    if (PAGED && warp >= PRODUCER_WARP && !replan) {
-        walk = page_walk(p, item.batch, range);
-        load_first_page_chunks(page_ids, walk, lane);
-    }
+    if (PAGED && warp >= PRODUCER_WARP && !replan) load_first_page_chunks(page_ids, page_walk(p, item.batch, range), lane);
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
     if (TRACE && threadIdx.x == PRODUCER_WARP * 32) trace_stamp(TRACE_PRODUCER_WAITED);
     // The next kernel (the combine, or the next decode) may launch as soon as every CTA of this
@@ -788,10 +784,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         // ============================== producer warp(s) =================================
         ProducerRing ring_state = {ring, k_full, v_full, empty, l2_policy_evict_first()};
         if constexpr (PAGED) {
-            if (replan) {
-                walk = page_walk(p, batch, range);
-                load_first_page_chunks(page_ids, walk, lane);
-            }
+            const PageWalk walk = page_walk(p, batch, range);
+            if (replan) load_first_page_chunks(page_ids, walk, lane);
             produce_paged(p, ring_state, range, num_tiles, walk, page_ids, kv_head, lane, warp - PRODUCER_WARP);
         } else if (lane == 0) {
             produce_contiguous(p, ring_state, range, num_tiles, batch, kv_head);
