@@ -36,10 +36,16 @@ __device__ __forceinline__ void fence_mbarrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
+// Each mbarrier and bulk-copy wrapper also takes shared-window addresses (u32, from smem_addr):
+// a loop that works in those converts its pointers once, where a generic pointer costs a
+// conversion (the shared window's base, S2R) per use that ptxas may not hoist.
+
 // One arrival that also announces `bytes` of bulk-copy traffic the phase must wait for.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+    mbarrier_arrive_expect_tx(smem_addr(bar), bytes);
 }
 
 __device__ __forceinline__ void mbarrier_arrive(u64* bar) {
@@ -47,15 +53,16 @@ __device__ __forceinline__ void mbarrier_arrive(u64* bar) {
 }
 
 // Blocks until the phase with the given parity has completed.
-__device__ __forceinline__ void mbarrier_wait(u64* bar, u32 parity) {
+__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
     asm volatile(
         "{\n"
         ".reg .pred done;\n"
         "WAIT_%=:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra WAIT_%=;\n"
-        "}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+        "}\n" :: "r"(bar), "r"(parity) : "memory");
 }
+__device__ __forceinline__ void mbarrier_wait(u64* bar, u32 parity) { mbarrier_wait(smem_addr(bar), parity); }
 
 // ---------------------------------------------------------------------------------------------
 // Bulk copies (PTX ISA 9.7.9.25.4.1, cp.async.bulk) and L2 policies (9.7.9.17, createpolicy)
@@ -72,24 +79,26 @@ __device__ __forceinline__ u64 l2_policy_evict_first() {
 // Tensor-map (TMA) load of one 4-D box into shared memory, completing on `bar` as transaction
 // bytes (PTX ISA 9.7.9.25.5.1, cp.async.bulk.tensor). Coordinates are innermost first; parts of
 // the box outside the tensor are zero-filled and still count towards the transaction bytes.
-__device__ __forceinline__ void tma_load_4d(void* dst, const void* tensor_map, int c0, int c1,
-                                            int c2, int c3, u64* bar, u64 policy) {
+__device__ __forceinline__ void tma_load_4d(u32 dst, const void* tensor_map, int c0, int c1, int c2,
+                                            int c3, u32 bar, u64 policy) {
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7;"
-        :: "r"(smem_addr(dst)), "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
-           "r"(smem_addr(bar)), "l"(policy)
+        :: "r"(dst), "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(policy)
         : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(void* dst, const void* tensor_map, int c0, int c1,
+                                            int c2, int c3, u64* bar, u64 policy) {
+    tma_load_4d(smem_addr(dst), tensor_map, c0, c1, c2, c3, smem_addr(bar), policy);
 }
 
 // The same for a 5-D box.
-__device__ __forceinline__ void tma_load_5d(void* dst, const void* tensor_map, int c0, int c1,
-                                            int c2, int c3, int c4, u64* bar, u64 policy) {
+__device__ __forceinline__ void tma_load_5d(u32 dst, const void* tensor_map, int c0, int c1, int c2,
+                                            int c3, int c4, u32 bar, u64 policy) {
     asm volatile(
         "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5, %6}], [%7], %8;"
-        :: "r"(smem_addr(dst)), "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
-           "r"(smem_addr(bar)), "l"(policy)
+        :: "r"(dst), "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar), "l"(policy)
         : "memory");
 }
 
@@ -121,6 +130,7 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
 // its order with other volatile asm (griddepcontrol.wait), so the computation cannot sink below
 // a wait that follows.
 __device__ __forceinline__ void computed_here(int v) { asm volatile("" :: "r"(v)); }
+__device__ __forceinline__ void computed_here(const void* v) { asm volatile("" :: "l"(v)); }
 
 // ---------------------------------------------------------------------------------------------
 // Timers and placement (PTX ISA chapter 10, special registers %globaltimer, %clock, %smid): the

@@ -455,6 +455,9 @@ __device__ __forceinline__ void produce_contiguous(const DecodeParams& p, const 
 // stream ran 1.3x slower than a contiguous one.) The chunk loop is unrolled by two so each chunk
 // buffer is refilled in place: moving a register whose load is in flight would wait for it.
 constexpr int CHUNK_PAGES = 32 * RUNS_PER_LANE;
+// Paged one-CTA variants read the first chunks right after the PDL wait (see the kernel); the
+// two-CTA variants, at their 96-register cap, read them in the producer branch.
+constexpr bool EARLY_TABLE_READ = PAGED && MIN_CTAS_PER_SM == 1;
 static_assert(CHUNK_PAGES % TILE_TOKENS == 0, "a tile's runs never straddle two chunks");
 
 struct PageWalk {
@@ -474,23 +477,39 @@ __device__ __forceinline__ PageWalk page_walk(const DecodeParams& p, int batch, 
             ((range.end - 1) >> shift) + 1, shift, run, TILE_TOKENS / run};
 }
 
-// Pages past the split read as -1: their boxes are out of bounds and arrive zero-filled. The
-// loads are volatile so that the first chunks stay where the kernel issues them (right after the
-// PDL wait, see the kernel) instead of sinking to their first use in the producer loop.
+// Pages past the split read as -1: their boxes are out of bounds and arrive zero-filled.
 __device__ __forceinline__ void load_page_chunk(int (&ids)[RUNS_PER_LANE], const PageWalk& w,
                                                 int chunk, int lane) {
 #pragma unroll
     for (int i = 0; i < RUNS_PER_LANE; ++i) {
         const int page = w.first_page + chunk * CHUNK_PAGES + lane + 32 * i;
-        ids[i] = page < w.end_page ? ld_global_l2(w.table + page) : -1;
+        ids[i] = page < w.end_page ? w.table[page] : -1;
     }
 }
 
-// The two chunks produce_paged starts from.
-__device__ __forceinline__ void load_first_page_chunks(int (&ids)[2][RUNS_PER_LANE], const PageWalk& w,
-                                                       int lane) {
-    load_page_chunk(ids[0], w, 0, lane);
-    load_page_chunk(ids[1], w, 1, lane);
+// The entries of a split's first two chunks that lane `lane` reads (load_page_chunk's, chunks 0
+// and 1): a pointer to its first one and how many entries from there on belong to the split.
+// Worked out from parameters alone, so that only the loads remain after the PDL wait; the loads
+// are volatile (`ld_global_l2`) so that they stay where the kernel issues them instead of sinking
+// to their first use in the producer loop.
+struct FirstPages {
+    const int* entry;
+    int count;
+};
+
+__device__ __forceinline__ FirstPages first_pages(const PageWalk& w, int lane) {
+    return {w.table + w.first_page + lane, w.end_page - w.first_page - lane};
+}
+
+// The two chunks produce_paged starts from (as load_page_chunk(ids[c], w, c, lane) would).
+__device__ __forceinline__ void load_first_page_chunks(int (&ids)[2][RUNS_PER_LANE], FirstPages f) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int i = 0; i < RUNS_PER_LANE; ++i) {
+            const int k = c * CHUNK_PAGES + 32 * i;
+            ids[c][i] = k < f.count ? ld_global_l2(f.entry + k) : -1;
+        }
 }
 
 // `producer`: which producer warp this is (PRODUCER_WARPS == 2: 0 streams K, 1 streams V).
@@ -502,6 +521,9 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
     if (TRACE && lane == 0 && producer == 0) trace_stamp(TRACE_PRODUCER_READY);
     const int shift = w.page_shift, run = w.run;
     const int in_page_mask = p.page_size - 1;
+    // shared-window addresses, converted once (see ptx.cuh)
+    const u32 ring = smem_addr(r.ring), k_full = smem_addr(r.k_full), v_full = smem_addr(r.v_full),
+              empty = smem_addr(r.empty);
     int tile = 0;
     for (int chunk0 = 0; tile < num_tiles; chunk0 += 2) {
 #pragma unroll
@@ -516,10 +538,10 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                     computed_here(ids[b][0]);
                     trace_stamp(TRACE_IDS_READY);
                 }
-                if (tile >= STAGES) mbarrier_wait(&r.empty[stage], ((tile / STAGES) - 1) & 1);
-                unsigned char* dst[2] = {r.ring + stage * STAGE_BYTES, r.ring + stage * STAGE_BYTES + TILE_BYTES};
+                if (tile >= STAGES) mbarrier_wait(empty + 8 * stage, ((tile / STAGES) - 1) & 1);
+                const u32 dst[2] = {ring + stage * STAGE_BYTES, ring + stage * STAGE_BYTES + TILE_BYTES};
                 const TensorMap* map[2] = {&p.k_map, &p.v_map};
-                u64* bar[2] = {&r.k_full[stage], &r.v_full[stage]};
+                const u32 bar[2] = {k_full + 8 * stage, v_full + 8 * stage};
 #pragma unroll
                 for (int kv = 0; kv < 2; ++kv) {  // K, then V
                     if (PRODUCER_WARPS == 2 && kv != producer) continue;
@@ -687,6 +709,12 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             computed_here(replan);
         }
     }
+    FirstPages first = {};
+    if (EARLY_TABLE_READ && !p.work && warp >= PRODUCER_WARP) {
+        first = first_pages(page_walk(p, item.batch, range), lane);
+        computed_here(first.entry);
+        computed_here(first.count);
+    }
     if (!p.work && p.q_len == 1 && warp < CONSUMER_WARPS) warm_query_rows(p, item);
     if ((!PAGED || (WARMS_PAGES && p.num_splits > 1)) && !p.work && !static_cluster && p.k_cache &&
         warp < CONSUMER_WARPS)
@@ -697,10 +725,11 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     pdl_wait_for_producer();
     // A paged split's first box needs its page id, one table round trip after the wait that a
     // contiguous split does not make. Where the range is final already (static plan, no device
-    // lengths), the producers issue that read before anything else, so it overlaps the rest of
-    // the prologue; otherwise they read once the range is known.
+    // lengths), the producers issue that read as the first thing after the wait, its addresses
+    // worked out before it, so the trip overlaps the rest of the prologue; otherwise they read
+    // once the range is known. (One-CTA variants only, like the pins above.)
     int page_ids[2][RUNS_PER_LANE];
-    if (PAGED && warp >= PRODUCER_WARP && !replan) load_first_page_chunks(page_ids, page_walk(p, item.batch, range), lane);
+    if (EARLY_TABLE_READ && !replan && warp >= PRODUCER_WARP) load_first_page_chunks(page_ids, first);
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
     if (TRACE && threadIdx.x == PRODUCER_WARP * 32) trace_stamp(TRACE_PRODUCER_WAITED);
     // The next kernel (the combine, or the next decode) may launch as soon as every CTA of this
@@ -785,7 +814,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         ProducerRing ring_state = {ring, k_full, v_full, empty, l2_policy_evict_first()};
         if constexpr (PAGED) {
             const PageWalk walk = page_walk(p, batch, range);
-            if (replan) load_first_page_chunks(page_ids, walk, lane);
+            if (!EARLY_TABLE_READ || replan) load_first_page_chunks(page_ids, first_pages(walk, lane));
             produce_paged(p, ring_state, range, num_tiles, walk, page_ids, kv_head, lane, warp - PRODUCER_WARP);
         } else if (lane == 0) {
             produce_contiguous(p, ring_state, range, num_tiles, batch, kv_head);
