@@ -102,6 +102,11 @@ __device__ __forceinline__ void tma_load_5d(u32 dst, const void* tensor_map, int
         : "memory");
 }
 
+__device__ __forceinline__ void tma_load_5d(void* dst, const void* tensor_map, int c0, int c1,
+                                            int c2, int c3, int c4, u64* bar, u64 policy) {
+    tma_load_5d(smem_addr(dst), tensor_map, c0, c1, c2, c3, c4, smem_addr(bar), policy);
+}
+
 // Prefetch of one global line into L2 through the load/store path (PTX ISA 9.7.9.15,
 // prefetch): nothing returns, so nothing waits for it, and the TMA unit is not involved.
 __device__ __forceinline__ void prefetch_l2(const void* ptr) {

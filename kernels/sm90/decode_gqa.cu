@@ -512,6 +512,33 @@ __device__ __forceinline__ void load_first_page_chunks(int (&ids)[2][RUNS_PER_LA
         }
 }
 
+// The ring as the paged loop hands it to the wrappers, by variant, both forms measured (bench/
+// NOTES.md v44c, v44e): plain paged loops take shared-window addresses, converted once (with
+// generic pointers ptxas put the window base's S2R back inside the tile loop of some variants:
+// 8% slower on 64-tile rows); joined-halves loops take generic pointers (with shared-window
+// addresses ptxas kept the tensor maps' addresses in ordinary registers, an R2UR pair per box:
+// 0.2-0.3 us slower on 64-tile rows).
+template <bool SHARED_WINDOW>
+struct PagedRingAddrs {
+    u32 ring, k_full, v_full, empty;
+    __device__ __forceinline__ explicit PagedRingAddrs(const ProducerRing& r)
+        : ring(smem_addr(r.ring)), k_full(smem_addr(r.k_full)), v_full(smem_addr(r.v_full)),
+          empty(smem_addr(r.empty)) {}
+    __device__ __forceinline__ u32 stage(int s) const { return ring + s * STAGE_BYTES; }
+    __device__ __forceinline__ u32 k_bar(int s) const { return k_full + 8 * s; }
+    __device__ __forceinline__ u32 v_bar(int s) const { return v_full + 8 * s; }
+    __device__ __forceinline__ u32 empty_bar(int s) const { return empty + 8 * s; }
+};
+template <>
+struct PagedRingAddrs<false> {
+    const ProducerRing& r;
+    __device__ __forceinline__ explicit PagedRingAddrs(const ProducerRing& ring) : r(ring) {}
+    __device__ __forceinline__ unsigned char* stage(int s) const { return r.ring + s * STAGE_BYTES; }
+    __device__ __forceinline__ u64* k_bar(int s) const { return &r.k_full[s]; }
+    __device__ __forceinline__ u64* v_bar(int s) const { return &r.v_full[s]; }
+    __device__ __forceinline__ u64* empty_bar(int s) const { return &r.empty[s]; }
+};
+
 // `producer`: which producer warp this is (PRODUCER_WARPS == 2: 0 streams K, 1 streams V).
 // `ids`: the walk's first two chunks, already loaded (load_first_page_chunks).
 __device__ __forceinline__ void produce_paged(const DecodeParams& p, const ProducerRing& r,
@@ -521,9 +548,7 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
     if (TRACE && lane == 0 && producer == 0) trace_stamp(TRACE_PRODUCER_READY);
     const int shift = w.page_shift, run = w.run;
     const int in_page_mask = p.page_size - 1;
-    // shared-window addresses, converted once (see ptx.cuh)
-    const u32 ring = smem_addr(r.ring), k_full = smem_addr(r.k_full), v_full = smem_addr(r.v_full),
-              empty = smem_addr(r.empty);
+    const PagedRingAddrs<!JOINED_HALVES> ring(r);
     int tile = 0;
     for (int chunk0 = 0; tile < num_tiles; chunk0 += 2) {
 #pragma unroll
@@ -538,10 +563,12 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                     computed_here(ids[b][0]);
                     trace_stamp(TRACE_IDS_READY);
                 }
-                if (tile >= STAGES) mbarrier_wait(empty + 8 * stage, ((tile / STAGES) - 1) & 1);
-                const u32 dst[2] = {ring + stage * STAGE_BYTES, ring + stage * STAGE_BYTES + TILE_BYTES};
+                if (tile >= STAGES) mbarrier_wait(ring.empty_bar(stage), ((tile / STAGES) - 1) & 1);
+                const auto k_dst = ring.stage(stage);
+                const decltype(k_dst) dst[2] = {k_dst, k_dst + TILE_BYTES};
                 const TensorMap* map[2] = {&p.k_map, &p.v_map};
-                const u32 bar[2] = {k_full + 8 * stage, v_full + 8 * stage};
+                const auto k_bar = ring.k_bar(stage);
+                const decltype(k_bar) bar[2] = {k_bar, ring.v_bar(stage)};
 #pragma unroll
                 for (int kv = 0; kv < 2; ++kv) {  // K, then V
                     if (PRODUCER_WARPS == 2 && kv != producer) continue;
