@@ -501,7 +501,9 @@ __device__ __forceinline__ FirstPages first_pages(const PageWalk& w, int lane) {
     return {w.table + w.first_page + lane, w.end_page - w.first_page - lane};
 }
 
-// The two chunks produce_paged starts from (as load_page_chunk(ids[c], w, c, lane) would).
+// The two chunks produce_paged starts from (as load_page_chunk(ids[c], w, c, lane) would; the
+// in-loop refills keep load_page_chunk's form: folding both into one loader changes the SASS of
+// every paged variant, which was not measured).
 __device__ __forceinline__ void load_first_page_chunks(int (&ids)[2][RUNS_PER_LANE], FirstPages f) {
 #pragma unroll
     for (int c = 0; c < 2; ++c)
@@ -840,6 +842,9 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         // ============================== producer warp(s) =================================
         ProducerRing ring_state = {ring, k_full, v_full, empty, l2_policy_evict_first()};
         if constexpr (PAGED) {
+            // The walk is worked out again here rather than kept from before the wait: carried
+            // across the prologue it cost 12 registers and put the ring's address conversion
+            // back inside the tile loop (bench/NOTES.md, v44 measured).
             const PageWalk walk = page_walk(p, batch, range);
             if (!EARLY_TABLE_READ || replan) load_first_page_chunks(page_ids, first_pages(walk, lane));
             produce_paged(p, ring_state, range, num_tiles, walk, page_ids, kv_head, lane, warp - PRODUCER_WARP);
