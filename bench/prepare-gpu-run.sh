@@ -31,7 +31,7 @@ fi
 cp target/wheels/kvstream-*.whl .carry/wheels/
 if [ -n "${AB_REFS:-}" ]; then
   keep() { for f in "$1"/*; do case $(basename "$f") in
-    decode_gqa.bf16.*|combine.bf16.*|plan_work.*|stream_read.*) cp "$f" "$2"/ ;; esac; done; }
+    decode.bf16.*|decode_gqa.bf16.*|combine.bf16.*|plan_work.*|stream_read.*) cp "$f" "$2"/ ;; esac; done; }
   head=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates kernels || echo -dirty)
   mkdir -p ".carry/ab/$head/cache" && cp .carry/bin/kvstream ".carry/ab/$head/" && keep .carry/cache ".carry/ab/$head/cache"
   for ref in $AB_REFS; do

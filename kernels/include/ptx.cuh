@@ -121,6 +121,20 @@ __device__ __forceinline__ int ld_global_l2(const int* ptr) {
     return v;
 }
 
+// The same for float and float4: reads of data that other CTAs of this grid wrote (split
+// partials), which an L1 line left from an earlier read must not shadow.
+__device__ __forceinline__ float ld_global_l2(const float* ptr) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(ptr));
+    return v;
+}
+__device__ __forceinline__ float4 ld_global_l2(const float4* ptr) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(ptr));
+    return v;
+}
+
 // Pulls a tensor map (a kernel parameter) into the descriptor cache before its first use
 // (PTX ISA 9.7.9.26, prefetch.tensormap).
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {

@@ -70,6 +70,13 @@ pub struct BenchArgs {
     /// --stages also every pair, `kvstream/s2-r1`).
     #[arg(long, value_delimiter = ',')]
     pub resident_ctas: Vec<usize>,
+    /// Also time the persistent engine with this many CTAs (`kvstream/c66`, ...; with
+    /// --min-tiles also every pair, `kvstream/c66-t4`).
+    #[arg(long, value_delimiter = ',')]
+    pub ctas: Vec<usize>,
+    /// Also time the persistent engine with this fewest tiles per working CTA (`kvstream/t4`).
+    #[arg(long, value_delimiter = ',')]
+    pub min_tiles: Vec<usize>,
     /// Also time each reduction mode forced (`kvstream/kernel`, `kvstream/cluster`), next to
     /// the automatic choice (`kvstream`).
     #[arg(long)]
@@ -211,6 +218,27 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
         forced.push((format!("kvstream/r{r}"), capped));
         forced.extend(with_stages(capped).map(|(s, o)| (format!("kvstream/s{s}-r{r}"), o)));
     }
+    for &t in &args.min_tiles {
+        let o = PlanOptions {
+            min_tiles_per_cta: Some(t),
+            ..Default::default()
+        };
+        forced.push((format!("kvstream/t{t}"), o));
+    }
+    for &c in &args.ctas {
+        let o = PlanOptions {
+            persistent_ctas: Some(c),
+            ..Default::default()
+        };
+        forced.push((format!("kvstream/c{c}"), o));
+        for &t in &args.min_tiles {
+            let both = PlanOptions {
+                min_tiles_per_cta: Some(t),
+                ..o
+            };
+            forced.push((format!("kvstream/c{c}-t{t}"), both));
+        }
+    }
     if args.modes {
         for (name, reduction) in [("kernel", Kernel), ("cluster", Cluster)] {
             let opts = PlanOptions {
@@ -264,9 +292,10 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
     out
 }
 
-/// The implementations of one shape: a skewed batch is what the device plan is for, so there
-/// `kvstream` plans on the device and the host plan is timed as `kvstream/host-plan` (forced ring
-/// depths plan on the device there too).
+/// The implementations of one shape: on a skewed batch the split engine is timed with its
+/// device plan as `kvstream/device-plan` and its host plan as `kvstream/host-plan`, next to the
+/// persistent engine (`kvstream`, nothing set but the inputs; forced ring depths plan on the
+/// device there).
 fn shape_implementations(
     shape: &Shape,
     impls: &[(String, PlanOptions)],
@@ -275,14 +304,21 @@ fn shape_implementations(
         return impls.to_vec();
     }
     let mut out = vec![
+        ("kvstream".to_string(), PlanOptions::default()),
         (
-            "kvstream".to_string(),
+            "kvstream/device-plan".to_string(),
             PlanOptions {
                 device_plan: true,
                 ..Default::default()
             },
         ),
-        ("kvstream/host-plan".to_string(), PlanOptions::default()),
+        (
+            "kvstream/host-plan".to_string(),
+            PlanOptions {
+                reduction: Some(kvstream::Reduction::Kernel),
+                ..Default::default()
+            },
+        ),
     ];
     // forced ring depths are timed on the device plan, the plan this row is about
     out.extend(
@@ -947,22 +983,15 @@ fn measure_shape(
     for (i, (key, decoder, _, err)) in timed.iter().enumerate() {
         let t = timings[i];
         let plan = decoder.plan();
-        let mode = match (plan.num_splits, plan.reduction, plan.pdl) {
-            _ if plan.device_plan.is_some() => "device-plan",
-            (1, _, _) => "single",
-            (_, kvstream::Reduction::Kernel, true) => "kernel+pdl",
-            (_, kvstream::Reduction::Kernel, false) => "kernel",
-            (_, kvstream::Reduction::Cluster, true) => "cluster+pdl",
-            (_, kvstream::Reduction::Cluster, false) => "cluster",
-        };
+        let mode = plan.mode();
         row.results.insert(
             key.clone(),
             ImplResult {
                 us: Some(t.median_us),
                 gbps: Some(io as f64 / t.median_us / 1e3),
                 rel_err: Some(*err),
-                mode: Some(mode.into()),
-                splits: Some(plan.num_splits),
+                mode: Some(mode),
+                splits: plan.split().map(|p| p.num_splits),
                 min_us: Some(t.min_us),
                 ..Default::default()
             },

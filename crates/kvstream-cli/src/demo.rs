@@ -297,22 +297,33 @@ fn gpu_demo<T: Element + Copy + Default>(
         p.max_len,
         p.dtype.name()
     );
-    let splits = match pl.device_plan {
-        Some(dp) => format!("device-planned splits ({} CTAs aimed at)", dp.target),
-        None => format!("{} split(s)", pl.num_splits),
-    };
-    println!(
-        "  plan: {splits}, grid {:?}, {}, kernel {} ({} regs); setup {:.0} ms",
-        pl.grid,
-        if pl.combine.is_some() {
-            "decode + combine (PDL)"
-        } else {
-            "single kernel"
-        },
-        kvstream::kernels::Variant::name(&pl.decode),
-        decoder.decode_registers(),
-        setup.as_secs_f64() * 1e3
-    );
+    match pl {
+        kvstream::plan::Plan::Persistent(pp) => println!(
+            "  plan: persistent, {} CTAs scheduled on the device, kernel {} ({} regs); setup {:.0} ms",
+            pp.grid,
+            kvstream::kernels::Variant::name(&pp.variant),
+            decoder.decode_registers(),
+            setup.as_secs_f64() * 1e3
+        ),
+        kvstream::plan::Plan::Split(pl) => {
+            let splits = match pl.device_plan {
+                Some(dp) => format!("device-planned splits ({} CTAs aimed at)", dp.target),
+                None => format!("{} split(s)", pl.num_splits),
+            };
+            println!(
+                "  plan: {splits}, grid {:?}, {}, kernel {} ({} regs); setup {:.0} ms",
+                pl.grid,
+                if pl.combine.is_some() {
+                    "decode + combine (PDL)"
+                } else {
+                    "single kernel"
+                },
+                kvstream::kernels::Variant::name(&pl.decode),
+                decoder.decode_registers(),
+                setup.as_secs_f64() * 1e3
+            );
+        }
+    }
     println!("  check vs f64 reference ({rows} rows): rel err {err:.2e} (limit {TOLERANCE:.0e}), max |lse err| {lse_err:.2e}");
     if let Some((median, min, n)) = timing {
         println!(
@@ -328,18 +339,18 @@ fn gpu_demo<T: Element + Copy + Default>(
         if let Some(pg) = p.paged {
             variant += &format!("-p{}", pg.page_size);
         }
-        if pl.device_plan.is_some() {
+        if pl.split().is_some_and(|s| s.device_plan.is_some()) {
             variant += "-dp";
         }
         println!(
-            "RESULT id=b{}-h{}-{}-d{}-L{}{variant} us={median:.3} GBps={:.1} splits={} rel_err={err:.3e}",
+            "RESULT id=b{}-h{}-{}-d{}-L{}{variant} us={median:.3} GBps={:.1} mode={} rel_err={err:.3e}",
             p.batch,
             p.hq,
             p.hkv,
             p.head_dim,
             p.max_len,
             io / median / 1e3,
-            pl.num_splits
+            pl.mode()
         );
     }
     if err > TOLERANCE || lse_err > 1e-3 {

@@ -185,6 +185,7 @@ fn kernels(dump: Option<&std::path::Path>, only: Option<&str>) -> kvstream::Resu
                         })?;
                 }
                 let dyn_smem = match v {
+                    kvstream::kernels::AnyVariant::Persistent(d) => d.shared_bytes(),
                     kvstream::kernels::AnyVariant::Decode(d) => d.shared_bytes(),
                     kvstream::kernels::AnyVariant::Combine(_)
                     | kvstream::kernels::AnyVariant::StreamRead(_)

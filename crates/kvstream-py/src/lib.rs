@@ -14,7 +14,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
-use kvstream::plan::{plan, Reduction};
+use kvstream::plan::{choose, Reduction};
 use kvstream::{
     DType, DecodeProblem, DecodeTensors, DeviceFacts, Error, KvStrides, PlanOptions, Runtime,
 };
@@ -226,7 +226,7 @@ fn validate(
         table_stride,
     )?;
     let opts = options(num_splits, reduction, device_plan)?;
-    let plan = plan(&p, DeviceFacts::H200, opts).map_err(to_py)?;
+    let plan = choose(&p, DeviceFacts::H200, opts).map_err(to_py)?;
     Ok(format!("{plan:?}"))
 }
 
@@ -288,7 +288,7 @@ impl Decoder {
             table_stride,
         )?;
         let opts = options(num_splits, reduction, device_plan)?;
-        plan(&problem, DeviceFacts::H200, opts).map_err(to_py)?;
+        choose(&problem, DeviceFacts::H200, opts).map_err(to_py)?;
         let device = size("device", device)?;
         // Compiling kernels may take seconds on a cold cache: let other threads run.
         let inner = py.detach(|| -> PyResult<kvstream::Decoder> {
@@ -348,18 +348,23 @@ impl Decoder {
         .map_err(to_py)
     }
 
-    /// KV splits per (request, KV head) of the plan.
+    /// KV splits per (request, KV head) of a split-engine plan; 0 for the persistent engine
+    /// (the default), which partitions the work on the device at every call.
     #[getter]
     fn num_splits(&self) -> usize {
-        self.inner.plan().num_splits
+        self.inner.plan().split().map_or(0, |p| p.num_splits)
     }
 
-    /// How the splits of one (request, KV head) are merged: `"kernel"` (FP32 partials and a
-    /// combine kernel) or `"cluster"` (one thread-block cluster, merged through distributed
-    /// shared memory). The plan's mode is returned as is; it is irrelevant with one split.
+    /// How the splits of one (request, KV head) are merged: `"persistent"` (the default
+    /// engine: cut pieces merged by the CTA that finishes last), or, when a split-engine option
+    /// was given, `"kernel"` (FP32 partials and a combine kernel) or `"cluster"` (one
+    /// thread-block cluster, merged through distributed shared memory).
     #[getter]
     fn reduction(&self) -> &'static str {
-        self.inner.plan().reduction.name()
+        self.inner
+            .plan()
+            .split()
+            .map_or("persistent", |p| p.reduction.name())
     }
 
     /// The plan, as a string (kernel variant, splits, grid, workspace).
@@ -417,8 +422,8 @@ impl Decoder {
             p.head_dim,
             p.max_len,
             p.dtype.name(),
-            plan.num_splits,
-            plan.reduction.name()
+            plan.split().map_or(0, |p| p.num_splits),
+            plan.split().map_or("persistent", |p| p.reduction.name())
         )
     }
 }

@@ -12,10 +12,11 @@ use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use crate::error::{Error, Result};
 use crate::kernels::{AnyVariant, PlanWorkVariant, COMBINE_THREADS};
 use crate::launch::{joined_page_map, kv_tensor_map, launch, max_active_clusters, LaunchConfig};
-use crate::params::DecodeParams;
-use crate::plan::{plan, DecodePlan, PlanOptions, Reduction};
+use crate::params::{DecodeParams, PersistentParams, SCHEDULE_LOG_PIECES};
+use crate::plan::{choose, DecodePlan, PersistentPlan, Plan, PlanOptions, Reduction};
 use crate::problem::{DType, DecodeProblem, KvStrides};
 use crate::runtime::{LoadedKernel, Runtime};
+use crate::schedule::Piece;
 
 /// Device pointers of one call. Layouts (contiguous unless the problem says otherwise):
 /// q `[batch, q_len, hq, d]`, k and v `[batch, max_len, hkv, d]` with the problem's strides (or,
@@ -83,6 +84,27 @@ impl Element for half::f16 {
 pub struct Decoder {
     rt: Arc<Runtime>,
     problem: DecodeProblem,
+    plan: Plan,
+    engine: Engine,
+}
+
+/// What each engine holds on the GPU.
+enum Engine {
+    Persistent(PersistentEngine),
+    Split(SplitEngine),
+}
+
+struct PersistentEngine {
+    plan: PersistentPlan,
+    kernel: LoadedKernel,
+    /// `[o_partial | ml_partial | arrivals]` (PersistentPlan::workspace_offsets); the arrival
+    /// counters are zeroed here once and every call leaves them zero.
+    workspace: (CudaSlice<u8>, u64),
+    /// Per-CTA record of the pieces (PlanOptions::record_schedule).
+    schedule_log: Option<(CudaSlice<i32>, u64)>,
+}
+
+struct SplitEngine {
     plan: DecodePlan,
     decode: LoadedKernel,
     combine: Option<LoadedKernel>,
@@ -93,60 +115,57 @@ pub struct Decoder {
     workspace: Option<(CudaSlice<u8>, u64)>,
 }
 
+/// Allocates `bytes` on the default stream, zeroed, and waits for it so that calls on any
+/// other stream (a capture stream, PyTorch's) can use it at once.
+fn alloc_zeroed<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    rt: &Runtime,
+    len: usize,
+    what: &str,
+) -> Result<(CudaSlice<T>, u64)> {
+    let stream = rt.context().default_stream();
+    let buf = stream
+        .alloc_zeros::<T>(len.max(1))
+        .map_err(|e| Error::driver(format!("allocating {what}"), e))?;
+    let ptr = buf.device_ptr(&stream).0;
+    stream
+        .synchronize()
+        .map_err(|e| Error::driver(format!("allocating {what}"), e))?;
+    Ok((buf, ptr))
+}
+
 impl Decoder {
     /// Plans `problem` for this GPU, loads its kernels and allocates the split workspace.
     pub fn new(rt: &Arc<Runtime>, problem: DecodeProblem, options: PlanOptions) -> Result<Self> {
-        let plan = plan(&problem, rt.facts(), options)?;
-        let decode = rt.kernel(AnyVariant::Decode(plan.decode), plan.decode_shared_bytes)?;
-        let combine = match plan.combine {
-            Some(c) => Some(rt.kernel(AnyVariant::Combine(c), 0)?),
-            None => None,
-        };
-        let planner = match plan.device_plan {
-            Some(_) => Some(rt.kernel(AnyVariant::PlanWork(PlanWorkVariant), 0)?),
-            None => None,
-        };
-        let workspace = match plan.workspace.bytes() {
-            0 => None,
-            bytes => {
-                let stream = rt.context().default_stream();
-                // SAFETY: the workspace is write-before-read in every call (see combine.cu).
-                let buf = unsafe { stream.alloc::<u8>(bytes) }
-                    .map_err(|e| Error::driver(format!("allocating {bytes} B of workspace"), e))?;
-                let ptr = buf.device_ptr(&stream).0;
-                // The allocation is stream-ordered on the default stream; finish it so that
-                // calls on any other stream (a capture stream, PyTorch's) can use it at once.
-                stream
-                    .synchronize()
-                    .map_err(|e| Error::driver("allocating the workspace", e))?;
-                Some((buf, ptr))
+        let plan = choose(&problem, rt.facts(), options)?;
+        let engine = match &plan {
+            Plan::Persistent(pp) => {
+                let kernel = rt.kernel(
+                    AnyVariant::Persistent(pp.variant),
+                    pp.variant.shared_bytes(),
+                )?;
+                let (.., bytes) = pp.workspace_offsets(&problem);
+                let workspace = alloc_zeroed::<u8>(rt, bytes, "the decode workspace")?;
+                let schedule_log = if options.record_schedule {
+                    let len = pp.grid * (SCHEDULE_LOG_PIECES + 1) * 4;
+                    Some(alloc_zeroed::<i32>(rt, len, "the schedule log")?)
+                } else {
+                    None
+                };
+                Engine::Persistent(PersistentEngine {
+                    plan: *pp,
+                    kernel,
+                    workspace,
+                    schedule_log,
+                })
             }
+            Plan::Split(sp) => Engine::Split(SplitEngine::new(rt, sp.clone())?),
         };
-        let decoder = Decoder {
+        Ok(Decoder {
             rt: rt.clone(),
             problem,
             plan,
-            decode,
-            combine,
-            planner,
-            workspace,
-        };
-        if decoder.cluster() {
-            // SAFETY: the decode kernel was loaded into this runtime's context just above.
-            let fits = unsafe { max_active_clusters(decode.func, &decoder.decode_config())? };
-            if fits == 0 {
-                return Err(Error::invalid(
-                    "num_splits",
-                    decoder.plan.num_splits,
-                    format!(
-                        "a cluster size this GPU can co-schedule with {} B of shared memory per \
-                         CTA (cluster reduction); use fewer splits or kernel reduction",
-                        decoder.plan.decode_shared_bytes
-                    ),
-                ));
-            }
-        }
-        Ok(decoder)
+            engine,
+        })
     }
 
     /// The problem this decoder serves.
@@ -155,40 +174,25 @@ impl Decoder {
     }
 
     /// The plan it executes.
-    pub fn plan(&self) -> &DecodePlan {
+    pub fn plan(&self) -> &Plan {
         &self.plan
-    }
-
-    /// Whether the splits merge inside a thread-block cluster (no combine launch).
-    fn cluster(&self) -> bool {
-        self.plan.reduction == Reduction::Cluster && self.plan.num_splits > 1
-    }
-
-    /// Launch configuration of the decode kernel.
-    fn decode_config(&self) -> LaunchConfig {
-        LaunchConfig {
-            grid: self.plan.grid,
-            block: [self.plan.decode.threads(), 1, 1],
-            shared_bytes: self.plan.decode_shared_bytes as u32,
-            pdl: self.plan.pdl,
-            cluster: self
-                .cluster()
-                .then_some([self.plan.num_splits as u32, 1, 1]),
-        }
     }
 
     /// What the device planner decided at the last call (per request: split count, first FP32
     /// partial slot), read back from the workspace after synchronising `stream`, the stream that
-    /// call ran on. `None` for a host-planned decoder. For reports and tests: compare it with
-    /// [`crate::plan::device_plan_splits`].
+    /// call ran on. `None` unless the split engine runs with a device plan. For reports and
+    /// tests: compare it with [`crate::plan::device_plan_splits`].
     pub fn last_device_plan(
         &self,
         stream: &Arc<CudaStream>,
     ) -> Result<Option<Vec<(usize, usize)>>> {
-        let (Some(_), Some((buf, _))) = (self.plan.device_plan, &self.workspace) else {
+        let Engine::Split(e) = &self.engine else {
             return Ok(None);
         };
-        let offset = self.plan.workspace.offsets().request_plan;
+        let (Some(_), Some((buf, _))) = (e.plan.device_plan, &e.workspace) else {
+            return Ok(None);
+        };
+        let offset = e.plan.workspace.offsets().request_plan;
         let bytes = 2 * 4 * self.problem.batch;
         let raw = stream
             .clone_dtoh(&buf.slice(offset..offset + bytes))
@@ -205,9 +209,53 @@ impl Decoder {
         ))
     }
 
+    /// The pieces each CTA of the persistent engine streamed at the last call (index: CTA;
+    /// CTAs without work have none), read back after synchronising `stream`. `None` unless the
+    /// decoder was built with [`PlanOptions::record_schedule`]. For tests: compare with
+    /// [`crate::schedule::pieces`] (`tiles` and `start` are not recorded and read 0).
+    pub fn last_schedule(&self, stream: &Arc<CudaStream>) -> Result<Option<Vec<Vec<Piece>>>> {
+        let Engine::Persistent(PersistentEngine {
+            schedule_log: Some((log, _)),
+            ..
+        }) = &self.engine
+        else {
+            return Ok(None);
+        };
+        let raw = stream
+            .clone_dtoh(log)
+            .map_err(|e| Error::driver("reading the schedule log back", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::driver("reading the schedule log back", e))?;
+        let per_cta = (SCHEDULE_LOG_PIECES + 1) * 4;
+        let mut out = Vec::new();
+        for cta in raw.chunks(per_cta) {
+            let count = (cta[0].max(0) as usize).min(SCHEDULE_LOG_PIECES);
+            out.push(
+                (0..count)
+                    .map(|i| {
+                        let e = &cta[4 * (i + 1)..4 * (i + 2)];
+                        Piece {
+                            batch: e[0] as usize,
+                            unit: e[1] as usize,
+                            first: e[2] as usize,
+                            end: e[3] as usize,
+                            tiles: 0,
+                            start: 0,
+                        }
+                    })
+                    .collect(),
+            );
+        }
+        Ok(Some(out))
+    }
+
     /// Registers of the decode kernel (from ptxas), for reports.
     pub fn decode_registers(&self) -> u32 {
-        self.decode.report.registers
+        match &self.engine {
+            Engine::Persistent(e) => e.kernel.report.registers,
+            Engine::Split(e) => e.decode.report.registers,
+        }
     }
 
     /// Enqueues one decode on `stream` (a raw `CUstream`, e.g. PyTorch's current stream).
@@ -247,128 +295,10 @@ impl Decoder {
             (None, None) => {}
         }
         rt.bind()?;
-        let p = &self.problem;
-        let (ws, off) = match &self.workspace {
-            Some((_, ptr)) => (*ptr, self.plan.workspace.offsets()),
-            None => (0, Default::default()),
-        };
-        let at = |off: usize| if ws == 0 { 0 } else { ws + off as u64 };
-        let tile = self.plan.decode.box_tokens();
-        let map = |arg, ptr, strides| match p.paged {
-            // pages of 8 positions up to a tile at d128: one box per page run, both halves
-            Some(pg) if self.plan.decode.joined_halves => {
-                joined_page_map(arg, ptr, p.dtype, p.hkv, pg.page_size, pg.num_pages)
-            }
-            // the pool as {d, hkv, page_size, num_pages}; boxes of whole pages up to a tile
-            Some(pg) => kv_tensor_map(
-                arg,
-                ptr,
-                p.dtype,
-                p.head_dim,
-                p.hkv,
-                pg.page_size,
-                pg.num_pages,
-                KvStrides::contiguous(pg.page_size, p.hkv, p.head_dim),
-                pg.page_size.min(tile),
-            ),
-            None => kv_tensor_map(
-                arg, ptr, p.dtype, p.head_dim, p.hkv, p.max_len, p.batch, strides, tile,
-            ),
-        };
-        // q and out: [batch, q_len, hq, d]
-        let row = (p.hq * p.head_dim) as i64;
-        // the caches' addresses for the decode's L2 warm-up (params.cuh): none where a position
-        // or head stride needs more than 32 bits; a page pool's "batch" stride is its page stride
-        let (k_warm, v_warm) = match p.paged {
-            Some(pg) => {
-                let pool = KvStrides::contiguous(pg.page_size, p.hkv, p.head_dim);
-                (pool, pool)
-            }
-            None => (p.k_strides, p.v_strides),
-        };
-        let fits =
-            |st: KvStrides| i32::try_from(st.token).is_ok() && i32::try_from(st.head).is_ok();
-        let warm = fits(k_warm) && fits(v_warm);
-        let params = DecodeParams {
-            k_map: map("k_cache", t.k, p.k_strides)?,
-            v_map: map("v_cache", t.v, p.v_strides)?,
-            q: t.q,
-            out: t.out,
-            lse: t.lse.unwrap_or(0),
-            seqlens: t.seqlens.unwrap_or(0),
-            o_partial: at(off.o_partial),
-            m_partial: at(off.m_partial),
-            l_partial: at(off.l_partial),
-            block_table: t.block_table.unwrap_or(0),
-            q_batch_stride: p.q_len as i64 * row,
-            q_token_stride: row,
-            q_head_stride: p.head_dim as i64,
-            o_batch_stride: p.q_len as i64 * row,
-            o_token_stride: row,
-            o_head_stride: p.head_dim as i64,
-            batch: p.batch as i32,
-            hq: p.hq as i32,
-            hkv: p.hkv as i32,
-            group: p.group() as i32,
-            max_len: p.max_len as i32,
-            num_splits: self.plan.num_splits as i32,
-            scale_log2: p.scale() * std::f32::consts::LOG2_E,
-            cluster_splits: if self.cluster() {
-                self.plan.num_splits as i32
-            } else {
-                0
-            },
-            q_len: p.q_len as i32,
-            cols: p.columns() as i32,
-            col_blocks: self.plan.decode.column_blocks(p) as i32,
-            page_size: p.paged.map_or(0, |pg| pg.page_size as i32),
-            table_stride: p.paged.map_or(0, |pg| pg.table_stride as i32),
-            work: self.plan.device_plan.map_or(0, |_| at(off.work)),
-            request_plan: self.plan.device_plan.map_or(0, |_| at(off.request_plan)),
-            plan_grid: self.plan.device_plan.map_or(0, |d| d.grid as i32),
-            plan_target: self.plan.device_plan.map_or(0, |d| d.target as i32),
-            plan_tile: self.plan.decode.tile_tokens as i32,
-            block_cols: (self.plan.decode.n_tiles * 8) as i32,
-            plan_slots: self.plan.device_plan.map_or(0, |d| d.slots as i32),
-            num_pages: p.paged.map_or(0, |pg| pg.num_pages as i32),
-            k_cache: if warm { t.k } else { 0 },
-            v_cache: if warm { t.v } else { 0 },
-            k_batch_stride: k_warm.batch,
-            v_batch_stride: v_warm.batch,
-            k_token_stride: k_warm.token as i32,
-            k_head_stride: k_warm.head as i32,
-            v_token_stride: v_warm.token as i32,
-            v_head_stride: v_warm.head as i32,
-        };
-        if let Some(planner) = &self.planner {
-            let cfg = LaunchConfig {
-                grid: [1, 1, 1],
-                block: [PlanWorkVariant::THREADS, 1, 1],
-                shared_bytes: 0,
-                pdl: self.plan.pdl,
-                cluster: None,
-            };
-            launch(planner.func, &cfg, stream, &params, "the work planner")?;
+        match &self.engine {
+            Engine::Persistent(e) => e.run(&self.problem, t, stream),
+            Engine::Split(e) => e.run(&self.problem, t, stream),
         }
-        launch(
-            self.decode.func,
-            &self.decode_config(),
-            stream,
-            &params,
-            "the decode kernel",
-        )?;
-        if let Some(combine) = &self.combine {
-            let rows = (p.batch * p.q_len * p.hq) as u32;
-            let cfg = LaunchConfig {
-                grid: [rows, 1, 1],
-                block: [COMBINE_THREADS, 1, 1],
-                shared_bytes: 0,
-                pdl: self.plan.pdl,
-                cluster: None,
-            };
-            launch(combine.func, &cfg, stream, &params, "the combine kernel")?;
-        }
-        Ok(())
     }
 
     /// Safe form of [`Decoder::run`] on cudarc slices: checks dtype and lengths, then enqueues
@@ -509,5 +439,281 @@ impl Decoder {
         // SAFETY: lengths checked above; the slices outlive the enqueue and cudarc's guards
         // record the stream use.
         unsafe { self.run(&tensors, stream.cu_stream()) }
+    }
+}
+
+impl SplitEngine {
+    fn new(rt: &Arc<Runtime>, plan: DecodePlan) -> Result<Self> {
+        let decode = rt.kernel(AnyVariant::Decode(plan.decode), plan.decode_shared_bytes)?;
+        let combine = match plan.combine {
+            Some(c) => Some(rt.kernel(AnyVariant::Combine(c), 0)?),
+            None => None,
+        };
+        let planner = match plan.device_plan {
+            Some(_) => Some(rt.kernel(AnyVariant::PlanWork(PlanWorkVariant), 0)?),
+            None => None,
+        };
+        // the workspace is write-before-read in every call (see combine.cu)
+        let workspace = match plan.workspace.bytes() {
+            0 => None,
+            bytes => Some(alloc_zeroed::<u8>(rt, bytes, "the split workspace")?),
+        };
+        let engine = SplitEngine {
+            plan,
+            decode,
+            combine,
+            planner,
+            workspace,
+        };
+        if engine.cluster() {
+            // SAFETY: the decode kernel was loaded into this runtime's context just above.
+            let fits = unsafe { max_active_clusters(engine.decode.func, &engine.decode_config())? };
+            if fits == 0 {
+                return Err(Error::invalid(
+                    "num_splits",
+                    engine.plan.num_splits,
+                    format!(
+                        "a cluster size this GPU can co-schedule with {} B of shared memory per \
+                         CTA (cluster reduction); use fewer splits or kernel reduction",
+                        engine.plan.decode_shared_bytes
+                    ),
+                ));
+            }
+        }
+        Ok(engine)
+    }
+
+    /// Whether the splits merge inside a thread-block cluster (no combine launch).
+    fn cluster(&self) -> bool {
+        self.plan.reduction == Reduction::Cluster && self.plan.num_splits > 1
+    }
+
+    /// Launch configuration of the decode kernel.
+    fn decode_config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid: self.plan.grid,
+            block: [self.plan.decode.threads(), 1, 1],
+            shared_bytes: self.plan.decode_shared_bytes as u32,
+            pdl: self.plan.pdl,
+            cluster: self
+                .cluster()
+                .then_some([self.plan.num_splits as u32, 1, 1]),
+        }
+    }
+
+    /// # Safety
+    /// As [`Decoder::run`], pointers checked.
+    unsafe fn run(
+        &self,
+        p: &DecodeProblem,
+        t: &DecodeTensors,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let (ws, off) = match &self.workspace {
+            Some((_, ptr)) => (*ptr, self.plan.workspace.offsets()),
+            None => (0, Default::default()),
+        };
+        let at = |off: usize| if ws == 0 { 0 } else { ws + off as u64 };
+        let tile = self.plan.decode.box_tokens();
+        let map = |arg, ptr, strides| match p.paged {
+            // pages of 8 positions up to a tile at d128: one box per page run, both halves
+            Some(pg) if self.plan.decode.joined_halves => {
+                joined_page_map(arg, ptr, p.dtype, p.hkv, pg.page_size, pg.num_pages)
+            }
+            // the pool as {d, hkv, page_size, num_pages}; boxes of whole pages up to a tile
+            Some(pg) => kv_tensor_map(
+                arg,
+                ptr,
+                p.dtype,
+                p.head_dim,
+                p.hkv,
+                pg.page_size,
+                pg.num_pages,
+                KvStrides::contiguous(pg.page_size, p.hkv, p.head_dim),
+                pg.page_size.min(tile),
+            ),
+            None => kv_tensor_map(
+                arg, ptr, p.dtype, p.head_dim, p.hkv, p.max_len, p.batch, strides, tile,
+            ),
+        };
+        // q and out: [batch, q_len, hq, d]
+        let row = (p.hq * p.head_dim) as i64;
+        // the caches' addresses for the decode's L2 warm-up (params.cuh): none where a position
+        // or head stride needs more than 32 bits; a page pool's "batch" stride is its page stride
+        let (k_warm, v_warm) = match p.paged {
+            Some(pg) => {
+                let pool = KvStrides::contiguous(pg.page_size, p.hkv, p.head_dim);
+                (pool, pool)
+            }
+            None => (p.k_strides, p.v_strides),
+        };
+        let fits =
+            |st: KvStrides| i32::try_from(st.token).is_ok() && i32::try_from(st.head).is_ok();
+        let warm = fits(k_warm) && fits(v_warm);
+        let params = DecodeParams {
+            k_map: map("k_cache", t.k, p.k_strides)?,
+            v_map: map("v_cache", t.v, p.v_strides)?,
+            q: t.q,
+            out: t.out,
+            lse: t.lse.unwrap_or(0),
+            seqlens: t.seqlens.unwrap_or(0),
+            o_partial: at(off.o_partial),
+            m_partial: at(off.m_partial),
+            l_partial: at(off.l_partial),
+            block_table: t.block_table.unwrap_or(0),
+            q_batch_stride: p.q_len as i64 * row,
+            q_token_stride: row,
+            q_head_stride: p.head_dim as i64,
+            o_batch_stride: p.q_len as i64 * row,
+            o_token_stride: row,
+            o_head_stride: p.head_dim as i64,
+            batch: p.batch as i32,
+            hq: p.hq as i32,
+            hkv: p.hkv as i32,
+            group: p.group() as i32,
+            max_len: p.max_len as i32,
+            num_splits: self.plan.num_splits as i32,
+            scale_log2: p.scale() * std::f32::consts::LOG2_E,
+            cluster_splits: if self.cluster() {
+                self.plan.num_splits as i32
+            } else {
+                0
+            },
+            q_len: p.q_len as i32,
+            cols: p.columns() as i32,
+            col_blocks: self.plan.decode.column_blocks(p) as i32,
+            page_size: p.paged.map_or(0, |pg| pg.page_size as i32),
+            table_stride: p.paged.map_or(0, |pg| pg.table_stride as i32),
+            work: self.plan.device_plan.map_or(0, |_| at(off.work)),
+            request_plan: self.plan.device_plan.map_or(0, |_| at(off.request_plan)),
+            plan_grid: self.plan.device_plan.map_or(0, |d| d.grid as i32),
+            plan_target: self.plan.device_plan.map_or(0, |d| d.target as i32),
+            plan_tile: self.plan.decode.tile_tokens as i32,
+            block_cols: (self.plan.decode.n_tiles * 8) as i32,
+            plan_slots: self.plan.device_plan.map_or(0, |d| d.slots as i32),
+            num_pages: p.paged.map_or(0, |pg| pg.num_pages as i32),
+            k_cache: if warm { t.k } else { 0 },
+            v_cache: if warm { t.v } else { 0 },
+            k_batch_stride: k_warm.batch,
+            v_batch_stride: v_warm.batch,
+            k_token_stride: k_warm.token as i32,
+            k_head_stride: k_warm.head as i32,
+            v_token_stride: v_warm.token as i32,
+            v_head_stride: v_warm.head as i32,
+        };
+        if let Some(planner) = &self.planner {
+            let cfg = LaunchConfig {
+                grid: [1, 1, 1],
+                block: [PlanWorkVariant::THREADS, 1, 1],
+                shared_bytes: 0,
+                pdl: self.plan.pdl,
+                cluster: None,
+            };
+            launch(planner.func, &cfg, stream, &params, "the work planner")?;
+        }
+        launch(
+            self.decode.func,
+            &self.decode_config(),
+            stream,
+            &params,
+            "the decode kernel",
+        )?;
+        if let Some(combine) = &self.combine {
+            let rows = (p.batch * p.q_len * p.hq) as u32;
+            let cfg = LaunchConfig {
+                grid: [rows, 1, 1],
+                block: [COMBINE_THREADS, 1, 1],
+                shared_bytes: 0,
+                pdl: self.plan.pdl,
+                cluster: None,
+            };
+            launch(combine.func, &cfg, stream, &params, "the combine kernel")?;
+        }
+        Ok(())
+    }
+}
+
+/// The tensor map of a K or V cache (or page pool) with boxes of `tile` positions (whole pages
+/// where pages are smaller).
+fn cache_map(
+    p: &DecodeProblem,
+    arg: &'static str,
+    ptr: u64,
+    strides: KvStrides,
+    tile: usize,
+) -> Result<sys::CUtensorMap> {
+    match p.paged {
+        // the pool as {d, hkv, page_size, num_pages}
+        Some(pg) => kv_tensor_map(
+            arg,
+            ptr,
+            p.dtype,
+            p.head_dim,
+            p.hkv,
+            pg.page_size,
+            pg.num_pages,
+            KvStrides::contiguous(pg.page_size, p.hkv, p.head_dim),
+            pg.page_size.min(tile),
+        ),
+        None => kv_tensor_map(
+            arg, ptr, p.dtype, p.head_dim, p.hkv, p.max_len, p.batch, strides, tile,
+        ),
+    }
+}
+
+impl PersistentEngine {
+    /// # Safety
+    /// As [`Decoder::run`], pointers checked.
+    unsafe fn run(
+        &self,
+        p: &DecodeProblem,
+        t: &DecodeTensors,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let pp = &self.plan;
+        let ws = self.workspace.1;
+        let (o_off, ml_off, arrivals_off, _) = pp.workspace_offsets(p);
+        let tile = pp.variant.tile_tokens;
+        // q and out: [batch, q_len, hq, d]
+        let row = (p.hq * p.head_dim) as i64;
+        let params = PersistentParams {
+            k_map: cache_map(p, "k_cache", t.k, p.k_strides, tile)?,
+            v_map: cache_map(p, "v_cache", t.v, p.v_strides, tile)?,
+            q: t.q,
+            out: t.out,
+            lse: t.lse.unwrap_or(0),
+            seqlens: t.seqlens.unwrap_or(0),
+            block_table: t.block_table.unwrap_or(0),
+            o_partial: ws + o_off as u64,
+            ml_partial: ws + ml_off as u64,
+            arrivals: ws + arrivals_off as u64,
+            schedule_log: self.schedule_log.as_ref().map_or(0, |l| l.1),
+            q_batch_stride: p.q_len as i64 * row,
+            q_token_stride: row,
+            q_head_stride: p.head_dim as i64,
+            o_batch_stride: p.q_len as i64 * row,
+            o_token_stride: row,
+            o_head_stride: p.head_dim as i64,
+            batch: p.batch as i32,
+            hq: p.hq as i32,
+            hkv: p.hkv as i32,
+            group: p.group() as i32,
+            q_len: p.q_len as i32,
+            cols: p.columns() as i32,
+            col_blocks: pp.col_blocks as i32,
+            max_len: p.max_len as i32,
+            scale_log2: p.scale() * std::f32::consts::LOG2_E,
+            page_size: p.paged.map_or(0, |pg| pg.page_size as i32),
+            table_stride: p.paged.map_or(0, |pg| pg.table_stride as i32),
+            min_tiles_per_cta: pp.min_tiles_per_cta as i32,
+        };
+        let cfg = LaunchConfig {
+            grid: [pp.grid as u32, 1, 1],
+            block: [pp.variant.threads(), 1, 1],
+            shared_bytes: pp.variant.shared_bytes() as u32,
+            pdl: pp.pdl,
+            cluster: None,
+        };
+        launch(self.kernel.func, &cfg, stream, &params, "the decode kernel")
     }
 }

@@ -8,14 +8,23 @@ use crate::plan;
 use crate::problem::{DType, DecodeProblem, MAX_GROUP, SUPPORTED_HEAD_DIMS};
 
 /// Headers the kernels include, by the name they use in `#include "..."`.
-pub const HEADERS: [(&str, &str); 2] = [
+pub const HEADERS: [(&str, &str); 4] = [
     ("ptx.cuh", include_str!("../../../kernels/include/ptx.cuh")),
     (
         "params.cuh",
         include_str!("../../../kernels/include/params.cuh"),
     ),
+    (
+        "decode_params.cuh",
+        include_str!("../../../kernels/include/decode_params.cuh"),
+    ),
+    (
+        "schedule.cuh",
+        include_str!("../../../kernels/include/schedule.cuh"),
+    ),
 ];
 
+const DECODE_SRC: &str = include_str!("../../../kernels/sm90/decode.cu");
 const DECODE_GQA_SRC: &str = include_str!("../../../kernels/sm90/decode_gqa.cu");
 const COMBINE_SRC: &str = include_str!("../../../kernels/sm90/combine.cu");
 const STREAM_READ_SRC: &str = include_str!("../../../kernels/sm90/stream_read.cu");
@@ -191,6 +200,94 @@ impl Variant for DecodeVariant {
     }
 }
 
+/// One specialisation of the persistent decode, `decode.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PersistentVariant {
+    /// Element type of q, K, V and out.
+    pub dtype: DType,
+    /// 64 or 128.
+    pub head_dim: usize,
+    /// n8 tiles of query rows per column block (1..=[`MAX_N_TILES`]).
+    pub n_tiles: usize,
+    /// KV positions per ring stage.
+    pub tile_tokens: usize,
+    /// Ring depth (a multiple of `consumer_groups`).
+    pub stages: usize,
+    /// Groups of four consumer warps working on alternate tiles (1 or 2).
+    pub consumer_groups: usize,
+    /// Paged cache; contiguous otherwise.
+    pub paged: bool,
+}
+
+impl PersistentVariant {
+    /// Column blocks per KV head.
+    pub fn column_blocks(&self, problem: &DecodeProblem) -> usize {
+        problem.columns().div_ceil(8 * self.n_tiles)
+    }
+
+    /// Threads per CTA: the consumer warps and one producer warp.
+    pub fn threads(&self) -> u32 {
+        ((self.consumer_groups * 4 + 1) * 32) as u32
+    }
+
+    /// Dynamic shared memory of one CTA with `stages` stages; mirrors `SharedPlan` in
+    /// decode.cu (plus the slack that lets the kernel align its base to 1024 bytes).
+    pub fn shared_bytes_with(&self, stages: usize) -> usize {
+        let columns = self.n_tiles * 8;
+        let warps = self.consumer_groups * 4;
+        let ring = stages * 2 * self.tile_tokens * self.head_dim * 2;
+        let q = columns * (self.head_dim * 2 + 16);
+        let merge = warps * columns * (self.head_dim + 4) * 4;
+        let barriers = 3 * 8 * stages;
+        let stats = 2 * 4 * warps * columns;
+        let tables = 28 * columns;
+        1024 + ring + q + merge + barriers + stats + tables + 64
+    }
+
+    /// [`Self::shared_bytes_with`] its own ring depth.
+    pub fn shared_bytes(&self) -> usize {
+        self.shared_bytes_with(self.stages)
+    }
+}
+
+impl Variant for PersistentVariant {
+    fn name(&self) -> String {
+        format!(
+            "decode.{}.d{}.n{}.t{}.s{}.g{}{}",
+            self.dtype.name(),
+            self.head_dim,
+            self.n_tiles,
+            self.tile_tokens,
+            self.stages,
+            self.consumer_groups,
+            if self.paged { ".paged" } else { "" }
+        )
+    }
+    fn source(&self) -> &'static str {
+        DECODE_SRC
+    }
+    fn entry(&self) -> &'static str {
+        "kvs_decode"
+    }
+    fn defines(&self) -> Vec<(String, String)> {
+        vec![
+            (
+                "KVS_IS_F16".into(),
+                u8::from(self.dtype == DType::F16).to_string(),
+            ),
+            ("KVS_HEAD_DIM".into(), self.head_dim.to_string()),
+            ("KVS_N_TILES".into(), self.n_tiles.to_string()),
+            ("KVS_TILE_TOKENS".into(), self.tile_tokens.to_string()),
+            ("KVS_STAGES".into(), self.stages.to_string()),
+            (
+                "KVS_CONSUMER_GROUPS".into(),
+                self.consumer_groups.to_string(),
+            ),
+            ("KVS_PAGED".into(), u8::from(self.paged).to_string()),
+        ]
+    }
+}
+
 /// One specialisation of `combine.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CombineVariant {
@@ -299,7 +396,9 @@ const _: () = assert!(std::mem::size_of::<StreamReadParams>() == 32);
 /// Any kernel variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum AnyVariant {
-    /// A decode kernel.
+    /// The persistent decode kernel.
+    Persistent(PersistentVariant),
+    /// A decode kernel of the split engine.
     Decode(DecodeVariant),
     /// A combine kernel.
     Combine(CombineVariant),
@@ -313,6 +412,7 @@ impl AnyVariant {
     /// The variant as a trait object.
     pub fn as_variant(&self) -> &dyn Variant {
         match self {
+            AnyVariant::Persistent(v) => v,
             AnyVariant::Decode(v) => v,
             AnyVariant::Combine(v) => v,
             AnyVariant::StreamRead(v) => v,
@@ -327,6 +427,13 @@ pub fn all_variants() -> Vec<AnyVariant> {
     let mut out = Vec::new();
     for dtype in [DType::Bf16, DType::F16] {
         for head_dim in SUPPORTED_HEAD_DIMS {
+            for n_tiles in 1..=MAX_N_TILES {
+                for paged in [false, true] {
+                    out.push(AnyVariant::Persistent(plan::persistent_variant(
+                        dtype, head_dim, n_tiles, paged,
+                    )));
+                }
+            }
             for n_tiles in 1..=MAX_GROUP / 8 {
                 for consumer_groups in [1, 2] {
                     if !DecodeVariant::groups_fit(n_tiles, consumer_groups) {

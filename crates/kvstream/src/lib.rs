@@ -39,6 +39,7 @@ pub mod plan;
 pub mod problem;
 pub mod reference;
 pub mod runtime;
+pub mod schedule;
 
 pub use decode::{DecodeTensors, Decoder, Element};
 pub use error::{Error, Result};

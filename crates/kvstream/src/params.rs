@@ -62,32 +62,74 @@ pub struct DecodeParams {
 // Same number as the static_assert in params.cuh; the tests below compare every field's offset.
 const _: () = assert!(std::mem::size_of::<DecodeParams>() == 512);
 
+/// Launch parameters of the persistent decode kernel (`decode_params.cuh`, documented there
+/// field by field).
+#[allow(missing_docs)]
+#[repr(C, align(128))]
+#[derive(Clone, Copy, Debug)]
+pub struct PersistentParams {
+    pub k_map: cudarc::driver::sys::CUtensorMap,
+    pub v_map: cudarc::driver::sys::CUtensorMap,
+    pub q: u64,
+    pub out: u64,
+    pub lse: u64,
+    pub seqlens: u64,
+    pub block_table: u64,
+    pub o_partial: u64,
+    pub ml_partial: u64,
+    pub arrivals: u64,
+    pub schedule_log: u64,
+    pub q_batch_stride: i64,
+    pub q_token_stride: i64,
+    pub q_head_stride: i64,
+    pub o_batch_stride: i64,
+    pub o_token_stride: i64,
+    pub o_head_stride: i64,
+    pub batch: i32,
+    pub hq: i32,
+    pub hkv: i32,
+    pub group: i32,
+    pub q_len: i32,
+    pub cols: i32,
+    pub col_blocks: i32,
+    pub max_len: i32,
+    pub scale_log2: f32,
+    pub page_size: i32,
+    pub table_stride: i32,
+    pub min_tiles_per_cta: i32,
+}
+
+// Same number as the static_assert in decode_params.cuh.
+const _: () = assert!(std::mem::size_of::<PersistentParams>() == 512);
+
+/// Pieces one CTA records in the schedule log (`SCHEDULE_LOG_PIECES` in decode_params.cuh).
+pub const SCHEDULE_LOG_PIECES: usize = 63;
+
 #[cfg(test)]
 mod tests {
-    use super::DecodeParams;
+    use super::{DecodeParams, PersistentParams};
     use std::mem::offset_of;
 
-    /// Every field of `DecodeParams` with its offset, in declaration order.
+    /// Every field of a params struct with its offset, in declaration order.
     macro_rules! offsets {
-        ($($field:ident),* $(,)?) => {
-            vec![$((stringify!($field), offset_of!(DecodeParams, $field))),*]
+        ($ty:ty: $($field:ident),* $(,)?) => {
+            vec![$((stringify!($field), offset_of!($ty, $field))),*]
         };
     }
 
     /// (name, offset) of each field of the C++ struct, laid out from params.cuh's text with the
     /// C rules (each field at the next multiple of its alignment).
-    fn cuda_layout() -> (Vec<(String, usize)>, usize) {
-        let header = include_str!("../../../kernels/include/params.cuh");
+    fn cuda_layout(header: &str, name: &str) -> (Vec<(String, usize)>, usize) {
         let start = header
-            .find("struct alignas(128) DecodeParams {")
-            .expect("DecodeParams in params.cuh");
+            .find(&format!("struct alignas(128) {name} {{"))
+            .unwrap_or_else(|| panic!("{name} in its header"));
         let body = &header[start..];
         let body = &body[body.find('{').unwrap() + 1..body.find("\n};").unwrap()];
         let (mut fields, mut at) = (Vec::new(), 0usize);
         for line in body.lines() {
             let code = line.split("//").next().unwrap().trim();
             let Some(decl) = code.strip_suffix(';') else {
-                assert!(code.is_empty(), "unparsed line in DecodeParams: {line:?}");
+                assert!(code.is_empty(), "unparsed line in {name}: {line:?}");
                 continue;
             };
             // `type name` or `type a, b, c`: the type ends at the first declarator's last space
@@ -117,7 +159,7 @@ mod tests {
 
     #[test]
     fn rust_mirror_has_the_cuda_layout() {
-        let rust = offsets!(
+        let rust = offsets!(DecodeParams:
             k_map,
             v_map,
             q,
@@ -164,10 +206,39 @@ mod tests {
             v_token_stride,
             v_head_stride,
         );
-        let (cuda, size) = cuda_layout();
+        let header = include_str!("../../../kernels/include/params.cuh");
+        let (cuda, size) = cuda_layout(header, "DecodeParams");
         let rust: Vec<(String, usize)> =
             rust.into_iter().map(|(n, o)| (n.to_string(), o)).collect();
         assert_eq!(rust, cuda, "field names and offsets, Rust vs params.cuh");
         assert_eq!(std::mem::size_of::<DecodeParams>(), size);
+    }
+
+    #[test]
+    fn persistent_mirror_has_the_cuda_layout() {
+        let rust = offsets!(PersistentParams:
+            k_map, v_map, q, out, lse, seqlens, block_table, o_partial, ml_partial, arrivals,
+            schedule_log, q_batch_stride, q_token_stride, q_head_stride, o_batch_stride,
+            o_token_stride, o_head_stride, batch, hq, hkv, group, q_len, cols, col_blocks,
+            max_len, scale_log2, page_size, table_stride, min_tiles_per_cta,
+        );
+        let header = include_str!("../../../kernels/include/decode_params.cuh");
+        let (cuda, size) = cuda_layout(header, "PersistentParams");
+        let rust: Vec<(String, usize)> =
+            rust.into_iter().map(|(n, o)| (n.to_string(), o)).collect();
+        assert_eq!(
+            rust, cuda,
+            "field names and offsets, Rust vs decode_params.cuh"
+        );
+        assert_eq!(std::mem::size_of::<PersistentParams>(), size);
+        let log = header
+            .split("constexpr int SCHEDULE_LOG_PIECES = ")
+            .nth(1)
+            .and_then(|rest| rest.split(';').next())
+            .expect("SCHEDULE_LOG_PIECES in decode_params.cuh");
+        assert_eq!(
+            log.trim().parse::<usize>().unwrap(),
+            super::SCHEDULE_LOG_PIECES
+        );
     }
 }

@@ -3,6 +3,18 @@
 //! Every heuristic of the library lives here, next to the measurements that set its constants,
 //! so that the kernels and the launch code only execute decisions.
 //!
+//! # The persistent engine (default)
+//!
+//! With default [`PlanOptions`] a decode runs on the persistent engine (`decode.cu`): one CTA
+//! per SM, each working out its share of the call's KV tiles on the device from the lengths
+//! (`schedule.cuh`, mirrored by [`crate::schedule`]), so nothing here depends on the lengths
+//! and a captured graph stays balanced whatever lengths it is replayed with. The host decides
+//! only the kernel variant ([`persistent_variant`]), the grid (the SM count, at most
+//! [`PERSISTENT_MAX_GRID`]) and the fewest tiles a working CTA takes
+//! ([`PERSISTENT_MIN_TILES_PER_CTA`]). Setting any knob of the split engine below
+//! (`num_splits`, `reduction`, `device_plan`, `stages`, `consumer_groups`, `resident_ctas`)
+//! selects the split engine instead, until the persistent one has replaced it everywhere.
+//!
 //! # Split heuristic (v1, host side)
 //!
 //! Decode is a stream over the KV cache. One CTA handles one (request, KV head, split) and one CTA
@@ -88,8 +100,164 @@
 //! 16-column row had been the rule's weakest (1.039 / 0.984 above): hence the column bound.
 
 use crate::error::{Error, Result};
-use crate::kernels::{CombineVariant, DecodeVariant};
-use crate::problem::DecodeProblem;
+use crate::kernels::{CombineVariant, DecodeVariant, PersistentVariant, MAX_N_TILES};
+use crate::problem::{DType, DecodeProblem};
+
+/// Most CTAs of a persistent grid: the SMs of an H100/H200 (the kernel's merge scratch is sized
+/// for a unit cut into at most this many pieces, `MAX_GRID` in decode.cu).
+pub const PERSISTENT_MAX_GRID: usize = 132;
+/// Fewest tiles a working CTA of the persistent engine takes: a short cache is spread over
+/// fewer CTAs rather than cut into single-tile pieces that each cost a partial and a merge.
+pub const PERSISTENT_MIN_TILES_PER_CTA: usize = 2;
+/// Deepest ring of the persistent engine (four 32 KB stages keep 128 KB in flight per SM, over
+/// the 50-70 KB that the read ceiling needs).
+pub const PERSISTENT_MAX_STAGES: usize = 4;
+
+/// The persistent variant for a head dim, column-block width and cache kind: two consumer
+/// groups where their accumulators fit the register file ([`DecodeVariant::groups_fit`]), and
+/// the deepest ring up to [`PERSISTENT_MAX_STAGES`] that fits the shared memory.
+pub fn persistent_variant(
+    dtype: DType,
+    head_dim: usize,
+    n_tiles: usize,
+    paged: bool,
+) -> PersistentVariant {
+    let consumer_groups = if DecodeVariant::groups_fit(n_tiles, 2) {
+        2
+    } else {
+        1
+    };
+    let mut v = PersistentVariant {
+        dtype,
+        head_dim,
+        n_tiles,
+        tile_tokens: tile_tokens(head_dim),
+        stages: consumer_groups,
+        consumer_groups,
+        paged,
+    };
+    let budget = SM_SHARED_BYTES - SHARED_BYTES_RESERVED_PER_CTA;
+    let mut stages = PERSISTENT_MAX_STAGES / consumer_groups * consumer_groups;
+    while stages > consumer_groups && v.shared_bytes_with(stages) > budget {
+        stages -= consumer_groups;
+    }
+    v.stages = stages;
+    v
+}
+
+/// A persistent decode's plan: what [`plan`] decides when no split-engine knob is set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PersistentPlan {
+    /// The kernel variant.
+    pub variant: PersistentVariant,
+    /// CTAs launched (one per SM).
+    pub grid: usize,
+    /// Fewest tiles a working CTA takes.
+    pub min_tiles_per_cta: usize,
+    /// Column blocks per KV head.
+    pub col_blocks: usize,
+    /// Launch with PDL.
+    pub pdl: bool,
+}
+
+impl PersistentPlan {
+    /// Workspace, in bytes: `[o_partial | ml_partial | arrivals]`, each 256-byte aligned. The
+    /// arrival counters must be zero before the first call (the engine keeps them so).
+    pub fn workspace_offsets(&self, problem: &DecodeProblem) -> (usize, usize, usize, usize) {
+        let columns = self.variant.n_tiles * 8;
+        let slots = 2 * self.grid;
+        let o = 0;
+        let ml = align(slots * columns * problem.head_dim * 4);
+        let arrivals = ml + align(slots * columns * 2 * 4);
+        let end = arrivals + align(problem.batch * problem.hkv * self.col_blocks * 4);
+        (o, ml, arrivals, end)
+    }
+}
+
+/// The persistent plan for `problem` on `device`.
+pub fn plan_persistent(
+    problem: &DecodeProblem,
+    device: DeviceFacts,
+    options: PlanOptions,
+) -> Result<PersistentPlan> {
+    problem.validate()?;
+    let n_tiles = problem.columns().div_ceil(8).min(MAX_N_TILES);
+    let variant = persistent_variant(
+        problem.dtype,
+        problem.head_dim,
+        n_tiles,
+        problem.paged.is_some(),
+    );
+    Ok(PersistentPlan {
+        variant,
+        grid: device.sm_count.clamp(1, PERSISTENT_MAX_GRID),
+        min_tiles_per_cta: PERSISTENT_MIN_TILES_PER_CTA,
+        col_blocks: variant.column_blocks(problem),
+        pdl: !options.disable_pdl,
+    })
+}
+
+/// What [`choose`] decided: the engine and its plan.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Plan {
+    /// The persistent engine (default).
+    Persistent(PersistentPlan),
+    /// The split engine (a split-engine knob was set).
+    Split(DecodePlan),
+}
+
+impl Plan {
+    /// The split engine's plan, if this is one.
+    pub fn split(&self) -> Option<&DecodePlan> {
+        match self {
+            Plan::Split(p) => Some(p),
+            Plan::Persistent(_) => None,
+        }
+    }
+
+    /// Whether the launches use PDL.
+    pub fn pdl(&self) -> bool {
+        match self {
+            Plan::Persistent(p) => p.pdl,
+            Plan::Split(p) => p.pdl,
+        }
+    }
+
+    /// Short description for reports: `persistent` or the split engine's mode.
+    pub fn mode(&self) -> String {
+        match self {
+            Plan::Persistent(_) => "persistent".into(),
+            Plan::Split(p) if p.device_plan.is_some() => "device-plan".into(),
+            Plan::Split(p) if p.num_splits == 1 => "one-split".into(),
+            Plan::Split(p) => format!(
+                "{}+{}",
+                p.reduction.name(),
+                if p.pdl { "pdl" } else { "nopdl" }
+            ),
+        }
+    }
+}
+
+/// The engine and plan for `problem`: the persistent engine unless a split-engine knob is set.
+pub fn choose(problem: &DecodeProblem, device: DeviceFacts, options: PlanOptions) -> Result<Plan> {
+    if options.wants_split_engine() {
+        plan(problem, device, options).map(Plan::Split)
+    } else {
+        plan_persistent(problem, device, options).map(Plan::Persistent)
+    }
+}
+
+impl PlanOptions {
+    /// Whether a knob of the split engine is set (which then runs instead of the persistent one).
+    pub fn wants_split_engine(&self) -> bool {
+        self.num_splits.is_some()
+            || self.reduction.is_some()
+            || self.device_plan
+            || self.stages.is_some()
+            || self.consumer_groups.is_some()
+            || self.resident_ctas.is_some()
+    }
+}
 
 /// Ring depth of the decode kernel.
 pub const STAGES: usize = 4;
@@ -294,6 +462,15 @@ pub struct PlanOptions {
     /// enforced by padding each CTA's shared memory ([`resident_shared_bytes`]). `None`: as
     /// many as fit.
     pub resident_ctas: Option<usize>,
+    /// Tests: the persistent engine records the pieces each CTA streams, read back with
+    /// [`crate::Decoder::last_schedule`].
+    pub record_schedule: bool,
+    /// Persistent engine, tuning knob: launch this many CTAs (1..=[`PERSISTENT_MAX_GRID`])
+    /// instead of one per SM.
+    pub persistent_ctas: Option<usize>,
+    /// Persistent engine, tuning knob: the fewest tiles a working CTA takes instead of
+    /// [`PERSISTENT_MIN_TILES_PER_CTA`].
+    pub min_tiles_per_cta: Option<usize>,
 }
 
 /// Shared memory of one H100/H200 SM, and what the hardware reserves per resident CTA.

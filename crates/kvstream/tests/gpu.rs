@@ -655,6 +655,52 @@ struct CaseResult {
     splits: usize,
 }
 
+/// For a persistent decoder built with `record_schedule`: the pieces each CTA streamed at the
+/// last call are the ones the Rust model of schedule.cuh gives for these lengths.
+fn check_schedule(
+    stream: &Arc<CudaStream>,
+    dec: &Decoder,
+    p: &DecodeProblem,
+    lens: &[usize],
+) -> Result<(), String> {
+    let Some(kvstream::plan::Plan::Persistent(pp)) = Some(dec.plan()) else {
+        return Ok(());
+    };
+    let Some(got) = dec.last_schedule(stream).map_err(|e| e.to_string())? else {
+        return Ok(());
+    };
+    let clamped: Vec<usize> = lens.iter().map(|&l| l.min(p.max_len)).collect();
+    let (_, want) = kvstream::schedule::pieces(
+        &clamped,
+        p.hkv * pp.col_blocks,
+        pp.variant.tile_tokens,
+        pp.grid,
+        pp.min_tiles_per_cta,
+    );
+    let logged = |c: usize| -> Vec<(usize, usize, usize, usize)> {
+        let none = Vec::new();
+        want.get(c)
+            .unwrap_or(&none)
+            .iter()
+            .take(kvstream::params::SCHEDULE_LOG_PIECES)
+            .map(|x| (x.batch, x.unit, x.first, x.end))
+            .collect()
+    };
+    for (c, pieces) in got.iter().enumerate() {
+        let g: Vec<_> = pieces
+            .iter()
+            .map(|x| (x.batch, x.unit, x.first, x.end))
+            .collect();
+        if g != logged(c) {
+            return Err(format!(
+                "schedule of CTA {c}: kernel {g:?}, model {:?} (lengths {lens:?})",
+                logged(c)
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn run_case(
     rt: &Arc<Runtime>,
     stream: &Arc<CudaStream>,
@@ -675,21 +721,30 @@ fn run_case_as<T: Half>(
     // Alternate the consumer-warp layouts, ring depths and reduction modes over the cases; a
     // cluster holds a power of two of splits, at most MAX_CLUSTER_SPLITS.
     // One case in six is planned on the device instead (one in twelve with cluster reduction).
+    // Even cases run the persistent engine (default options), recording its schedule.
+    let persistent = case.index % 2 == 0;
     let cluster = case.index % 4 == 3;
     let device_plan = case.index % 6 == 5;
-    let opts = PlanOptions {
-        num_splits: if device_plan {
-            None
-        } else if cluster {
-            case.splits.map(cluster_splits)
-        } else {
-            case.splits
-        },
-        consumer_groups: (p.columns() <= 16).then_some(1 + case.index % 2),
-        stages: (case.index % 3 == 0).then_some(2),
-        reduction: cluster.then_some(Reduction::Cluster),
-        device_plan,
-        ..Default::default()
+    let opts = if persistent {
+        PlanOptions {
+            record_schedule: true,
+            ..Default::default()
+        }
+    } else {
+        PlanOptions {
+            num_splits: if device_plan {
+                None
+            } else if cluster {
+                case.splits.map(cluster_splits)
+            } else {
+                case.splits
+            },
+            consumer_groups: (p.columns() <= 16).then_some(1 + case.index % 2),
+            stages: (case.index % 3 == 0).then_some(2),
+            reduction: cluster.then_some(Reduction::Cluster),
+            device_plan,
+            ..Default::default()
+        }
     };
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
     let lens = case.lens();
@@ -711,9 +766,10 @@ fn run_case_as<T: Half>(
     // Same inputs, same plan: the fixed-order reductions must give the same bits.
     let second = run_poisoned(stream, &dec, &dev, &mut outs)?;
     same_bits(&first, &second, "second run vs first")?;
+    check_schedule(stream, &dec, &p, &lens)?;
     Ok(CaseResult {
         errors,
-        splits: dec.plan().num_splits,
+        splits: dec.plan().split().map_or(0, |s| s.num_splits),
     })
 }
 
@@ -926,7 +982,13 @@ fn graph_capture_replays_with_new_lengths() {
         ..Default::default()
     };
     let length_sets = [[0, 4096, 1, 2049], [4096; 4], [17, 0, 4095, 64]];
+    let persistent = PlanOptions {
+        record_schedule: true,
+        ..Default::default()
+    };
     for (p, opts) in [
+        (p.clone(), persistent),
+        (paged.clone(), persistent),
         (p.clone(), split(Reduction::Kernel)),
         (paged.clone(), split(Reduction::Kernel)),
         (paged.clone(), split(Reduction::Cluster)),
@@ -963,6 +1025,11 @@ fn device_plan_balances_skewed_batches() {
         // every unit longer than the fair share: splitting would need a second wave
         vec![long; batch],
     ];
+    let persistent = PlanOptions {
+        record_schedule: true,
+        ..Default::default()
+    };
+    graph_replay_case(&p, persistent, &sets);
     for reduction in [Reduction::Kernel, Reduction::Cluster] {
         let opts = PlanOptions {
             device_plan: true,
@@ -984,8 +1051,10 @@ fn graph_replay_case(p: &DecodeProblem, opts: PlanOptions, length_sets: &[Vec<us
     let stream = ctx.new_stream().expect("creating a stream");
     let p = p.clone();
     let dec = make_decoder(&rt, &p, opts);
-    let reduction = dec.plan().reduction;
-    let planned = if opts.device_plan {
+    let reduction = dec.plan().split().map(|s| s.reduction);
+    let planned = if !opts.wants_split_engine() {
+        "persistent"
+    } else if opts.device_plan {
         "device-planned"
     } else {
         "host-planned"
@@ -1048,19 +1117,19 @@ fn graph_replay_case(p: &DecodeProblem, opts: PlanOptions, length_sets: &[Vec<us
             .unwrap_or_else(|e| panic!("{what}: eager run: {e}"));
         stream.synchronize().expect("eager run failed on the GPU");
         let eager = fresh.read(&stream);
-        if let Some(dp) = dec.plan().device_plan {
+        if let Some(dp) = dec.plan().split().and_then(|s| s.device_plan) {
             // the planner kernel decided what its host mirror decides for these lengths
-            let units = p.hkv * dec.plan().decode.column_blocks(&p);
+            let units = p.hkv * dec.plan().split().unwrap().decode.column_blocks(&p);
             let clamped: Vec<usize> = lens.iter().map(|&l| l.min(p.max_len)).collect();
             let tile = tile_tokens(p.head_dim);
-            let want = match reduction {
+            let want = match reduction.expect("a split plan") {
                 Reduction::Kernel => device_plan_splits(&clamped, units, tile, dp.target, dp.slots),
                 Reduction::Cluster => device_plan_cluster_splits(
                     &clamped,
                     units,
                     tile,
                     dp.target,
-                    dec.plan().num_splits,
+                    dec.plan().split().unwrap().num_splits,
                 ),
             };
             let got = dec
@@ -1073,6 +1142,7 @@ fn graph_replay_case(p: &DecodeProblem, opts: PlanOptions, length_sets: &[Vec<us
             );
         }
 
+        check_schedule(&stream, &dec, &p, lens).unwrap_or_else(|e| panic!("{what}: {e}"));
         same_bits(
             &replayed,
             &eager,
@@ -1110,8 +1180,8 @@ fn pdl_on_and_off_agree() {
         };
         let off = make_decoder(&rt, &p, opts(true));
         let on = make_decoder(&rt, &p, opts(false));
-        assert!(!off.plan().pdl && on.plan().pdl);
-        let what = format!("{} splits", on.plan().num_splits);
+        assert!(!off.plan().pdl() && on.plan().pdl());
+        let what = on.plan().mode();
 
         let mut o = Outputs::<bf16>::new(&stream, &p, true);
         let serial = run_poisoned(&stream, &off, &dev, &mut o).unwrap_or_else(|e| panic!("{e}"));
@@ -1170,14 +1240,25 @@ fn resident_cta_cap_changes_nothing_but_placement() {
     let decoders = [
         make_decoder(&rt, &p, capped(3)),
         make_decoder(&rt, &p, capped(2)),
-        make_decoder(&rt, &p, PlanOptions::default()),
+        // the split engine's own plan for a full wave (1 split, FULL_WAVE_STAGES, one CTA per SM)
+        make_decoder(
+            &rt,
+            &p,
+            PlanOptions {
+                reduction: Some(Reduction::Kernel),
+                ..Default::default()
+            },
+        ),
     ];
-    let full = decoders[2].plan();
+    let full = decoders[2].plan().split().unwrap();
     assert_eq!(full.decode.stages, kvstream::plan::FULL_WAVE_STAGES);
-    assert!(full.decode_shared_bytes > decoders[1].plan().decode_shared_bytes);
+    assert!(full.decode_shared_bytes > decoders[1].plan().split().unwrap().decode_shared_bytes);
     let mut first = None;
     for d in &decoders {
-        let what = format!("{} B of shared memory", d.plan().decode_shared_bytes);
+        let what = format!(
+            "{} B of shared memory",
+            d.plan().split().unwrap().decode_shared_bytes
+        );
         let mut o = Outputs::<bf16>::new(&stream, &p, true);
         let got = run_poisoned(&stream, d, &dev, &mut o).unwrap_or_else(|e| panic!("{what}: {e}"));
         check_output(&p, &got, &want).unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -1223,7 +1304,10 @@ fn cluster_reduction_matches_kernel_reduction() {
             };
             let kernel = make_decoder(&rt, &p, opts(Reduction::Kernel));
             let cluster = make_decoder(&rt, &p, opts(Reduction::Cluster));
-            assert!(cluster.plan().combine.is_none() && cluster.plan().workspace.bytes() == 0);
+            assert!(
+                cluster.plan().split().unwrap().combine.is_none()
+                    && cluster.plan().split().unwrap().workspace.bytes() == 0
+            );
             let mut o = Outputs::<bf16>::new(&stream, &p, true);
             let k_out = run_poisoned(&stream, &kernel, &dev, &mut o)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -1300,11 +1384,15 @@ fn paged_cache_equals_contiguous() {
                 let what = format!("{base:?} lens {lens:?}, page {page_size}, {opts:?}");
                 let pd = make_decoder(&rt, &paged, opts);
                 // the heuristic may split a paged cache differently: compare like with like
-                let same_plan = PlanOptions {
-                    num_splits: Some(pd.plan().num_splits),
-                    reduction: Some(pd.plan().reduction),
-                    consumer_groups: Some(pd.plan().decode.consumer_groups),
-                    ..opts
+                // (the persistent engine's schedule does not depend on the layout)
+                let same_plan = match pd.plan().split() {
+                    Some(sp) => PlanOptions {
+                        num_splits: Some(sp.num_splits),
+                        reduction: Some(sp.reduction),
+                        consumer_groups: Some(sp.decode.consumer_groups),
+                        ..opts
+                    },
+                    None => opts,
                 };
                 let c = make_decoder(&rt, &base, same_plan);
                 let mut o = Outputs::<bf16>::new(&stream, &base, true);
@@ -1342,14 +1430,15 @@ fn multi_token_decode_is_causal() {
             let x = make_inputs::<bf16>(&mut rng, &p, &lens);
             let dev = DeviceInputs::upload(&stream, &x, Some(&lens));
             let want = reference(&p, &x, &lens);
-            for reduction in [Reduction::Kernel, Reduction::Cluster] {
+            // None: the persistent engine
+            for reduction in [None, Some(Reduction::Kernel), Some(Reduction::Cluster)] {
                 let what = format!("{p:?} lens {lens:?}, {reduction:?}");
                 let dec = make_decoder(
                     &rt,
                     &p,
                     PlanOptions {
-                        num_splits: Some(4),
-                        reduction: Some(reduction),
+                        num_splits: reduction.map(|_| 4),
+                        reduction,
                         ..Default::default()
                     },
                 );
@@ -1489,19 +1578,25 @@ fn bad_pointers_are_rejected() {
 // 5. All requests empty
 // ---------------------------------------------------------------------------------------------
 
-fn zero_length_case<T: Half>(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, d: usize, splits: usize) {
+/// `splits`: the split engine with that many splits; `None`: the persistent engine.
+fn zero_length_case<T: Half>(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    d: usize,
+    splits: Option<usize>,
+) {
     let p = DecodeProblem::new(3, 16, 2, d, 1000, T::DTYPE).expect("a valid problem");
-    let what = format!("{} d {d}, {splits} splits", T::DTYPE.name());
+    let what = format!("{} d {d}, {splits:?} splits", T::DTYPE.name());
     let dec = make_decoder(
         rt,
         &p,
         PlanOptions {
-            num_splits: Some(splits),
+            num_splits: splits,
             disable_pdl: false,
             ..Default::default()
         },
     );
-    assert_eq!(dec.plan().num_splits, splits, "{what}");
+    assert_eq!(dec.plan().split().map(|s| s.num_splits), splits, "{what}");
     let lens = [0; 3];
     // K and V are all NaN: with every length 0 nothing may be read from them.
     let x = make_inputs::<T>(&mut SplitMix64::new(0x0), &p, &lens);
@@ -1525,7 +1620,7 @@ fn zero_length_case<T: Half>(rt: &Arc<Runtime>, stream: &Arc<CudaStream>, d: usi
 #[ignore = "needs an H100/H200 GPU: run with --ignored"]
 fn zero_length_batch_gives_zeros_and_neg_inf() {
     let (rt, stream) = open_gpu();
-    for splits in [1, 16] {
+    for splits in [None, Some(1), Some(16)] {
         zero_length_case::<bf16>(&rt, &stream, 128, splits);
         zero_length_case::<f16>(&rt, &stream, 64, splits);
     }
@@ -1695,7 +1790,7 @@ fn stale_hints_before_the_pdl_wait_are_not_used() {
             ..Default::default()
         };
         let dec = make_decoder(&rt, &paged, opts);
-        let plan = dec.plan();
+        let plan = dec.plan().split().unwrap();
         assert!(
             plan.decode.joined_halves
                 && plan.decode.stages == 4

@@ -51,6 +51,15 @@ fn every_variant_compiles_to_sm90a_without_spills() {
             assert!(r.registers <= 255, "{}: {r}", var.name());
             assert!(d.shared_bytes() <= 227 * 1024);
         }
+        if let AnyVariant::Persistent(d) = v {
+            // one CTA per SM: its threads share the register file, and the shared memory fits
+            assert!(
+                r.registers as usize * d.threads() as usize <= 65536,
+                "{}: {r}",
+                var.name()
+            );
+            assert!(d.shared_bytes() <= 227 * 1024, "{}", var.name());
+        }
         report.push_str(&format!("{:<36} {r}\n", var.name()));
     }
     println!("{report}");

@@ -32,28 +32,32 @@ fn count(sass: &str, opcode: &str) -> usize {
         .count()
 }
 
+/// The SASS facts of one decode variant with `n_tiles` n8 tiles of query rows: per m16 slice
+/// and n8 tile, d/16 HMMA for S^T and d/16 for O^T in the one KV loop.
+fn check_decode_sass(name: &str, cubin: &[u8], n_tiles: usize) {
+    let sass = sass_of(name, cubin);
+    let hmma = count(&sass, "HMMA");
+    assert_eq!(hmma, 16 * n_tiles, "{name}: {hmma} HMMA");
+    assert!(count(&sass, "UTMALDG") > 0, "{name}: no TMA loads");
+    assert!(count(&sass, "MOVM") > 0, "{name}: no in-register transpose");
+    for local in ["LDL", "STL"] {
+        assert_eq!(count(&sass, local), 0, "{name}: local memory ({local})");
+    }
+}
+
 #[test]
 fn decode_variants_use_tensor_cores_and_tma_and_no_local_memory() {
     for v in all_variants() {
-        let AnyVariant::Decode(d) = v else { continue };
-        let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
-        let sass = sass_of(&d.name(), &c.cubin);
-        // per m16 slice and n8 tile of heads: d/16 HMMA for S^T and d/16 for O^T
-        let hmma = count(&sass, "HMMA");
-        assert_eq!(hmma, 16 * d.n_tiles, "{}: {hmma} HMMA", d.name());
-        assert!(count(&sass, "UTMALDG") > 0, "{}: no TMA loads", d.name());
-        assert!(
-            count(&sass, "MOVM") > 0,
-            "{}: no in-register transpose",
-            d.name()
-        );
-        for local in ["LDL", "STL"] {
-            assert_eq!(
-                count(&sass, local),
-                0,
-                "{}: local memory ({local})",
-                d.name()
-            );
+        match v {
+            AnyVariant::Decode(d) => {
+                let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
+                check_decode_sass(&d.name(), &c.cubin, d.n_tiles);
+            }
+            AnyVariant::Persistent(d) => {
+                let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
+                check_decode_sass(&d.name(), &c.cubin, d.n_tiles);
+            }
+            _ => {}
         }
     }
 }

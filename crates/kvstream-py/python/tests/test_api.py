@@ -478,8 +478,11 @@ def test_native_decoder_rejects_fields(over, field):
 
 
 def test_native_validate_returns_plan():
-    # the worked example of plan.rs: 16/2 heads, L 131072 -> 33 splits on 132 SMs
+    # default options: the persistent engine, one CTA per SM of the H200
     plan = _native.validate(1, 16, 2, 128, 131072, "bf16")
+    assert plan.startswith("Persistent(") and "grid: 132" in plan, plan
+    # a split-engine knob: the worked example of plan.rs, 16/2 heads, L 131072 -> 33 splits
+    plan = _native.validate(1, 16, 2, 128, 131072, "bf16", reduction="kernel")
     assert "num_splits: 33" in plan and "grid: [33, 2, 1]" in plan, plan
     assert "num_splits: 1," in _native.validate(1, 16, 2, 128, 131072, "f16", num_splits=1)
 
@@ -513,14 +516,16 @@ def test_native_validate_multi_token_paged_device_plan():
     assert "num_splits: 2," in _native.validate(*args, None, 2, "kernel", None, None)
     assert "num_splits: 2," in _native.validate(*args, None, 2, "kernel", None, None, 4)
     for q_len in range(1, 9):
-        assert "num_splits" in _native.validate(*args, q_len=q_len)
+        assert "Persistent" in _native.validate(*args, q_len=q_len)
+        assert "num_splits" in _native.validate(*args, q_len=q_len, reduction="kernel")
     for ps in kvstream.SUPPORTED_PAGE_SIZES:
         pages = 4 * (4096 // ps)
-        assert "num_splits" in _native.validate(*args, page_size=ps, num_pages=pages)
+        assert "paged: true" in _native.validate(*args, page_size=ps, num_pages=pages)
         assert "num_splits" in _native.validate(*args, page_size=ps, num_pages=1,
-                                                table_stride=4096 // ps + 5, q_len=3)
+                                                table_stride=4096 // ps + 5, q_len=3,
+                                                reduction="kernel")
     # the device plan takes kernel reduction, also where the planner would pick a cluster
-    assert "Cluster" in _native.validate(1, 16, 2, 64, 1024, "bf16")
+    assert "Cluster" in _native.validate(1, 16, 2, 64, 1024, "bf16", num_splits=8)
     assert "Kernel" in _native.validate(1, 16, 2, 64, 1024, "bf16", device_plan=True)
     assert "Kernel" in _native.validate(*args, reduction="kernel", device_plan=True)
     assert "Kernel" in _native.validate(*args, q_len=8, page_size=64, num_pages=256,

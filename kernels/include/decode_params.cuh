@@ -1,0 +1,47 @@
+// Launch parameters of the persistent decode kernel (decode.cu).
+//
+// Mirrored field for field by `PersistentParams` in crates/kvstream/src/params.rs (#[repr(C)]);
+// both sides assert the size and the Rust tests compare every field's offset with this text.
+// Strides are in elements; the innermost (head-dim) stride is always 1.
+#pragma once
+
+#include "params.cuh"
+
+namespace kvs {
+
+// Query rows: request b's new token i (0 <= i < q_len) with query head h is output row
+// (b * q_len + i) * hq + h; it sees cache positions [0, len_b - q_len + i] (causal among the
+// new tokens). The q_len * group rows of one KV head are the MMA N dimension ("columns",
+// token-major), in column blocks of up to 32.
+struct alignas(128) PersistentParams {
+    TensorMap k_map;          // contiguous: K as {d, hkv, max_len, batch}; paged: the pool
+    TensorMap v_map;          //   {d, hkv, page_size, num_pages}; boxes {64, 1, rows, 1}, 128B swizzle
+    const void* q;            // [batch, q_len, hq, d]  bf16 | f16, strides below
+    void* out;                // [batch, q_len, hq, d]  same dtype as q, strides below
+    float* lse;               // [batch, q_len, hq] natural log, or null
+    const int* seqlens;       // [batch] int32, or null: every request has max_len positions
+    const int* block_table;   // paged: [batch, table_stride] int32 page ids; null: contiguous
+    float* o_partial;         // [2 * grid, block_cols, d] cut pieces' unnormalised O (schedule.cuh)
+    float* ml_partial;        // [2 * grid, block_cols, 2] their base-2 max and denominator
+    int* arrivals;            // [batch * hkv * col_blocks] pieces parked per unit: zero between
+                              //   calls (zeroed once at allocation, reset by the merging CTA)
+    int* schedule_log;        // tests: [grid, SCHEDULE_LOG_PIECES, 4] pieces per CTA, or null
+    long long q_batch_stride, q_token_stride, q_head_stride;
+    long long o_batch_stride, o_token_stride, o_head_stride;
+    int batch, hq, hkv, group;
+    int q_len;                // new tokens per request, 1..8
+    int cols;                 // q_len * group: query rows (MMA columns) per KV head
+    int col_blocks;           // ceil(cols / block_cols)
+    int max_len;              // capacity per request; lengths are clamped to it
+    float scale_log2;         // softmax_scale * log2(e): scores go straight to exp2
+    int page_size;            // paged: positions per page (a power of two); 0: contiguous
+    int table_stride;         // paged: entries per block-table row
+    int min_tiles_per_cta;    // schedule: fewer CTAs work when there are few tiles (schedule.cuh)
+};
+
+static_assert(sizeof(PersistentParams) == 512, "PersistentParams must match params.rs");
+
+// Pieces a CTA records in schedule_log (a count, then up to this many {batch, unit, first, end}).
+constexpr int SCHEDULE_LOG_PIECES = 63;
+
+}  // namespace kvs

@@ -1,0 +1,846 @@
+// Persistent swap-AB GQA decode for sm_90a, scheduled on the device at every call.
+//
+//   S^T [tokens x group] = K [tokens x d] * Q^T [d x group]     (mma m16n8k16, tokens on M)
+//   O^T [d x group]      = V^T [d x tokens] * P^T [tokens x group]
+//
+// One CTA per SM. Every CTA works out the call's schedule itself from the lengths (scheduler,
+// schedule.cuh): the KV tiles of all (request, KV head, column block) units form one sequence
+// and each working CTA streams an equal share of it, across unit and request boundaries, so a
+// CUDA graph replayed with any lengths stays balanced. A unit cut by CTA boundaries is merged
+// by the CTA whose piece arrives last (an arrival counter it resets itself: nothing is zeroed
+// between calls); the merge order is fixed, so results are bitwise reproducible.
+//
+// Roles (CTA of 4 * CONSUMER_GROUPS consumer warps + 1 producer warp):
+//   scheduler  consumer warp 0 at entry: the total tile count and the request holding this
+//              CTA's first tile, into shared memory (one pass over the lengths);
+//   producer   the last warp: walks the same pieces and streams their K and V tiles through a
+//              ring of STAGES shared-memory stages by TMA, without stopping at piece boundaries
+//              (KvSource: contiguous cache, or page runs looked up in the block table);
+//   consumers  per piece: Q to shared memory, then the KV loop (group g of four warps takes the
+//              CTA's tiles n = g, g + G, ...; each warp keeps a private online softmax over its
+//              rows of each tile), then the epilogue;
+//   epilogue   the warps' softmax states merged in shared memory; a whole unit is normalised
+//              and written to `out` (and LSE); a cut one parks FP32 partials and, if its piece
+//              is the unit's last to arrive, merges all of the unit's pieces (merge_unit).
+//
+// Ring protocol, n = the CTA's running tile count, stage s = n % STAGES, parity (n / STAGES) & 1:
+//   producer  wait empty[s] (from the second lap); K boxes on k_full[s], V boxes on v_full[s]
+//   consumer  wait k_full[s], S^T and softmax, wait v_full[s], O^T, lane 0 arrives on empty[s]
+//   (STAGES is a multiple of CONSUMER_GROUPS: a stage always feeds the same group, whose four
+//   warps its `empty` barrier counts)
+//
+// Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
+//   KVS_IS_F16           0: bf16, 1: f16 (Q, K, V and out share it)
+//   KVS_HEAD_DIM         64 or 128
+//   KVS_N_TILES          n8 tiles of query rows per column block (1..4)
+//   KVS_TILE_TOKENS      KV positions per ring stage (multiple of 64)
+//   KVS_STAGES           ring depth
+//   KVS_CONSUMER_GROUPS  1 or 2 groups of four consumer warps
+//   KVS_PAGED            0: contiguous cache; 1: paged cache
+#include "ptx.cuh"
+#include "decode_params.cuh"
+#include "schedule.cuh"
+
+namespace kvs {
+
+constexpr bool IS_F16 = KVS_IS_F16;
+constexpr int HEAD_DIM = KVS_HEAD_DIM;
+constexpr int N_TILES = KVS_N_TILES;
+constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
+constexpr int STAGES = KVS_STAGES;
+constexpr int CONSUMER_GROUPS = KVS_CONSUMER_GROUPS;
+constexpr bool PAGED = KVS_PAGED;
+
+constexpr int GROUP_WARPS = 4;
+constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
+constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
+constexpr int PRODUCER_WARP = CONSUMER_WARPS;
+constexpr int THREADS = CONSUMER_THREADS + 32;
+constexpr int ROWS_PER_WARP = TILE_TOKENS / GROUP_WARPS;
+constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
+constexpr int GROUP_PAD = N_TILES * 8;        // columns per block
+constexpr int D_TILES = HEAD_DIM / 16;
+
+// K and V tiles arrive as TMA boxes of 64 head dims (128 bytes) x TILE_TOKENS positions, one box
+// per 64 dims, with the 128-byte swizzle: 16-byte chunk c of position t sits at chunk c ^ (t % 8)
+// of its 128-byte line, so the 8 rows one ldmatrix phase reads hit 8 different bank groups.
+constexpr int BOXES = HEAD_DIM / 64;
+constexpr int BOX_BYTES = TILE_TOKENS * 128;
+constexpr int TILE_BYTES = BOXES * BOX_BYTES;
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K tile then V tile
+constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;  // paged: page runs per tile, per producer lane
+constexpr int SMEM_ROW = HEAD_DIM * 2 + 16;     // Q rows, padded for conflict-free ldmatrix
+constexpr int MERGE_ROW = HEAD_DIM + 4;         // epilogue scratch rows, padded likewise
+constexpr int MERGE_WARP_FLOATS = GROUP_PAD * MERGE_ROW;
+constexpr int SCAN_PER_LANE = 8;                // lengths one scheduler lane holds per round
+
+struct SharedPlan {
+    // from a 1024-byte aligned base (the 128-byte swizzle repeats every 1024 bytes; TMA expects it)
+    static constexpr int align = 1024;
+    static constexpr int ring = 0;
+    static constexpr int q = STAGES * STAGE_BYTES;
+    // the epilogue's scratch has its own space: the producer is filling the ring with the next
+    // piece's tiles while the consumers finish this one
+    static constexpr int merge = q + GROUP_PAD * SMEM_ROW;
+    static constexpr int full = merge + CONSUMER_WARPS * MERGE_WARP_FLOATS * 4;  // K, V per stage
+    static constexpr int empty = full + 16 * STAGES;
+    static constexpr int warp_m = empty + 8 * STAGES;
+    static constexpr int warp_l = warp_m + 4 * CONSUMER_WARPS * GROUP_PAD;
+    static constexpr int col_q = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;  // Columns tables
+    static constexpr int col_out = col_q + 8 * GROUP_PAD;
+    static constexpr int col_row = col_out + 8 * GROUP_PAD;
+    static constexpr int col_visible = col_row + 8 * GROUP_PAD;
+    static constexpr int start = col_visible + 4 * GROUP_PAD;  // StartShared
+    static constexpr int bytes = start + 64;
+};
+
+static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
+static_assert(TILE_TOKENS % 32 == 0, "producer lanes take whole rounds of page runs");
+static_assert(STAGES % CONSUMER_GROUPS == 0, "a stage must always feed the same group");
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim");
+static_assert(N_TILES >= 1 && N_TILES <= 4, "column blocks of up to 32 rows");
+static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
+// merge_unit stages two floats per column and piece in the epilogue scratch; a unit has at
+// most one piece per CTA of the grid
+constexpr int MAX_GRID = 132;
+static_assert(2 * MAX_GRID * GROUP_PAD <= CONSUMER_WARPS * MERGE_WARP_FLOATS, "merge scratch");
+static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern boundary");
+
+__device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk) {
+    return tile + (chunk / 8) * BOX_BYTES + t * 128 + (((chunk % 8) ^ (t % 8)) << 4);
+}
+
+// ================================ scheduler ===============================================
+// Lengths come from device memory the host never sees: clamped, never trusted.
+__device__ __forceinline__ int request_len(const PersistentParams& p, int b) {
+    return p.seqlens ? max(0, min(p.seqlens[b], p.max_len)) : p.max_len;
+}
+
+__device__ __forceinline__ int units_per_request(const PersistentParams& p) { return p.hkv * p.col_blocks; }
+
+// What the scheduler warp leaves for the other roles.
+struct StartShared {
+    long long total;  // tiles in the sequence
+    long long lo, hi; // this CTA's tiles
+    long long base;   // global index of the first tile of `batch`
+    int batch;        // the request holding tile lo
+    int ctas;         // working CTAs
+};
+
+__device__ __forceinline__ long long warp_sum(long long v) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+// Consumer warp 0: the sequence's length and where this CTA's range starts. Lane l holds the
+// tile counts of requests base + 8l .. base + 8l + 7 per round, so up to 256 requests take one
+// round trip to memory per pass.
+__device__ __noinline__ void schedule_start(const PersistentParams& p, StartShared* out) {
+    const int lane = threadIdx.x % 32;
+    const int uh = units_per_request(p);
+    long long total = 0;
+    if (!p.seqlens) {
+        total = (long long)p.batch * tiles_of(p.max_len, TILE_TOKENS) * uh;
+    } else {
+        for (int base = 0; base < p.batch; base += 32 * SCAN_PER_LANE) {
+            long long mine = 0;
+#pragma unroll
+            for (int i = 0; i < SCAN_PER_LANE; ++i) {
+                const int b = base + lane * SCAN_PER_LANE + i;
+                if (b < p.batch) mine += tiles_of(request_len(p, b), TILE_TOKENS);
+            }
+            total += warp_sum(mine) * uh;
+        }
+    }
+    const Schedule s = make_schedule(total, gridDim.x, p.min_tiles_per_cta);
+    const int c = blockIdx.x;
+    long long lo = 0, hi = 0, req_base = 0;
+    int req = 0;
+    if (c < s.ctas) {
+        lo = s.begin(c);
+        hi = s.begin(c + 1);
+        if (!p.seqlens) {
+            const long long per = (long long)tiles_of(p.max_len, TILE_TOKENS) * uh;
+            req = (int)(lo / per);
+            req_base = req * per;
+        } else {
+            // the request b with prefix(b) <= lo < prefix(b) + tiles(b) * uh, tiles(b) > 0
+            long long prefix = 0;
+            for (int base = 0;; base += 32 * SCAN_PER_LANE) {
+                long long t[SCAN_PER_LANE];
+                long long mine = 0;
+#pragma unroll
+                for (int i = 0; i < SCAN_PER_LANE; ++i) {
+                    const int b = base + lane * SCAN_PER_LANE + i;
+                    t[i] = b < p.batch ? (long long)tiles_of(request_len(p, b), TILE_TOKENS) * uh : 0;
+                    mine += t[i];
+                }
+                long long incl = mine;  // inclusive scan over lanes
+#pragma unroll
+                for (int off = 1; off < 32; off *= 2) {
+                    const long long v = __shfl_up_sync(0xffffffffu, incl, off);
+                    if (lane >= off) incl += v;
+                }
+                const long long lane_begin = prefix + incl - mine;
+                const unsigned hit = __ballot_sync(0xffffffffu, lo >= lane_begin && lo < lane_begin + mine);
+                if (hit) {
+                    const int src = __ffs(hit) - 1;
+                    if (lane == src) {
+                        long long at = lane_begin;
+                        int i = 0;
+#pragma unroll
+                        for (int k = 0; k < SCAN_PER_LANE; ++k) {
+                            if (at + t[k] > lo) break;
+                            at += t[k];
+                            ++i;
+                        }
+                        req = base + lane * SCAN_PER_LANE + i;
+                        req_base = at;
+                    }
+                    req = __shfl_sync(0xffffffffu, req, src);
+                    req_base = __shfl_sync(0xffffffffu, req_base, src);
+                    break;
+                }
+                prefix += __shfl_sync(0xffffffffu, incl, 31);
+            }
+        }
+    }
+    if (lane == 0) *out = {total, lo, hi, req_base, req, s.ctas};
+}
+
+// The pieces of this CTA's range, in order; every role walks its own copy.
+struct Walk {
+    long long t, hi, base;
+    int batch, tiles, len, uh;
+
+    __device__ __forceinline__ Walk(const PersistentParams& p, const StartShared& s)
+        : t(s.lo), hi(s.hi), base(s.base), batch(s.batch), uh(units_per_request(p)) {
+        len = t < hi ? request_len(p, batch) : 0;
+        tiles = tiles_of(len, TILE_TOKENS);
+    }
+
+    __device__ __forceinline__ bool next(const PersistentParams& p, Piece& pc) {
+        if (t >= hi) return false;
+        while (t >= base + (long long)tiles * uh) {  // requests of 0 tiles are passed over here
+            base += (long long)tiles * uh;
+            len = request_len(p, ++batch);
+            tiles = tiles_of(len, TILE_TOKENS);
+        }
+        const int unit = (int)((t - base) / tiles);
+        const long long start = base + (long long)unit * tiles;
+        const long long end = hi - start < tiles ? hi - start : tiles;
+        pc = {batch, unit, len, (int)(t - start), (int)end, tiles, start};
+        t = start + end;
+        return true;
+    }
+};
+
+// ================================ producer ================================================
+struct Ring {
+    u32 base;    // stage 0
+    u32 k_full;  // barriers, 8 bytes apart per stage
+    u32 v_full;
+    u32 empty;
+    __device__ __forceinline__ u32 stage(int s) const { return base + s * STAGE_BYTES; }
+};
+
+// Waits for stage n % STAGES to be free and announces a K and a V tile on its barriers.
+__device__ __forceinline__ int acquire_stage(const Ring& r, int n) {
+    const int s = n % STAGES;
+    if (n >= STAGES) mbarrier_wait(r.empty + 8 * s, ((n / STAGES) - 1) & 1);
+    return s;
+}
+
+// Contiguous cache (KvSource for KVS_PAGED 0), lane 0: one box per 64 head dims per tile.
+// Positions past the request's length are loaded too (zeros past max_len, whatever the cache
+// holds before it); the consumers mask them.
+__device__ __forceinline__ void produce_contiguous(const PersistentParams& p, const Ring& r,
+                                                   const StartShared& start, u64 policy) {
+    Walk walk(p, start);
+    Piece pc;
+    int n = 0;
+    while (walk.next(p, pc)) {
+        const int kv_head = pc.unit / p.col_blocks;
+        for (int k = pc.first; k < pc.end; ++k, ++n) {
+            const int s = acquire_stage(r, n);
+            const u32 k_dst = r.stage(s), v_dst = k_dst + TILE_BYTES;
+            mbarrier_arrive_expect_tx(r.k_full + 8 * s, TILE_BYTES);
+#pragma unroll
+            for (int box = 0; box < BOXES; ++box)
+                tma_load_4d(k_dst + box * BOX_BYTES, &p.k_map, box * 64, kv_head, k * TILE_TOKENS,
+                            pc.batch, r.k_full + 8 * s, policy);
+            mbarrier_arrive_expect_tx(r.v_full + 8 * s, TILE_BYTES);
+#pragma unroll
+            for (int box = 0; box < BOXES; ++box)
+                tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * 64, kv_head, k * TILE_TOKENS,
+                            pc.batch, r.v_full + 8 * s, policy);
+        }
+    }
+}
+
+// Paged cache (KvSource for KVS_PAGED 1), the whole warp: a tile is TILE_TOKENS / run runs of
+// `run` = min(page, tile) positions; the lane holding a run's page id issues its boxes. The
+// warp reads a piece's page ids a chunk of CHUNK_PAGES at a time (lane i holds pages i, i + 32,
+// ... of the chunk) and keeps two chunks, so the next chunk's table read hides behind a whole
+// chunk of tiles; a piece's first chunk is read when the producer reaches it, while the ring
+// still holds the previous piece's last STAGES tiles.
+constexpr int CHUNK_PAGES = 32 * RUNS_PER_LANE;
+static_assert(CHUNK_PAGES % TILE_TOKENS == 0, "a tile's runs never straddle two chunks");
+
+// Page ids of pages [first + 32 * i + lane] (i < RUNS_PER_LANE), -1 from `end` on: their boxes
+// are out of bounds and arrive zero-filled (masked by the consumers).
+__device__ __forceinline__ void load_page_chunk(int (&ids)[RUNS_PER_LANE], const int* table,
+                                                int first, int end, int lane) {
+#pragma unroll
+    for (int i = 0; i < RUNS_PER_LANE; ++i) {
+        const int page = first + lane + 32 * i;
+        ids[i] = page < end ? ld_global_l2(table + page) : -1;
+    }
+}
+
+__device__ __forceinline__ void produce_paged(const PersistentParams& p, const Ring& r,
+                                              const StartShared& start, u64 policy) {
+    const int lane = threadIdx.x % 32;
+    const int shift = __ffs(p.page_size) - 1;
+    const int run = min(p.page_size, TILE_TOKENS);
+    const int runs = TILE_TOKENS / run;
+    const int in_page_mask = p.page_size - 1;
+    Walk walk(p, start);
+    Piece pc;
+    int n = 0;
+    while (walk.next(p, pc)) {
+        const int kv_head = pc.unit / p.col_blocks;
+        const int* table = p.block_table + (long long)pc.batch * p.table_stride;
+        const int begin = pc.first * TILE_TOKENS;
+        const int first_page = begin >> shift;
+        const int end_page = ((min(pc.len, pc.end * TILE_TOKENS) - 1) >> shift) + 1;
+        int ids[2][RUNS_PER_LANE];
+        load_page_chunk(ids[0], table, first_page, end_page, lane);
+        load_page_chunk(ids[1], table, first_page + CHUNK_PAGES, end_page, lane);
+        int k = pc.first;
+        for (int chunk = 0; k < pc.end; chunk += 2) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                const int chunk_page = first_page + (chunk + b) * CHUNK_PAGES;
+                for (; k < pc.end; ++k, ++n) {
+                    const int tile_begin = k * TILE_TOKENS;
+                    const int tile_page = tile_begin >> shift;  // page of the tile's first run
+                    if (tile_page >= chunk_page + CHUNK_PAGES) break;
+                    const int s = acquire_stage(r, n);
+                    const u32 dst[2] = {r.stage(s), r.stage(s) + TILE_BYTES};
+                    const u32 bar[2] = {r.k_full + 8 * s, r.v_full + 8 * s};
+                    const TensorMap* map[2] = {&p.k_map, &p.v_map};
+#pragma unroll
+                    for (int kv = 0; kv < 2; ++kv) {  // K, then V
+                        if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_BYTES);
+                        __syncwarp();
+#pragma unroll
+                        for (int i = 0; i < RUNS_PER_LANE; ++i) {
+                            const int rr = chunk_page + lane + 32 * i - tile_page;  // this lane's run
+                            if (rr < 0 || rr >= runs) continue;
+                            const int in_page = (tile_begin + rr * run) & in_page_mask;
+#pragma unroll
+                            for (int box = 0; box < BOXES; ++box)
+                                tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * 64,
+                                            kv_head, in_page, ids[b][i], bar[kv], policy);
+                        }
+                    }
+                }
+                load_page_chunk(ids[b], table, first_page + (chunk + b + 2) * CHUNK_PAGES, end_page, lane);
+            }
+        }
+    }
+}
+
+// ================================ query rows (columns) =====================================
+// Column c of a piece is query row (token i, head h) of its KV head with
+// col_block * GROUP_PAD + c = i * group + h (token-major). Single-token decode works every row
+// out from its head index; multi-token decode fills per-column tables once per piece (a runtime
+// division by the group size per element would be too slow).
+struct Columns {
+    int count;          // valid columns (<= GROUP_PAD)
+    bool single_token;  // q_len == 1: column c is head first_head + c of token 0
+    int batch, first_head, len;
+    const long long* q_off;
+    const long long* out_off;
+    const long long* out_row;
+    const int* visible_len;
+
+    __device__ __forceinline__ long long row(const PersistentParams& p, int c) const {
+        return single_token ? (long long)batch * p.hq + first_head + c : out_row[c];
+    }
+    __device__ __forceinline__ u16* out(const PersistentParams& p, int c) const {
+        return reinterpret_cast<u16*>(p.out) +
+               (single_token ? batch * p.o_batch_stride + (long long)(first_head + c) * p.o_head_stride
+                             : out_off[c]);
+    }
+    __device__ __forceinline__ const u16* q(const PersistentParams& p, int c) const {
+        return reinterpret_cast<const u16*>(p.q) +
+               (single_token ? batch * p.q_batch_stride + (long long)(first_head + c) * p.q_head_stride
+                             : q_off[c]);
+    }
+    // Cache positions column c may see: [0, len - q_len + token] (causal among the new tokens).
+    __device__ __forceinline__ int visible(int c) const { return single_token ? len : visible_len[c]; }
+};
+
+__device__ __forceinline__ Columns piece_columns(const PersistentParams& p, const Piece& pc,
+                                                 unsigned char* smem) {
+    const int kv_head = pc.unit / p.col_blocks, first_col = (pc.unit % p.col_blocks) * GROUP_PAD;
+    return {min(GROUP_PAD, p.cols - first_col), p.q_len == 1, pc.batch, kv_head * p.group + first_col,
+            pc.len,
+            reinterpret_cast<long long*>(smem + SharedPlan::col_q),
+            reinterpret_cast<long long*>(smem + SharedPlan::col_out),
+            reinterpret_cast<long long*>(smem + SharedPlan::col_row),
+            reinterpret_cast<int*>(smem + SharedPlan::col_visible)};
+}
+
+// Multi-token tables (threads 0 .. GROUP_PAD - 1; the caller synchronises).
+__device__ __forceinline__ void fill_columns(const PersistentParams& p, const Piece& pc,
+                                             unsigned char* smem) {
+    const int c = threadIdx.x;
+    if (c >= GROUP_PAD) return;
+    const int kv_head = pc.unit / p.col_blocks, first = (pc.unit % p.col_blocks) * GROUP_PAD;
+    const int row = first + c < p.cols ? first + c : 0;
+    const int token = row / p.group;
+    const int head = kv_head * p.group + row % p.group;
+    reinterpret_cast<long long*>(smem + SharedPlan::col_q)[c] =
+        pc.batch * p.q_batch_stride + token * p.q_token_stride + head * p.q_head_stride;
+    reinterpret_cast<long long*>(smem + SharedPlan::col_out)[c] =
+        pc.batch * p.o_batch_stride + token * p.o_token_stride + head * p.o_head_stride;
+    reinterpret_cast<long long*>(smem + SharedPlan::col_row)[c] = ((long long)pc.batch * p.q_len + token) * p.hq + head;
+    reinterpret_cast<int*>(smem + SharedPlan::col_visible)[c] = pc.len - p.q_len + 1 + token;
+}
+
+// ================================ epilogue =================================================
+// The one place where a softmax state (max m in base 2, denominator l, unnormalised O) becomes
+// output: O / l in the output dtype, LSE = (m + log2 l) ln 2; l = 0 (nothing visible) gives 0
+// and -inf, never NaN.
+__device__ __forceinline__ void store_normalised(const PersistentParams& p, const Columns& cols, int g,
+                                                 int d, float4 o, float m, float l) {
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    *reinterpret_cast<uint2*>(cols.out(p, g) + d) =
+        make_uint2(pack_half2<IS_F16>(o.x * inv, o.y * inv), pack_half2<IS_F16>(o.z * inv, o.w * inv));
+    if (p.lse && d == 0) p.lse[cols.row(p, g)] = l > 0.f ? (m + __log2f(l)) * 0.69314718055994531f : neg_inf();
+}
+
+// The unit's cut pieces, merged in CTA order by the CTA that parked the last of them. Piece i
+// of the unit is CTA c0 + i's; only the first can sit in its CTA's second slot. The pieces'
+// statistics go to shared memory first (the epilogue scratch, free again: the caller has
+// synchronised). Then `split` adjacent threads share each group of four head dims (as many
+// as the threads allow, up to a warp), thread j of them summing pieces j, j + split, ...
+// with MERGE_LOADS loads in flight, and a butterfly over the `split` lanes adds their sums in
+// a fixed order: one L2 round trip per MERGE_LOADS x split pieces, bitwise reproducible.
+constexpr int MERGE_LOADS = 8;
+__device__ __forceinline__ void merge_unit(const PersistentParams& p, const Schedule& s, const Piece& pc,
+                                           const Columns& cols, float* scratch) {
+    const int c0 = s.cta_of(pc.start), pieces = s.cta_of(pc.start + pc.tiles - 1) - c0 + 1;
+    const int first_slot = s.slot(c0, pc.start);
+    auto slot_of = [&](int i) { return i == 0 ? first_slot : 2 * (c0 + i); };
+    float* piece_m = scratch;                        // [count][pieces]
+    float* piece_l = scratch + cols.count * pieces;  // [count][pieces]
+    for (int j = threadIdx.x; j < cols.count * pieces; j += CONSUMER_THREADS) {
+        const int g = j / pieces, i = j % pieces;
+        const long long row = (long long)slot_of(i) * GROUP_PAD + g;
+        piece_m[j] = ld_global_l2(p.ml_partial + row * 2);
+        piece_l[j] = ld_global_l2(p.ml_partial + row * 2 + 1);
+    }
+    named_barrier_sync(1, CONSUMER_THREADS);
+    const int elements = cols.count * (HEAD_DIM / 4);
+    int split = 1;
+    while (split < 32 && split * 2 * elements <= CONSUMER_THREADS && split < pieces) split *= 2;
+    const int part = threadIdx.x % split;
+    // every thread of a group of `split` runs the same trips, so the butterfly's lanes match
+    for (int e0 = threadIdx.x / split; e0 < (elements + CONSUMER_THREADS / split - 1) / (CONSUMER_THREADS / split) *
+                                                (CONSUMER_THREADS / split);
+         e0 += CONSUMER_THREADS / split) {
+        const bool valid = e0 < elements;
+        const int e = valid ? e0 : 0;
+        const int g = e / (HEAD_DIM / 4), d = (e % (HEAD_DIM / 4)) * 4;
+        const float* m = piece_m + g * pieces;
+        const float* l = piece_l + g * pieces;
+        float m_max = neg_inf();
+        for (int i = 0; i < pieces; ++i) m_max = fmaxf(m_max, m[i]);
+        const float m_use = m_max == neg_inf() ? 0.f : m_max;
+        float l_sum = 0.f;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int i0 = part; i0 < pieces; i0 += MERGE_LOADS * split) {
+            float4 v[MERGE_LOADS];
+#pragma unroll
+            for (int u = 0; u < MERGE_LOADS; ++u) {
+                const int i = i0 + u * split;
+                if (i < pieces)
+                    v[u] = ld_global_l2(reinterpret_cast<const float4*>(
+                        p.o_partial + ((long long)slot_of(i) * GROUP_PAD + g) * HEAD_DIM + d));
+            }
+#pragma unroll
+            for (int u = 0; u < MERGE_LOADS; ++u) {
+                const int i = i0 + u * split;
+                if (i >= pieces) break;
+                const float w = exp2_approx(m[i] - m_use);
+                l_sum += w * l[i];
+                o.x += w * v[u].x;
+                o.y += w * v[u].y;
+                o.z += w * v[u].z;
+                o.w += w * v[u].w;
+            }
+        }
+        for (int off = 1; off < split; off *= 2) {
+            l_sum += __shfl_xor_sync(0xffffffffu, l_sum, off);
+            o.x += __shfl_xor_sync(0xffffffffu, o.x, off);
+            o.y += __shfl_xor_sync(0xffffffffu, o.y, off);
+            o.z += __shfl_xor_sync(0xffffffffu, o.z, off);
+            o.w += __shfl_xor_sync(0xffffffffu, o.w, off);
+        }
+        if (valid && part == 0) store_normalised(p, cols, g, d, o, m_max, l_sum);
+    }
+}
+
+// Zero-length requests own no tiles: the CTAs write their output (0, LSE -inf) by request
+// index, all CTAs of the grid taking part.
+__device__ __forceinline__ void write_empty_requests(const PersistentParams& p) {
+    const int rows = p.q_len * p.hq;
+    for (int b = blockIdx.x; b < p.batch; b += gridDim.x) {
+        if (request_len(p, b) > 0) continue;
+        for (int i = threadIdx.x; i < rows * (HEAD_DIM / 8); i += CONSUMER_THREADS) {
+            const int r = i / (HEAD_DIM / 8), e = (i % (HEAD_DIM / 8)) * 8;
+            const int token = r / p.hq, head = r % p.hq;
+            u16* o = reinterpret_cast<u16*>(p.out) + b * p.o_batch_stride + token * p.o_token_stride +
+                     head * p.o_head_stride + e;
+            *reinterpret_cast<uint4*>(o) = make_uint4(0, 0, 0, 0);
+        }
+        if (p.lse)
+            for (int r = threadIdx.x; r < rows; r += CONSUMER_THREADS) p.lse[(long long)b * rows + r] = neg_inf();
+    }
+}
+
+}  // namespace kvs
+
+using namespace kvs;
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid_constant__ PersistentParams p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((SharedPlan::align - smem_addr(smem_raw) % SharedPlan::align) %
+                                      SharedPlan::align);
+    u64* k_full = reinterpret_cast<u64*>(smem + SharedPlan::full);
+    u64* v_full = k_full + STAGES;
+    u64* empty = reinterpret_cast<u64*>(smem + SharedPlan::empty);
+    float* warp_m = reinterpret_cast<float*>(smem + SharedPlan::warp_m);
+    float* warp_l = reinterpret_cast<float*>(smem + SharedPlan::warp_l);
+    StartShared* start = reinterpret_cast<StartShared*>(smem + SharedPlan::start);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+
+    // Tensor maps are kernel parameters, never written by the previous kernel: their descriptor
+    // fetch may overlap its tail.
+    if (threadIdx.x == PRODUCER_WARP * 32) {
+        prefetch_tensor_map(&p.k_map);
+        prefetch_tensor_map(&p.v_map);
+    }
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&k_full[s], 1);
+            mbarrier_init(&v_full[s], 1);
+            mbarrier_init(&empty[s], GROUP_WARPS);
+        }
+        fence_mbarrier_init();
+    }
+    // Nothing below may read global memory the previous kernel writes before it has finished.
+    pdl_wait_for_producer();
+    pdl_release_dependents();
+    if (warp == 0) schedule_start(p, start);
+    __syncthreads();
+    const StartShared st = *start;
+    const Schedule sched = {st.total, st.ctas};
+
+    if (p.schedule_log && threadIdx.x == 0) {
+        int* log = p.schedule_log + (long long)blockIdx.x * (SCHEDULE_LOG_PIECES + 1) * 4;
+        Walk walk(p, st);
+        Piece pc;
+        int count = 0;
+        while (walk.next(p, pc)) {
+            if (count < SCHEDULE_LOG_PIECES) {
+                int* e = log + 4 * (count + 1);
+                e[0] = pc.batch;
+                e[1] = pc.unit;
+                e[2] = pc.first;
+                e[3] = pc.end;
+            }
+            ++count;
+        }
+        log[0] = count;
+        log[1] = st.ctas;
+        log[2] = (int)(st.hi - st.lo);
+        log[3] = 0;
+    }
+
+    if (warp == PRODUCER_WARP) {
+        // ================================ producer warp ===================================
+        const Ring ring = {smem_addr(smem + SharedPlan::ring), smem_addr(k_full), smem_addr(v_full),
+                           smem_addr(empty)};
+        const u64 policy = l2_policy_evict_first();
+        if constexpr (PAGED) {
+            produce_paged(p, ring, st, policy);
+        } else if (lane == 0) {
+            produce_contiguous(p, ring, st, policy);
+        }
+        return;
+    }
+
+    // ================================= consumer warps ======================================
+    const int group = warp / GROUP_WARPS;
+    const int row0 = (warp % GROUP_WARPS) * ROWS_PER_WARP;  // first row of this warp in a tile
+    const u32 q_base = smem_addr(smem + SharedPlan::q);
+    const u32 ring_base = smem_addr(smem + SharedPlan::ring);
+    float* merge = reinterpret_cast<float*>(smem + SharedPlan::merge);
+    int* merge_flag = reinterpret_cast<int*>(smem + SharedPlan::start + 56);
+    // ldmatrix lane addressing (see ptx.cuh): K as row-major A, V^T via .trans, Q as col B.
+    const int a_row = lane % 16, a_col = (lane / 16) * 8;                       // K
+    const int v_row = (lane / 16) * 8 + lane % 8, v_col = ((lane / 8) % 2) * 8;  // V^T
+    const int q_row = lane % 8, q_col = (lane / 8) * 8;                          // Q, 2 k-steps
+
+    Walk walk(p, st);
+    Piece pc;
+    int n0 = 0;  // the CTA's tiles before this piece
+    while (walk.next(p, pc)) {
+        const Columns cols = piece_columns(p, pc, smem);
+        // The previous piece's epilogue is done with Q, the tables and the scratch.
+        named_barrier_sync(1, CONSUMER_THREADS);
+        if (!cols.single_token) {
+            fill_columns(p, pc, smem);
+            named_barrier_sync(1, CONSUMER_THREADS);
+        }
+        // Q of the column block -> shared memory, rows past it zero-filled (their columns are
+        // computed and dropped; zeros keep them finite). All loads before the first store.
+        {
+            constexpr int CHUNKS = HEAD_DIM / 8;
+            constexpr int Q_CHUNKS = GROUP_PAD * CHUNKS;
+            constexpr int PER_THREAD = (Q_CHUNKS + CONSUMER_THREADS - 1) / CONSUMER_THREADS;
+            uint4 val[PER_THREAD];
+#pragma unroll
+            for (int k = 0; k < PER_THREAD; ++k) {
+                const int i = threadIdx.x + k * CONSUMER_THREADS, g = i / CHUNKS, c = i % CHUNKS;
+                val[k] = make_uint4(0, 0, 0, 0);
+                if (i < Q_CHUNKS && g < cols.count) val[k] = *reinterpret_cast<const uint4*>(cols.q(p, g) + c * 8);
+            }
+#pragma unroll
+            for (int k = 0; k < PER_THREAD; ++k) {
+                const int i = threadIdx.x + k * CONSUMER_THREADS, g = i / CHUNKS, c = i % CHUNKS;
+                if (i < Q_CHUNKS) *reinterpret_cast<uint4*>(smem + SharedPlan::q + g * SMEM_ROW + c * 16) = val[k];
+            }
+            named_barrier_sync(1, CONSUMER_THREADS);
+        }
+
+        float o_acc[D_TILES][N_TILES][4];
+        float m_run[N_TILES][2], l_run[N_TILES][2];
+        int limit[N_TILES][2];  // positions (exclusive) each of this lane's columns may see
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                m_run[nt][j] = neg_inf();
+                l_run[nt][j] = 0.f;
+                const int c = nt * 8 + 2 * (lane % 4) + j;
+                limit[nt][j] = c < cols.count ? cols.visible(c) : pc.len;
+            }
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) o_acc[dt][nt][i] = 0.f;
+        }
+
+        // this group's tiles of the piece: CTA tile counts n = n0 + (k - first) = group (mod G)
+        const int skip = ((group - n0) % CONSUMER_GROUPS + CONSUMER_GROUPS) % CONSUMER_GROUPS;
+        for (int k = pc.first + skip; k < pc.end; k += CONSUMER_GROUPS) {
+            const int n = n0 + k - pc.first;
+            const int stage = n % STAGES;
+            const u32 parity = (n / STAGES) & 1;
+            mbarrier_wait(&k_full[stage], parity);
+            const u32 k_tile = ring_base + stage * STAGE_BYTES;
+            const u32 v_tile = k_tile + TILE_BYTES;
+            const int tile_begin = k * TILE_TOKENS;
+
+#pragma unroll
+            for (int ms = 0; ms < M_SLICES; ++ms) {
+                const int slice_row = row0 + ms * 16;
+
+                // ---- S^T = K Q^T for 16 positions x GROUP_PAD columns ----
+                float s[N_TILES][4];
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < D_TILES; kk += 2) {
+                    u32 a0[4], a1[4];
+                    ldmatrix_x4(a0, kv_chunk(k_tile, slice_row + a_row, 2 * kk + a_col / 8));
+                    ldmatrix_x4(a1, kv_chunk(k_tile, slice_row + a_row, 2 * (kk + 1) + a_col / 8));
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt) {
+                        u32 b[4];
+                        ldmatrix_x4(b, q_base + (nt * 8 + q_row) * SMEM_ROW + (kk * 16 + q_col) * 2);
+                        mma_m16n8k16<IS_F16>(s[nt], a0, b[0], b[1]);
+                        mma_m16n8k16<IS_F16>(s[nt], a1, b[2], b[3]);
+                    }
+                }
+
+                // ---- online softmax over this warp's rows (base 2) ----
+                const int tok_lo = tile_begin + slice_row + lane / 4;  // rows of s[..][0..1]
+                u32 p_frag[N_TILES][2];
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt) {
+                    float x[4];
+                    x[0] = tok_lo < limit[nt][0] ? s[nt][0] * p.scale_log2 : neg_inf();
+                    x[1] = tok_lo < limit[nt][1] ? s[nt][1] * p.scale_log2 : neg_inf();
+                    x[2] = tok_lo + 8 < limit[nt][0] ? s[nt][2] * p.scale_log2 : neg_inf();
+                    x[3] = tok_lo + 8 < limit[nt][1] ? s[nt][3] * p.scale_log2 : neg_inf();
+                    float mx[2] = {fmaxf(x[0], x[2]), fmaxf(x[1], x[3])};
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                        for (int off = 4; off < 32; off *= 2)
+                            mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], off));
+                        const float m_new = fmaxf(m_run[nt][j], mx[j]);
+                        // a column that has seen only masked rows keeps m = -inf: subtract 0 then,
+                        // so that exp2 gives 0 rather than NaN
+                        const float m_use = m_new == neg_inf() ? 0.f : m_new;
+                        const float alpha = exp2_approx(m_run[nt][j] - m_use);
+                        m_run[nt][j] = m_new;
+                        x[j] = exp2_approx(x[j] - m_use);
+                        x[j + 2] = exp2_approx(x[j + 2] - m_use);
+                        l_run[nt][j] = l_run[nt][j] * alpha + x[j] + x[j + 2];
+#pragma unroll
+                        for (int dt = 0; dt < D_TILES; ++dt) {
+                            o_acc[dt][nt][j] *= alpha;
+                            o_acc[dt][nt][j + 2] *= alpha;
+                        }
+                    }
+                    // P^T as the B operand: the S^T accumulator halves are 8x8 blocks with
+                    // positions on rows; transposing each in registers gives the k-major fragment.
+                    p_frag[nt][0] = movmatrix_trans(pack_half2<IS_F16>(x[0], x[1]));
+                    p_frag[nt][1] = movmatrix_trans(pack_half2<IS_F16>(x[2], x[3]));
+                }
+
+                // ---- O^T += V^T P^T ----
+                if (ms == 0) mbarrier_wait(&v_full[stage], parity);
+                // Positions past the length carry P = 0, but the V rows there may hold anything
+                // (NaN included, and 0 * NaN = NaN): clear them in the request's last tile. Lane
+                // holds V^T columns (positions) 2*(lane%4) + {0,1} in a[0..1] and 8 more in a[2..3].
+                u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
+                if (tile_begin + TILE_TOKENS > pc.len) {
+                    const int t0 = tile_begin + slice_row + 2 * (lane % 4);
+                    keep_lo = (t0 < pc.len ? 0x0000ffffu : 0u) | (t0 + 1 < pc.len ? 0xffff0000u : 0u);
+                    keep_hi = (t0 + 8 < pc.len ? 0x0000ffffu : 0u) | (t0 + 9 < pc.len ? 0xffff0000u : 0u);
+                }
+#pragma unroll
+                for (int dt = 0; dt < D_TILES; ++dt) {
+                    u32 a[4];
+                    ldmatrix_x4_trans(a, kv_chunk(v_tile, slice_row + v_row, 2 * dt + v_col / 8));
+                    a[0] &= keep_lo;
+                    a[1] &= keep_lo;
+                    a[2] &= keep_hi;
+                    a[3] &= keep_hi;
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt)
+                        mma_m16n8k16<IS_F16>(o_acc[dt][nt], a, p_frag[nt][0], p_frag[nt][1]);
+                }
+            }
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&empty[stage]);
+        }
+        n0 += pc.end - pc.first;
+
+        // ============================ epilogue: merge the warps ============================
+        // Denominators were accumulated per lane over its own rows; finish them across the 8
+        // lanes that share a column.
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int off = 4; off < 32; off *= 2)
+                    l_run[nt][j] += __shfl_xor_sync(0xffffffffu, l_run[nt][j], off);
+        if (lane < 4) {
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int col = nt * 8 + 2 * lane + j;
+                    warp_m[warp * GROUP_PAD + col] = m_run[nt][j];
+                    warp_l[warp * GROUP_PAD + col] = l_run[nt][j];
+                }
+        }
+        named_barrier_sync(1, CONSUMER_THREADS);
+        // each warp rescales its O^T to the CTA-wide max and parks it in the scratch
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int col = nt * 8 + 2 * (lane % 4) + j;
+                float m_cta = neg_inf();
+#pragma unroll
+                for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + col]);
+                const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
+                const float factor = exp2_approx(m_run[nt][j] - m_use);
+                float* dst = merge + warp * MERGE_WARP_FLOATS + col * MERGE_ROW;
+#pragma unroll
+                for (int dt = 0; dt < D_TILES; ++dt) {
+                    dst[dt * 16 + lane / 4] = o_acc[dt][nt][j] * factor;
+                    dst[dt * 16 + lane / 4 + 8] = o_acc[dt][nt][j + 2] * factor;
+                }
+            }
+        named_barrier_sync(1, CONSUMER_THREADS);
+
+        // Sum the warps in a fixed order: four head-dim elements per thread per step.
+        const bool whole = pc.whole();
+        const long long piece_start = pc.start + pc.first;
+        const long long slot_row =
+            whole ? 0 : (long long)sched.slot(blockIdx.x, piece_start) * GROUP_PAD;
+        for (int i = threadIdx.x; i < cols.count * (HEAD_DIM / 4); i += CONSUMER_THREADS) {
+            const int g = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
+            float m_cta = neg_inf();
+#pragma unroll
+            for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + g]);
+            const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
+            float l_cta = 0.f;
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int w = 0; w < CONSUMER_WARPS; ++w) {
+                l_cta += warp_l[w * GROUP_PAD + g] * exp2_approx(warp_m[w * GROUP_PAD + g] - m_use);
+                const float4 v = *reinterpret_cast<const float4*>(merge + w * MERGE_WARP_FLOATS + g * MERGE_ROW + d);
+                o.x += v.x;
+                o.y += v.y;
+                o.z += v.z;
+                o.w += v.w;
+            }
+            if (whole) {
+                store_normalised(p, cols, g, d, o, m_cta, l_cta);
+            } else {
+                *reinterpret_cast<float4*>(p.o_partial + (slot_row + g) * HEAD_DIM + d) = o;
+                if (d == 0) {
+                    p.ml_partial[(slot_row + g) * 2] = m_cta;
+                    p.ml_partial[(slot_row + g) * 2 + 1] = l_cta;
+                }
+            }
+        }
+        if (!whole) {
+            // Park, then count this piece in; the CTA that brings the count to the unit's piece
+            // count merges (and resets the counter for the next call). Fences on both sides:
+            // every partial is visible at GPU scope before the count moves, and the merging
+            // CTA reads them only after it has seen the count.
+            __threadfence();
+            named_barrier_sync(1, CONSUMER_THREADS);
+            if (threadIdx.x == 0) {
+                const int pieces = sched.cta_of(pc.start + pc.tiles - 1) - sched.cta_of(pc.start) + 1;
+                int* counter = p.arrivals + (long long)pc.batch * units_per_request(p) + pc.unit;
+                const int last = atomicAdd(counter, 1) == pieces - 1;
+                if (last) *counter = 0;
+                __threadfence();
+                *merge_flag = last;
+            }
+            named_barrier_sync(1, CONSUMER_THREADS);
+            if (*merge_flag) merge_unit(p, sched, pc, cols, merge);
+        }
+    }
+    write_empty_requests(p);
+}
