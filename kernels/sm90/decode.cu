@@ -133,24 +133,40 @@ __device__ __forceinline__ long long warp_sum(long long v) {
     return v;
 }
 
+// Tiles x units of requests base + 8 lane .. base + 8 lane + 7 (0 past the batch). The loads are
+// unconditional (an index past the batch reads the last length and is then dropped), so the
+// eight leave back to back: with a branch per request ptxas issued them one round trip after
+// another, about 6 us per pass.
+__device__ __forceinline__ void load_request_tiles(const PersistentParams& p, const int* lens, int base,
+                                                   int lane, int uh, long long (&t)[SCAN_PER_LANE]) {
+    int raw[SCAN_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < SCAN_PER_LANE; ++i) raw[i] = lens[min(base + lane * SCAN_PER_LANE + i, p.batch - 1)];
+#pragma unroll
+    for (int i = 0; i < SCAN_PER_LANE; ++i) {
+        const int len = max(0, min(raw[i], p.max_len));
+        t[i] = base + lane * SCAN_PER_LANE + i < p.batch ? (long long)tiles_of(len, TILE_TOKENS) * uh : 0;
+    }
+}
+
 // Consumer warp 0: the sequence's length and where this CTA's range starts. Lane l holds the
 // tile counts of requests base + 8l .. base + 8l + 7 per round, so up to 256 requests take one
 // round trip to memory per pass.
-__device__ __noinline__ void schedule_start(const PersistentParams& p, StartShared* out) {
+__device__ __forceinline__ void schedule_start(const PersistentParams& p, StartShared* out) {
     const int lane = threadIdx.x % 32;
     const int uh = units_per_request(p);
+    const int* lens = p.seqlens;
     long long total = 0;
-    if (!p.seqlens) {
+    if (!lens) {
         total = (long long)p.batch * tiles_of(p.max_len, TILE_TOKENS) * uh;
     } else {
         for (int base = 0; base < p.batch; base += 32 * SCAN_PER_LANE) {
+            long long t[SCAN_PER_LANE];
+            load_request_tiles(p, lens, base, lane, uh, t);
             long long mine = 0;
 #pragma unroll
-            for (int i = 0; i < SCAN_PER_LANE; ++i) {
-                const int b = base + lane * SCAN_PER_LANE + i;
-                if (b < p.batch) mine += tiles_of(request_len(p, b), TILE_TOKENS);
-            }
-            total += warp_sum(mine) * uh;
+            for (int i = 0; i < SCAN_PER_LANE; ++i) mine += t[i];
+            total += warp_sum(mine);
         }
     }
     const Schedule s = make_schedule(total, gridDim.x, p.min_tiles_per_cta);
@@ -160,7 +176,7 @@ __device__ __noinline__ void schedule_start(const PersistentParams& p, StartShar
     if (c < s.ctas) {
         lo = s.begin(c);
         hi = s.begin(c + 1);
-        if (!p.seqlens) {
+        if (!lens) {
             const long long per = (long long)tiles_of(p.max_len, TILE_TOKENS) * uh;
             req = (int)(lo / per);
             req_base = req * per;
@@ -169,13 +185,10 @@ __device__ __noinline__ void schedule_start(const PersistentParams& p, StartShar
             long long prefix = 0;
             for (int base = 0;; base += 32 * SCAN_PER_LANE) {
                 long long t[SCAN_PER_LANE];
+                load_request_tiles(p, lens, base, lane, uh, t);
                 long long mine = 0;
 #pragma unroll
-                for (int i = 0; i < SCAN_PER_LANE; ++i) {
-                    const int b = base + lane * SCAN_PER_LANE + i;
-                    t[i] = b < p.batch ? (long long)tiles_of(request_len(p, b), TILE_TOKENS) * uh : 0;
-                    mine += t[i];
-                }
+                for (int i = 0; i < SCAN_PER_LANE; ++i) mine += t[i];
                 long long incl = mine;  // inclusive scan over lanes
 #pragma unroll
                 for (int off = 1; off < 32; off *= 2) {
@@ -825,17 +838,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         }
         if (!whole) {
             // Park, then count this piece in; the CTA that brings the count to the unit's piece
-            // count merges (and resets the counter for the next call). Fences on both sides:
-            // every partial is visible at GPU scope before the count moves, and the merging
-            // CTA reads them only after it has seen the count.
-            __threadfence();
+            // count merges (and resets the counter for the next call). The barrier orders every
+            // thread's partials before thread 0's release; its acquire, and the barrier after
+            // it, order the merge's reads after every other piece's release.
             named_barrier_sync(1, CONSUMER_THREADS);
             if (threadIdx.x == 0) {
                 const int pieces = sched.cta_of(pc.start + pc.tiles - 1) - sched.cta_of(pc.start) + 1;
                 int* counter = p.arrivals + (long long)pc.batch * units_per_request(p) + pc.unit;
-                const int last = atomicAdd(counter, 1) == pieces - 1;
+                const int last = atom_add_acq_rel_gpu(counter, 1) == pieces - 1;
                 if (last) *counter = 0;
-                __threadfence();
                 *merge_flag = last;
             }
             named_barrier_sync(1, CONSUMER_THREADS);
