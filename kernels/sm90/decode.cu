@@ -40,8 +40,25 @@
 #include "ptx.cuh"
 #include "decode_params.cuh"
 #include "schedule.cuh"
+#include "trace.cuh"
 
 namespace kvs {
+
+// Trace points (trace.cuh; KVS_TRACE builds only), by the thread named.
+enum TracePoint {
+    TRACE_ENTRY,        // thread 0, first instruction
+    TRACE_WAITED,       // thread 0, PDL wait returned
+    TRACE_SCHEDULED,    // thread 0, the schedule's start known to every role
+    TRACE_FIRST_ISSUE,  // producer, first tile's boxes issued
+    TRACE_LAST_ISSUE,   // producer, last tile's boxes issued
+    TRACE_Q_STAGED,     // thread 0, the first piece's Q in shared memory
+    TRACE_FIRST_TILE,   // thread 0, first K tile landed
+    TRACE_FIRST_LOOP,   // thread 0, first piece's KV loop done
+    TRACE_LAST_LOOP,    // thread 0, last piece's KV loop done
+    TRACE_PARKED,       // thread 0, last cut piece counted in
+    TRACE_MERGED,       // thread 0, last merge written
+    TRACE_EXIT,         // thread 0, every consumer done
+};
 
 constexpr bool IS_F16 = KVS_IS_F16;
 constexpr int HEAD_DIM = KVS_HEAD_DIM;
@@ -288,8 +305,10 @@ __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, co
             for (int box = 0; box < BOXES; ++box)
                 tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * 64, kv_head, k * TILE_TOKENS,
                             pc.batch, r.v_full + 8 * s, policy);
+            if (TRACE && n == 0) trace_stamp(TRACE_FIRST_ISSUE);
         }
     }
+    if (TRACE) trace_stamp(TRACE_LAST_ISSUE);
 }
 
 // Paged cache (KvSource for KVS_PAGED 1), the whole warp: a tile is TILE_TOKENS / run runs of
@@ -444,12 +463,12 @@ __device__ __forceinline__ void store_normalised(const PersistentParams& p, cons
 // as the threads allow, up to a warp), thread j of them summing pieces j, j + split, ...
 // with MERGE_LOADS loads in flight, and a butterfly over the `split` lanes adds their sums in
 // a fixed order: one L2 round trip per MERGE_LOADS x split pieces, bitwise reproducible.
-constexpr int MERGE_LOADS = 8;
+constexpr int MERGE_LOADS = 16;
 __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Schedule& s, const Piece& pc,
                                            const Columns& cols, float* scratch) {
     const int c0 = s.cta_of(pc.start), pieces = s.cta_of(pc.start + pc.tiles - 1) - c0 + 1;
     const int first_slot = s.slot(c0, pc.start);
-    auto slot_of = [&](int i) { return i == 0 ? first_slot : 2 * (c0 + i); };
+    auto slot_of = [&](int i) { return 2 * (c0 + i) + (i == 0 ? first_slot - 2 * c0 : 0); };
     float* piece_m = scratch;                        // [count][pieces]
     float* piece_l = scratch + cols.count * pieces;  // [count][pieces]
     for (int j = threadIdx.x; j < cols.count * pieces; j += CONSUMER_THREADS) {
@@ -478,20 +497,20 @@ __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Sche
         float l_sum = 0.f;
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
         for (int i0 = part; i0 < pieces; i0 += MERGE_LOADS * split) {
+            // every load leaves before the first use: a piece index past the end reads the last
+            // piece again and gets weight 0
             float4 v[MERGE_LOADS];
 #pragma unroll
             for (int u = 0; u < MERGE_LOADS; ++u) {
-                const int i = i0 + u * split;
-                if (i < pieces)
-                    v[u] = ld_global_l2(reinterpret_cast<const float4*>(
-                        p.o_partial + ((long long)slot_of(i) * GROUP_PAD + g) * HEAD_DIM + d));
+                const int i = min(i0 + u * split, pieces - 1);
+                v[u] = ld_global_l2(reinterpret_cast<const float4*>(
+                    p.o_partial + ((long long)slot_of(i) * GROUP_PAD + g) * HEAD_DIM + d));
             }
 #pragma unroll
             for (int u = 0; u < MERGE_LOADS; ++u) {
                 const int i = i0 + u * split;
-                if (i >= pieces) break;
-                const float w = exp2_approx(m[i] - m_use);
-                l_sum += w * l[i];
+                const float w = i < pieces ? exp2_approx(m[min(i, pieces - 1)] - m_use) : 0.f;
+                l_sum += w * l[min(i, pieces - 1)];
                 o.x += w * v[u].x;
                 o.y += w * v[u].y;
                 o.z += w * v[u].z;
@@ -543,6 +562,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     StartShared* start = reinterpret_cast<StartShared*>(smem + SharedPlan::start);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
+    if (TRACE && threadIdx.x == 0) {
+        trace_clear();
+        trace_stamp(TRACE_ENTRY);
+    }
 
     // Tensor maps are kernel parameters, never written by the previous kernel: their descriptor
     // fetch may overlap its tail.
@@ -561,8 +584,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     // Nothing below may read global memory the previous kernel writes before it has finished.
     pdl_wait_for_producer();
     pdl_release_dependents();
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
     if (warp == 0) schedule_start(p, start);
     __syncthreads();
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_SCHEDULED);
     const StartShared st = *start;
     const Schedule sched = {st.total, st.ctas};
 
@@ -615,6 +640,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     Walk walk(p, st);
     Piece pc;
     int n0 = 0;  // the CTA's tiles before this piece
+    int pieces_done = 0;
     while (walk.next(p, pc)) {
         const Columns cols = piece_columns(p, pc, smem);
         // The previous piece's epilogue is done with Q, the tables and the scratch.
@@ -642,6 +668,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                 if (i < Q_CHUNKS) *reinterpret_cast<uint4*>(smem + SharedPlan::q + g * SMEM_ROW + c * 16) = val[k];
             }
             named_barrier_sync(1, CONSUMER_THREADS);
+            if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);
         }
 
         float o_acc[D_TILES][N_TILES][4];
@@ -669,6 +696,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             const int stage = n % STAGES;
             const u32 parity = (n / STAGES) & 1;
             mbarrier_wait(&k_full[stage], parity);
+            if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
             const u32 k_tile = ring_base + stage * STAGE_BYTES;
             const u32 v_tile = k_tile + TILE_BYTES;
             const int tile_begin = k * TILE_TOKENS;
@@ -761,7 +789,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             __syncwarp();
             if (lane == 0) mbarrier_arrive(&empty[stage]);
         }
+        if (TRACE && threadIdx.x == 0) trace_stamp(n0 == 0 ? TRACE_FIRST_LOOP : TRACE_LAST_LOOP);
         n0 += pc.end - pc.first;
+        ++pieces_done;
 
         // ============================ epilogue: merge the warps ============================
         // Denominators were accumulated per lane over its own rows; finish them across the 8
@@ -850,8 +880,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                 *merge_flag = last;
             }
             named_barrier_sync(1, CONSUMER_THREADS);
-            if (*merge_flag) merge_unit(p, sched, pc, cols, merge);
+            if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
+            if (*merge_flag) {
+                merge_unit(p, sched, pc, cols, merge);
+                if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);
+            }
         }
     }
     write_empty_requests(p);
+    if (TRACE) {
+        named_barrier_sync(1, CONSUMER_THREADS);
+        if (threadIdx.x == 0 && n0 > 0) {
+            trace_stamp(TRACE_EXIT);
+            trace_write(n0, pieces_done, (int)(st.hi - st.lo));
+        }
+    }
 }

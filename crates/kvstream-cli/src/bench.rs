@@ -240,6 +240,16 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
         }
     }
     if args.modes {
+        for (name, engine) in [
+            ("persistent", kvstream::Engine::Persistent),
+            ("split", kvstream::Engine::Split),
+        ] {
+            let opts = PlanOptions {
+                engine: Some(engine),
+                ..Default::default()
+            };
+            forced.push((format!("kvstream/{name}"), opts));
+        }
         for (name, reduction) in [("kernel", Kernel), ("cluster", Cluster)] {
             let opts = PlanOptions {
                 reduction: Some(reduction),
@@ -1175,6 +1185,8 @@ mod tests {
                 "kvstream/n8-s2",
                 "kvstream/r1",
                 "kvstream/s2-r1",
+                "kvstream/persistent",
+                "kvstream/split",
                 "kvstream/kernel",
                 "kvstream/kernel-nopdl",
                 "kvstream/cluster",

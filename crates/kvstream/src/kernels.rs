@@ -8,7 +8,7 @@ use crate::plan;
 use crate::problem::{DType, DecodeProblem, MAX_GROUP, SUPPORTED_HEAD_DIMS};
 
 /// Headers the kernels include, by the name they use in `#include "..."`.
-pub const HEADERS: [(&str, &str); 4] = [
+pub const HEADERS: [(&str, &str); 5] = [
     ("ptx.cuh", include_str!("../../../kernels/include/ptx.cuh")),
     (
         "params.cuh",
@@ -21,6 +21,10 @@ pub const HEADERS: [(&str, &str); 4] = [
     (
         "schedule.cuh",
         include_str!("../../../kernels/include/schedule.cuh"),
+    ),
+    (
+        "trace.cuh",
+        include_str!("../../../kernels/include/trace.cuh"),
     ),
 ];
 

@@ -43,6 +43,6 @@ pub mod schedule;
 
 pub use decode::{DecodeTensors, Decoder, Element};
 pub use error::{Error, Result};
-pub use plan::{DecodePlan, DeviceFacts, PlanOptions, Reduction};
+pub use plan::{DecodePlan, DeviceFacts, Engine, PlanOptions, Reduction};
 pub use problem::{DType, DecodeProblem, KvStrides, PagedKv};
 pub use runtime::Runtime;

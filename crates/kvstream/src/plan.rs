@@ -197,6 +197,31 @@ pub fn plan_persistent(
     })
 }
 
+/// The two decode engines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Engine {
+    /// One CTA per SM, scheduled on the device from the lengths at every call (`decode.cu`).
+    Persistent,
+    /// One CTA per (request, KV head, split), planned on the host or by a planner kernel
+    /// (`decode_gqa.cu`, `plan_work.cu`, `combine.cu`).
+    Split,
+}
+
+/// Whether the persistent engine is the default for `problem`: where each (request, KV head,
+/// column block) unit would be cut into few pieces. A unit cut into many (a batch of one or
+/// two requests with few KV heads) is merged by one CTA, which reads every piece's partial
+/// output from L2, and there the split engine's combine kernel, spread over the output rows,
+/// measured faster (docs/tuning.md, "engine choice").
+pub fn persistent_is_faster(problem: &DecodeProblem, device: DeviceFacts) -> bool {
+    let n_tiles = problem.columns().div_ceil(8).min(MAX_N_TILES);
+    let units = problem.batch * problem.hkv * problem.columns().div_ceil(8 * n_tiles);
+    units * PERSISTENT_MAX_PIECES_PER_UNIT >= device.sm_count.min(PERSISTENT_MAX_GRID)
+}
+
+/// See [`persistent_is_faster`]: the persistent engine is the default where a unit is cut into
+/// at most this many pieces on average.
+pub const PERSISTENT_MAX_PIECES_PER_UNIT: usize = 4;
+
 /// What [`choose`] decided: the engine and its plan.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Plan {
@@ -240,10 +265,24 @@ impl Plan {
 
 /// The engine and plan for `problem`: the persistent engine unless a split-engine knob is set.
 pub fn choose(problem: &DecodeProblem, device: DeviceFacts, options: PlanOptions) -> Result<Plan> {
-    if options.wants_split_engine() {
-        plan(problem, device, options).map(Plan::Split)
-    } else {
-        plan_persistent(problem, device, options).map(Plan::Persistent)
+    problem.validate()?;
+    let engine = match options.engine {
+        Some(Engine::Persistent) if options.wants_split_engine() => {
+            return Err(Error::invalid(
+                "engine",
+                "persistent",
+                "the split engine: num_splits, reduction, device_plan, stages, consumer_groups \
+                 and resident_ctas are knobs of the split engine",
+            ))
+        }
+        Some(e) => e,
+        None if options.wants_split_engine() => Engine::Split,
+        None if persistent_is_faster(problem, device) => Engine::Persistent,
+        None => Engine::Split,
+    };
+    match engine {
+        Engine::Persistent => plan_persistent(problem, device, options).map(Plan::Persistent),
+        Engine::Split => plan(problem, device, options).map(Plan::Split),
     }
 }
 
@@ -462,6 +501,9 @@ pub struct PlanOptions {
     /// enforced by padding each CTA's shared memory ([`resident_shared_bytes`]). `None`: as
     /// many as fit.
     pub resident_ctas: Option<usize>,
+    /// Force the engine. `None`: the persistent engine, except where [`persistent_is_faster`]
+    /// says the split engine measured faster (and wherever a split-engine knob is set).
+    pub engine: Option<Engine>,
     /// Tests: the persistent engine records the pieces each CTA streams, read back with
     /// [`crate::Decoder::last_schedule`].
     pub record_schedule: bool,

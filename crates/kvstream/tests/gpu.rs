@@ -727,6 +727,7 @@ fn run_case_as<T: Half>(
     let device_plan = case.index % 6 == 5;
     let opts = if persistent {
         PlanOptions {
+            engine: Some(kvstream::Engine::Persistent),
             record_schedule: true,
             ..Default::default()
         }
@@ -983,6 +984,7 @@ fn graph_capture_replays_with_new_lengths() {
     };
     let length_sets = [[0, 4096, 1, 2049], [4096; 4], [17, 0, 4095, 64]];
     let persistent = PlanOptions {
+        engine: Some(kvstream::Engine::Persistent),
         record_schedule: true,
         ..Default::default()
     };
@@ -1026,6 +1028,7 @@ fn device_plan_balances_skewed_batches() {
         vec![long; batch],
     ];
     let persistent = PlanOptions {
+        engine: Some(kvstream::Engine::Persistent),
         record_schedule: true,
         ..Default::default()
     };
@@ -1371,14 +1374,16 @@ fn paged_cache_equals_contiguous() {
                 .expect("a valid paged problem");
             let pages = page_inputs(&mut rng, &paged, &x);
             let paged_dev = DeviceInputs::upload_paged(&stream, &x, &pages, Some(&lens));
-            for (splits, reduction) in [
-                (None, None),
-                (Some(3), Some(Reduction::Kernel)),
-                (Some(4), Some(Reduction::Cluster)),
+            for (splits, reduction, engine) in [
+                (None, None, None),
+                (None, None, Some(kvstream::Engine::Persistent)),
+                (Some(3), Some(Reduction::Kernel), None),
+                (Some(4), Some(Reduction::Cluster), None),
             ] {
                 let opts = PlanOptions {
                     num_splits: splits,
                     reduction,
+                    engine,
                     ..Default::default()
                 };
                 let what = format!("{base:?} lens {lens:?}, page {page_size}, {opts:?}");
@@ -1439,6 +1444,7 @@ fn multi_token_decode_is_causal() {
                     PlanOptions {
                         num_splits: reduction.map(|_| 4),
                         reduction,
+                        engine: reduction.map_or(Some(kvstream::Engine::Persistent), |_| None),
                         ..Default::default()
                     },
                 );
@@ -1592,6 +1598,7 @@ fn zero_length_case<T: Half>(
         &p,
         PlanOptions {
             num_splits: splits,
+            engine: splits.map_or(Some(kvstream::Engine::Persistent), |_| None),
             disable_pdl: false,
             ..Default::default()
         },
