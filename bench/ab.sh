@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Same-run A/B of several kvstream builds (bench/METHOD.md: ratios from one run, not absolute
+# Same-run A/B of several kvstream builds (docs/benchmarking.md: ratios from one run, not absolute
 # times from different runs). Each build is a folder under $AB_DIR (default .carry/ab) holding
 # `kvstream` and its kernel cache `cache/`; every build times the same shapes, in alternating
 # order over PASSES passes, and bench/ab_table.py prints shape x key x build; the results files

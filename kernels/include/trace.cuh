@@ -18,7 +18,7 @@ constexpr int TRACE_SLOTS = 16;
 struct TraceRecord {
     u64 ns[TRACE_SLOTS];      // global timer, 0 where a point was not reached
     u32 cycles[TRACE_SLOTS];  // SM clock at the same points
-    u32 block[3], sm, tiles, pieces, len, flags;
+    u32 block[3], sm, tiles, splits, len, flags;  // splits: a persistent CTA's pieces
 };
 static_assert(sizeof(TraceRecord) == 224, "records are 224 bytes (trace.rs reads them so)");
 constexpr int TRACE_RECORDS = 1 << 15;
@@ -31,6 +31,7 @@ __shared__ u64 trace_ns[TRACE_SLOTS];
 __shared__ u32 trace_cycles[TRACE_SLOTS];
 #endif
 
+// Thread 0 at entry: points a CTA never reaches read 0.
 __device__ __forceinline__ void trace_clear() {
 #if KVS_TRACE
     for (int i = 0; i < TRACE_SLOTS; ++i) trace_ns[i] = 0;
@@ -44,7 +45,8 @@ __device__ __forceinline__ void trace_stamp(int point) {
 #endif
 }
 
-__device__ __forceinline__ void trace_write(int tiles, int pieces, int len) {
+// Thread 0, after the consumers' last barrier.
+__device__ __forceinline__ void trace_write(int tiles, int splits, int len, u32 flags) {
 #if KVS_TRACE
     TraceRecord& r = kvs_trace[atomicAdd(&kvs_trace_count, 1u) % TRACE_RECORDS];
     for (int i = 0; i < TRACE_SLOTS; ++i) {
@@ -56,9 +58,9 @@ __device__ __forceinline__ void trace_write(int tiles, int pieces, int len) {
     r.block[2] = blockIdx.z;
     r.sm = sm_id();
     r.tiles = tiles;
-    r.pieces = pieces;
+    r.splits = splits;
     r.len = len;
-    r.flags = 0;
+    r.flags = flags;
 #endif
 }
 

@@ -892,7 +892,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         named_barrier_sync(1, CONSUMER_THREADS);
         if (threadIdx.x == 0 && n0 > 0) {
             trace_stamp(TRACE_EXIT);
-            trace_write(n0, pieces_done, (int)(st.hi - st.lo));
+            trace_write(n0, pieces_done, (int)(st.hi - st.lo), PAGED ? 1u : 0u);
         }
     }
 }

@@ -63,10 +63,8 @@
 //   KVS_TRACE        1: debug build with the phase trace (see below); never in a plan
 #include "ptx.cuh"
 #include "params.cuh"
+#include "trace.cuh"
 
-#ifndef KVS_TRACE
-#define KVS_TRACE 0
-#endif
 
 namespace kvs {
 
@@ -79,7 +77,6 @@ constexpr int STAGES = KVS_STAGES;
 constexpr int CONSUMER_GROUPS = KVS_CONSUMER_GROUPS;
 constexpr bool PAGED = KVS_PAGED;
 constexpr bool JOINED_HALVES = KVS_JOINED_HALVES;  // see kv_chunk
-constexpr bool TRACE = KVS_TRACE;  // phase trace (debug builds)
 constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
@@ -207,57 +204,9 @@ enum TracePoint {
     TRACE_EXIT,             // every consumer warp has stored its output (thread 0)
     TRACE_POINTS
 };
-constexpr int TRACE_SLOTS = 16;  // points, padded
 static_assert(TRACE_POINTS <= TRACE_SLOTS, "trace slots");
-struct TraceRecord {
-    u64 ns[TRACE_SLOTS];      // global timer, 0 where a point was not reached
-    u32 cycles[TRACE_SLOTS];  // SM clock at the same points
-    u32 block[3], sm, tiles, splits, len, flags;  // flags: bit 0 paged, bit 1 joined halves
-};
-static_assert(sizeof(TraceRecord) == 224, "records are 224 bytes (trace.rs reads them so)");
-constexpr int TRACE_RECORDS = 1 << 15;
-#if KVS_TRACE
-extern "C" {  // unmangled, for cuModuleGetGlobal
-__device__ TraceRecord kvs_trace[TRACE_RECORDS];
-__device__ unsigned int kvs_trace_count;
-}
-__shared__ u64 trace_ns[TRACE_SLOTS];
-__shared__ u32 trace_cycles[TRACE_SLOTS];
-#endif
-
-// Thread 0 at entry: points a CTA never reaches read 0.
-__device__ __forceinline__ void trace_clear() {
-#if KVS_TRACE
-    for (int i = 0; i < TRACE_SLOTS; ++i) trace_ns[i] = 0;
-#endif
-}
-
-__device__ __forceinline__ void trace_stamp(TracePoint point) {
-#if KVS_TRACE
-    trace_ns[point] = global_timer_ns();
-    trace_cycles[point] = sm_clock();
-#endif
-}
-
-// Thread 0, after the consumers' last barrier.
-__device__ __forceinline__ void trace_write(int tiles, int splits, int len) {
-#if KVS_TRACE
-    trace_stamp(TRACE_EXIT);
-    TraceRecord& r = kvs_trace[atomicAdd(&kvs_trace_count, 1u) % TRACE_RECORDS];
-    for (int i = 0; i < TRACE_SLOTS; ++i) {
-        r.ns[i] = trace_ns[i];
-        r.cycles[i] = trace_cycles[i];
-    }
-    r.block[0] = blockIdx.x;
-    r.block[1] = blockIdx.y;
-    r.block[2] = blockIdx.z;
-    r.sm = sm_id();
-    r.tiles = tiles;
-    r.splits = splits;
-    r.len = len;
-    r.flags = (PAGED ? 1u : 0u) | (JOINED_HALVES ? 2u : 0u);
-#endif
-}
+// (record, ring and stamps: trace.cuh; flags: bit 0 paged, bit 1 joined halves)
+constexpr u32 TRACE_FLAGS = (PAGED ? 1u : 0u) | (JOINED_HALVES ? 2u : 0u);
 
 // ================================ query rows (columns) =====================================
 // Column c of a CTA is query row (token i, head h) of its KV head with
@@ -1117,7 +1066,10 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     }
     if (TRACE) {
         named_barrier_sync(1, CONSUMER_THREADS);
-        if (threadIdx.x == 0) trace_write(num_tiles, item.num_splits, len);
+        if (threadIdx.x == 0) {
+            trace_stamp(TRACE_EXIT);
+            trace_write(num_tiles, item.num_splits, len, TRACE_FLAGS);
+        }
     }
     if (in_cluster) cluster_merge_slice(p, cluster, recv_m, recv_l, recv_o, cols);
 }

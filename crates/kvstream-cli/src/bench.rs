@@ -1,6 +1,6 @@
-//! `kvstream bench`: kvstream over the shape matrix with the timer of bench/METHOD.md, next to
+//! `kvstream bench`: kvstream over the shape matrix with the timer of docs/benchmarking.md, next to
 //! each shape's byte floor (a streaming read of the same bytes, same pool and timer) and the
-//! card's read ceiling; results as JSON in METHOD.md's format, a table, and plots.
+//! card's read ceiling; results as JSON in the format of docs/benchmarking.md, a table, and plots.
 //!
 //! Per shape: one device arena holds the rotating pool (K, V, Q, out for every set); set 0 is
 //! generated on the host and copied device-to-device to the other sets; every kvstream variant
@@ -44,7 +44,7 @@ const HOST_KV_ELEMS: usize = 64 << 20;
 /// Arguments of `kvstream bench`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Shape matrix (bench/METHOD.md).
+    /// Shape matrix (docs/benchmarking.md).
     #[arg(long, default_value = "bench/matrix.json")]
     pub matrix: PathBuf,
     /// Only these matrix shapes (comma-separated ids).
@@ -93,7 +93,7 @@ pub struct BenchArgs {
     /// reduction, `kvstream/device-plan-cluster`).
     #[arg(long)]
     pub device_plan: bool,
-    /// Results file (METHOD.md format); rewritten after every shape.
+    /// Results file (docs/benchmarking.md format); rewritten after every shape.
     #[arg(long, default_value = "bench/results/kvstream-bench-latest.json")]
     pub json: PathBuf,
     /// Directory for the plots (`<json stem>-<group>.svg|png`).
@@ -719,7 +719,7 @@ pub struct Arena {
 
 impl Arena {
     /// The pool of `problem` with `tokens` cache positions per set (sets from K + V bytes per
-    /// set, bench/METHOD.md).
+    /// set, docs/benchmarking.md).
     pub fn of(problem: &DecodeProblem, tokens: usize) -> Self {
         let e = problem.dtype.size();
         let kv_set = tokens * problem.hkv * problem.head_dim * e;

@@ -363,7 +363,7 @@ fn gpu_demo<T: Element + Copy + Default>(
     Ok(())
 }
 
-/// Captures one call per pool set into a CUDA graph and times its replays (bench/METHOD.md):
+/// Captures one call per pool set into a CUDA graph and times its replays (docs/benchmarking.md):
 /// (median, min) microseconds per call and the number of rounds.
 fn time_graph(
     decoder: &Decoder,

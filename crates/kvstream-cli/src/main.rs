@@ -123,12 +123,12 @@ enum Command {
         #[command(flatten)]
         shape: ShapeArgs,
     },
-    /// Benchmark kvstream over the shape matrix (bench/METHOD.md): latency, GB/s, byte floor
+    /// Benchmark kvstream over the shape matrix (docs/benchmarking.md): latency, GB/s, byte floor
     /// and read ceiling; writes the results JSON, a table and plots. Needs an H100/H200.
     Bench(bench::BenchArgs),
     /// Re-plot a results file (one SVG + PNG per shape group). No GPU needed.
     Plot {
-        /// Results file in bench/METHOD.md's format.
+        /// Results file in docs/benchmarking.md's format.
         results: std::path::PathBuf,
         /// Output directory (default: the results file's directory).
         #[arg(long)]

@@ -1,5 +1,5 @@
 //! What `kvstream bench` reads and writes: the shape matrix (bench/matrix.json) and the results
-//! file in bench/METHOD.md's format. Plain data, no GPU: `kvstream plot` and the tests use it too.
+//! file in the format of docs/benchmarking.md. Plain data, no GPU: `kvstream plot` and the tests use it too.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -272,7 +272,7 @@ impl Row {
     }
 }
 
-/// A results file (bench/METHOD.md).
+/// A results file (docs/benchmarking.md).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BenchResults {
     /// YYYY-MM-DD (UTC).

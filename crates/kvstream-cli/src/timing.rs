@@ -1,4 +1,4 @@
-//! The timer of bench/METHOD.md, shared by `kvstream demo` and `kvstream bench`: a rotating
+//! The timer of docs/benchmarking.md, shared by `kvstream demo` and `kvstream bench`: a rotating
 //! pool of input sets, one CUDA graph per implementation holding one call per set, two warm-up
 //! replays, then rounds that replay every graph once in alternating order; per-call latency =
 //! replay time / calls in the graph, median and minimum over the rounds.

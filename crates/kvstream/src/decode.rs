@@ -520,21 +520,7 @@ impl SplitEngine {
             Some(pg) if self.plan.decode.joined_halves => {
                 joined_page_map(arg, ptr, p.dtype, p.hkv, pg.page_size, pg.num_pages)
             }
-            // the pool as {d, hkv, page_size, num_pages}; boxes of whole pages up to a tile
-            Some(pg) => kv_tensor_map(
-                arg,
-                ptr,
-                p.dtype,
-                p.head_dim,
-                p.hkv,
-                pg.page_size,
-                pg.num_pages,
-                KvStrides::contiguous(pg.page_size, p.hkv, p.head_dim),
-                pg.page_size.min(tile),
-            ),
-            None => kv_tensor_map(
-                arg, ptr, p.dtype, p.head_dim, p.hkv, p.max_len, p.batch, strides, tile,
-            ),
+            _ => cache_map(p, arg, ptr, strides, tile),
         };
         // q and out: [batch, q_len, hq, d]
         let row = (p.hq * p.head_dim) as i64;

@@ -348,7 +348,7 @@ impl Variant for PlanWorkVariant {
 }
 
 /// The streaming-read kernel of `stream_read.cu`: the byte floor and read ceiling that
-/// `kvstream bench` measures next to the decode (bench/METHOD.md). Not used by decode.
+/// `kvstream bench` measures next to the decode (docs/benchmarking.md). Not used by decode.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamReadVariant;
 

@@ -2,17 +2,20 @@
 //!
 //! One to eight new query tokens per request attend to a long cached K/V, contiguous or paged.
 //! The kernels use the swap-AB formulation (S^T = K Q^T, O^T = V^T P^T: KV positions on the MMA
-//! M dimension, the query rows of one KV head on N), split the cache across CTAs to fill the GPU,
-//! and merge the splits with an FP32 combine kernel chained by programmatic dependent launch or
-//! inside a thread-block cluster through distributed shared memory. Ragged batches can be
-//! partitioned on the device at every call (a planner kernel ahead of the decode). They are CUDA
+//! M dimension, the query rows of one KV head on N). Two engines: a persistent one (one CTA per
+//! SM, the call's KV tiles partitioned on the device from the lengths at every call, cut units
+//! merged by the CTA that finishes them last), the default for batches that fill the GPU; and
+//! a split engine (one CTA per request, KV head and split, merged by an FP32 combine kernel
+//! chained by programmatic dependent launch or inside a thread-block cluster) elsewhere
+//! ([`plan::choose`], docs/design.md). They are CUDA
 //! C++ with inline PTX, embedded here and compiled at first use by NVRTC to sm_90a CUBINs
 //! (cached on disk).
 //!
 //! Layers, top to bottom:
 //! - [`problem`]: shapes, dtype, strides; validation with errors that name the argument;
-//! - [`plan`]: split count, reduction mode, kernel variant, grid, workspace (every heuristic
-//!   lives there, with the measurements behind it);
+//! - [`plan`]: engine, split count, reduction mode, kernel variant, grid, workspace (every
+//!   decision lives there; the measurements behind them in docs/tuning.md);
+//! - [`schedule`]: the persistent engine's on-device schedule, mirrored for tests;
 //! - [`kernels`] and [`jit`]: the embedded sources, their variants, NVRTC and the disk cache;
 //! - [`launch`] and [`runtime`]: `cuLaunchKernelEx` with PDL / cluster attributes, loaded modules;
 //! - [`decode`]: the public operation, [`Decoder`];
@@ -24,7 +27,7 @@
 //! let rt = Runtime::new(0)?;                                  // needs an H100/H200
 //! let problem = DecodeProblem::new(8, 32, 8, 128, 32768, DType::Bf16)?;
 //! let decoder = Decoder::new(&rt, problem, PlanOptions::default())?;
-//! println!("{} splits", decoder.plan().num_splits);
+//! println!("engine: {}", decoder.plan().mode()); // "persistent" for this batch
 //! # Ok(()) }
 //! ```
 #![deny(missing_docs)]

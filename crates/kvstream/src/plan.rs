@@ -3,17 +3,21 @@
 //! Every heuristic of the library lives here, next to the measurements that set its constants,
 //! so that the kernels and the launch code only execute decisions.
 //!
-//! # The persistent engine (default)
+//! # Engines
 //!
-//! With default [`PlanOptions`] a decode runs on the persistent engine (`decode.cu`): one CTA
-//! per SM, each working out its share of the call's KV tiles on the device from the lengths
-//! (`schedule.cuh`, mirrored by [`crate::schedule`]), so nothing here depends on the lengths
-//! and a captured graph stays balanced whatever lengths it is replayed with. The host decides
-//! only the kernel variant ([`persistent_variant`]), the grid (the SM count, at most
-//! [`PERSISTENT_MAX_GRID`]) and the fewest tiles a working CTA takes
-//! ([`PERSISTENT_MIN_TILES_PER_CTA`]). Setting any knob of the split engine below
-//! (`num_splits`, `reduction`, `device_plan`, `stages`, `consumer_groups`, `resident_ctas`)
-//! selects the split engine instead, until the persistent one has replaced it everywhere.
+//! Two engines decode; [`choose`] picks one per problem ([`PlanOptions::engine`] forces it).
+//!
+//! - The **persistent engine** (`decode.cu`): one CTA per SM, each working out its share of the
+//!   call's KV tiles on the device from the lengths (`schedule.cuh`, mirrored by
+//!   [`crate::schedule`]), so nothing here depends on the lengths and a captured graph stays
+//!   balanced whatever lengths it is replayed with. The host decides only the kernel variant
+//!   ([`persistent_variant`]), the grid (the SM count, at most [`PERSISTENT_MAX_GRID`]) and
+//!   the fewest tiles a working CTA takes ([`PERSISTENT_MIN_TILES_PER_CTA`]). The default
+//!   where the batch fills the GPU ([`persistent_by_default`]).
+//! - The **split engine** (`decode_gqa.cu` + `combine.cu`, or `plan_work.cu` for a device
+//!   plan): one CTA per (request, KV head, split), planned below. The default elsewhere, and
+//!   whenever one of its knobs (`num_splits`, `reduction`, `device_plan`, `stages`,
+//!   `consumer_groups`, `resident_ctas`) is set.
 //!
 //! # Split heuristic (v1, host side)
 //!
@@ -207,19 +211,25 @@ pub enum Engine {
     Split,
 }
 
-/// Whether the persistent engine is the default for `problem`: where each (request, KV head,
-/// column block) unit would be cut into few pieces. A unit cut into many (a batch of one or
-/// two requests with few KV heads) is merged by one CTA, which reads every piece's partial
-/// output from L2, and there the split engine's combine kernel, spread over the output rows,
-/// measured faster (docs/tuning.md, "engine choice").
-pub fn persistent_is_faster(problem: &DecodeProblem, device: DeviceFacts) -> bool {
+/// Whether the persistent engine is the default for `problem`: where the batch alone supplies
+/// about as many (request, KV head, column block) units as there are SMs, so that the split
+/// engine's host plan would not split and one long request replayed in a captured graph would
+/// run on a handful of SMs (9x slower than its floor on the skewed serving row). There the
+/// persistent engine balances every call whatever the lengths, at 0-11% over the split engine
+/// on uniform lengths; on smaller batches every request is split and the split engine measured
+/// 1.05-3.3x faster (a cut unit costs the persistent engine its partials, an arrival and a
+/// merge by one CTA). Measured on the H200 at 64ec7df; docs/tuning.md, "Engine choice".
+///
+/// Worked example: 16 requests of 32/8 heads, d 128: 128 units, 128 x 4 >= 132: persistent;
+/// 4 such requests: 32 units, 128 < 132: split.
+pub fn persistent_by_default(problem: &DecodeProblem, device: DeviceFacts) -> bool {
     let n_tiles = problem.columns().div_ceil(8).min(MAX_N_TILES);
     let units = problem.batch * problem.hkv * problem.columns().div_ceil(8 * n_tiles);
     units * PERSISTENT_MAX_PIECES_PER_UNIT >= device.sm_count.min(PERSISTENT_MAX_GRID)
 }
 
-/// See [`persistent_is_faster`]: the persistent engine is the default where a unit is cut into
-/// at most this many pieces on average.
+/// See [`persistent_by_default`]: the persistent engine is the default where its schedule cuts
+/// a unit into at most this many pieces on average.
 pub const PERSISTENT_MAX_PIECES_PER_UNIT: usize = 4;
 
 /// What [`choose`] decided: the engine and its plan.
@@ -277,7 +287,7 @@ pub fn choose(problem: &DecodeProblem, device: DeviceFacts, options: PlanOptions
         }
         Some(e) => e,
         None if options.wants_split_engine() => Engine::Split,
-        None if persistent_is_faster(problem, device) => Engine::Persistent,
+        None if persistent_by_default(problem, device) => Engine::Persistent,
         None => Engine::Split,
     };
     match engine {
@@ -501,8 +511,8 @@ pub struct PlanOptions {
     /// enforced by padding each CTA's shared memory ([`resident_shared_bytes`]). `None`: as
     /// many as fit.
     pub resident_ctas: Option<usize>,
-    /// Force the engine. `None`: the persistent engine, except where [`persistent_is_faster`]
-    /// says the split engine measured faster (and wherever a split-engine knob is set).
+    /// Force the engine. `None`: the persistent engine where [`persistent_by_default`] says so,
+    /// the split engine elsewhere and wherever a split-engine knob is set.
     pub engine: Option<Engine>,
     /// Tests: the persistent engine records the pieces each CTA streams, read back with
     /// [`crate::Decoder::last_schedule`].

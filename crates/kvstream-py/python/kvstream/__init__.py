@@ -258,6 +258,11 @@ def decode(
             must be a page id in ``0..num_pages - 1``; pages may sit anywhere in the pools, in
             any order. Its values are read on the device only.
         softmax_scale: scale of ``q @ k^T`` before the softmax; default ``1 / sqrt(d)``.
+        With none of ``num_splits``, ``reduction`` and ``device_plan`` given, batches that fill
+            the GPU run on the persistent engine, which partitions the work on the device from
+            ``cache_seqlens`` at every call (balanced in a replayed CUDA graph whatever the
+            lengths); smaller batches, and any call that gives one of the three, on the split
+            engine they configure.
         num_splits: force this many KV splits per (request, KV head), 1..128 (one of 1, 2, 4,
             8, 16 with ``reduction="cluster"``); default: chosen for the GPU (enough splits to
             fill every SM).

@@ -478,12 +478,14 @@ def test_native_decoder_rejects_fields(over, field):
 
 
 def test_native_validate_returns_plan():
-    # default options: the persistent engine, one CTA per SM of the H200
-    plan = _native.validate(1, 16, 2, 128, 131072, "bf16")
+    # a batch that fills the GPU: the persistent engine, one CTA per SM of the H200
+    plan = _native.validate(16, 32, 8, 128, 4096, "bf16")
     assert plan.startswith("Persistent(") and "grid: 132" in plan, plan
-    # a split-engine knob: the worked example of plan.rs, 16/2 heads, L 131072 -> 33 splits
-    plan = _native.validate(1, 16, 2, 128, 131072, "bf16", reduction="kernel")
-    assert "num_splits: 33" in plan and "grid: [33, 2, 1]" in plan, plan
+    # one request: the split engine, the worked example of plan.rs (16/2 heads, L 131072 -> 33
+    # splits), also with a split-engine knob given
+    for kw in ({}, dict(reduction="kernel")):
+        plan = _native.validate(1, 16, 2, 128, 131072, "bf16", **kw)
+        assert "num_splits: 33" in plan and "grid: [33, 2, 1]" in plan, plan
     assert "num_splits: 1," in _native.validate(1, 16, 2, 128, 131072, "f16", num_splits=1)
 
 
@@ -516,8 +518,9 @@ def test_native_validate_multi_token_paged_device_plan():
     assert "num_splits: 2," in _native.validate(*args, None, 2, "kernel", None, None)
     assert "num_splits: 2," in _native.validate(*args, None, 2, "kernel", None, None, 4)
     for q_len in range(1, 9):
-        assert "Persistent" in _native.validate(*args, q_len=q_len)
-        assert "num_splits" in _native.validate(*args, q_len=q_len, reduction="kernel")
+        assert "Persistent" in _native.validate(16, *args[1:], q_len=q_len)
+        assert "num_splits" in _native.validate(*args, q_len=q_len)
+        assert "num_splits" in _native.validate(16, *args[1:], q_len=q_len, reduction="kernel")
     for ps in kvstream.SUPPORTED_PAGE_SIZES:
         pages = 4 * (4096 // ps)
         assert "paged: true" in _native.validate(*args, page_size=ps, num_pages=pages)
