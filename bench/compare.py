@@ -1,6 +1,6 @@
 """Times kvstream against its decode-attention peers on the benchmark matrix, in one process.
 
-Method (../shared bench METHOD.md, kept here so the file stands alone):
+Method (docs/benchmarking.md, kept here so the file stands alone):
 
 * Implementations: ``kvstream`` (the Python binding, default plan), ``cudnn`` and ``sdpa_flash``
   (``F.scaled_dot_product_attention(..., enable_gqa=True)`` under ``sdpa_kernel`` with the cuDNN
@@ -25,7 +25,7 @@ Method (../shared bench METHOD.md, kept here so the file stands alone):
   same number of sets and the same graph timer; best of a few grid sizes. Read ceiling: the same
   kernel over 4 GiB. ``io_bytes`` = Q + K + V + O bytes, each once; GB/s are decimal.
 
-Outputs: ``bench/results/h200-latest.json`` (METHOD.md's format plus ``summary``, ``notes`` and a
+Outputs: ``bench/results/h200-latest.json`` (the format of docs/benchmarking.md plus ``summary``, ``notes`` and a
 few extra keys), a dated copy ``bench/results/h200-YYYY-MM-DD.json``, ``bench/RESULTS.md`` and
 ``bench/results/plot-<group>.png/.svg``. While running, ``bench/results/h200-partial.json`` is
 rewritten after every shape, so a crash (a sticky CUDA error ends the process's GPU use) keeps
@@ -312,7 +312,7 @@ def markdown(doc):
         "",
         f"Date {doc.get('date')}, commit `{doc.get('commit')}`, GPU {doc.get('gpu')}, read "
         f"ceiling {ceiling if ceiling is not None else 'n/a'} GB/s. Produced by "
-        f"`bench/compare.py` (method in its docstring and the shared METHOD.md); raw numbers in "
+        f"`bench/compare.py` (method in its docstring and docs/benchmarking.md); raw numbers in "
         f"`bench/results/h200-latest.json`.",
         "",
         "Latencies are medians of graph-replay rounds, per call, in us. Speedup = best peer "
@@ -939,7 +939,7 @@ def parse_args(argv=None):
     if "kvstream" not in args.impls:
         ap.error("--impls must include kvstream (speedups are relative to it)")
     if not args.quick and args.rounds < MIN_ROUNDS:
-        ap.error(f"--rounds must be >= {MIN_ROUNDS} (METHOD.md); use --quick for a smoke test")
+        ap.error(f"--rounds must be >= {MIN_ROUNDS} (docs/benchmarking.md); use --quick for a smoke test")
     if args.plot_only and args.report_only:
         ap.error("--plot-only and --report-only exclude each other")
     return args

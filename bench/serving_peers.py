@@ -1,17 +1,20 @@
 """Times kvstream next to FlashAttention-3 on the serving rows that FA3 can run on the same data.
 
 * ``skew``: 32/8 heads, d 128, bf16, a paged cache (pages of 64 positions, shuffled) holding one
-  request of 1,048,576 positions and fifteen of 2,048. kvstream plans the split partition on
-  the device (``device_plan=True``); FA3 gets the same pool, ``page_table`` and
+  request of 1,048,576 positions and fifteen of 2,048. kvstream runs with default options
+  (nothing set but the inputs); FA3 gets the same pool, ``page_table`` and
   ``cache_seqlens`` (its own scheduler, ``num_splits=0``). The long request moves between the
   two calls of every replay, so one captured graph sees two different length vectors.
   With ``--fa3-contiguous`` (FA3 wheels built without paged KV), FA3 instead gets the same data
   gathered into a contiguous ``[16, 2^20, 8, 128]`` cache (68 GB for K and V) with the same
   ``cache_seqlens``; both libraries then run one pool set.
+* ``ragged``: the ragged rows of bench/serving.json (per-request lengths from the file, rotated
+  by one request per pool set as ``kvstream bench`` does), contiguous, or paged with FA3 on a
+  contiguous copy under ``--fa3-contiguous``; both libraries get ``cache_seqlens``.
 * ``mtp``: multi-token decode, 32/8 d128 L 32768 batch 8, q_len 1, 2, 4, 8 (causal among the new
   tokens in both libraries).
 
-Method as bench/compare.py (bench/METHOD.md): CUDA graphs of every call over the pool's sets,
+Method as bench/compare.py (docs/benchmarking.md): CUDA graphs of every call over the pool's sets,
 warm-up, rounds in alternating order, median per call. Outputs of the two libraries are
 compared to each other (relative error of the whole output) next to every timing.
 Writes a JSON file in the results format (``--json``); the byte floor of each row comes from
@@ -33,14 +36,14 @@ import compare  # noqa: E402  (timer, graph capture and results helpers shared w
 HQ, HKV, D = 32, 8, 128
 
 
-def skew_pool(torch, sets, long_len=1 << 20, short_len=2048, batch=16, page=64, seed=7,
-              contiguous=False):
-    """Pool pages, per-set tables and lengths: request s % batch is the long one in set s.
-    `contiguous`: also the same data gathered per request into [sets, batch, long_len, hkv, d]."""
+def paged_pool(torch, lens, capacity, page=64, seed=7, contiguous=False):
+    """Pool pages, per-set tables and lengths (`lens[s]`: set s's lengths, the same total in
+    every set). `contiguous`: also the same data gathered per request into
+    [sets, batch, capacity, hkv, d]."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    lens = [[long_len if b == s % batch else short_len for b in range(batch)] for s in range(sets)]
+    sets, batch = len(lens), len(lens[0])
     pages = sum(-(-n // page) for n in lens[0])
-    max_pages = -(-long_len // page)
+    max_pages = -(-capacity // page)
     k = torch.randn(sets, pages, page, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(sets, pages, page, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
     q = torch.randn(sets, batch, 1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -56,7 +59,7 @@ def skew_pool(torch, sets, long_len=1 << 20, short_len=2048, batch=16, page=64, 
     io = 2 * batch * HQ * D * 2 + 2 * sum(lens[0]) * HKV * D * 2
     pool = dict(q=q, k=k, v=v, table=tables, seqlens=seqlens, io=io, lens=lens)
     if contiguous:
-        shape = (sets, batch, long_len, HKV, D)
+        shape = (sets, batch, capacity, HKV, D)
         pool["k_contig"] = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
         pool["v_contig"] = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
         for s in range(sets):
@@ -67,6 +70,33 @@ def skew_pool(torch, sets, long_len=1 << 20, short_len=2048, batch=16, page=64, 
                     rows = src[s].index_select(0, pages).reshape(used * page, HKV, D)
                     pool[dst][s, b, :n] = rows[:n]
     return pool
+
+
+def skew_pool(torch, sets, long_len=1 << 20, short_len=2048, batch=16, contiguous=False):
+    """Request s % batch is the long one in set s."""
+    lens = [[long_len if b == s % batch else short_len for b in range(batch)] for s in range(sets)]
+    return paged_pool(torch, lens, long_len, contiguous=contiguous)
+
+
+def rotated(lens, sets):
+    """A ragged row's lengths in set s: rotated by s requests (kvstream bench does the same)."""
+    return [[lens[(b + s) % len(lens)] for b in range(len(lens))] for s in range(sets)]
+
+
+def ragged_pool(torch, row, sets, seed=13, contiguous=False):
+    """A ragged row of bench/serving.json: paged (its page_size) or contiguous [b, L, hkv, d]."""
+    lens = rotated(row["lens"], sets)
+    if row.get("page_size"):
+        return paged_pool(torch, lens, row["L"], page=row["page_size"], seed=seed,
+                          contiguous=contiguous)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    batch, cap = row["batch"], row["L"]
+    k = torch.randn(sets, batch, cap, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(sets, batch, cap, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(sets, batch, 1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    seqlens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    io = 2 * batch * HQ * D * 2 + 2 * sum(lens[0]) * HKV * D * 2
+    return dict(q=q, k=k, v=v, table=None, seqlens=seqlens, io=io, lens=lens)
 
 
 def mtp_pool(torch, sets, q_len, batch=8, length=32768, seed=11):
@@ -86,10 +116,10 @@ def calls(kvstream, fa3, pool):
     table = pool["table"]
 
     def kv(s):
+        # default options: nothing set but the inputs
         return kvstream.decode(pool["q"][s], pool["k"][s], pool["v"][s],
                                cache_seqlens=pool["seqlens"][s],
-                               block_table=None if table is None else table[s],
-                               device_plan=table is not None, out=out[s])
+                               block_table=None if table is None else table[s], out=out[s])
 
     contiguous = "k_contig" in pool
 
@@ -153,6 +183,18 @@ def main():
                                                       page_size=64),
               lambda: skew_pool(torch, 1 if args.fa3_contiguous else 2,
                                 contiguous=args.fa3_contiguous))]
+    serving = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                          "serving.json")))
+    for r in serving["shapes"]:
+        if r.get("group") != "ragged":
+            continue
+        # a paged row's FA3 reads a contiguous copy with --fa3-contiguous (one pool set)
+        one = bool(r.get("page_size")) and args.fa3_contiguous
+        shape = {k: r[k] for k in ("batch", "q_len", "L") if k in r}
+        if r.get("page_size"):
+            shape["page_size"] = r["page_size"]
+        specs.append((r["id"], shape,
+                      lambda r=r, one=one: ragged_pool(torch, r, 1 if one else 2, contiguous=one)))
     for q_len in (1, 2, 4, 8):
         specs.append((f"mtp-q{q_len}-b8-L32768", dict(batch=8, q_len=q_len, L=32768),
                       lambda q_len=q_len: mtp_pool(torch, 2, q_len)))

@@ -150,6 +150,18 @@ fn problem_of(s: &Shape) -> kvstream::Result<DecodeProblem> {
             "a skewed batch on a paged cache (a contiguous one would hold batch x long_len)",
         ));
     }
+    if let Some(lens) = &s.lens {
+        if lens.len() != s.batch || lens.iter().any(|&l| l > s.len) {
+            return Err(Error::invalid(
+                "lens",
+                format!("{} lengths, longest {:?}", lens.len(), lens.iter().max()),
+                format!(
+                    "{} lengths (one per request), each at most L = {}",
+                    s.batch, s.len
+                ),
+            ));
+        }
+    }
     let p = DecodeProblem::new(s.batch, s.hq, s.hkv, s.d, s.max_len(), DType::Bf16)?
         .with_q_len(s.q_len)?;
     match s.page_size {
@@ -310,7 +322,7 @@ fn shape_implementations(
     shape: &Shape,
     impls: &[(String, PlanOptions)],
 ) -> Vec<(String, PlanOptions)> {
-    if shape.long_len.is_none() {
+    if !shape.varies_lengths() {
         return impls.to_vec();
     }
     let mut out = vec![
@@ -875,9 +887,9 @@ fn measure_shape(
         .flat_map(|s| shape.lens(s).into_iter().map(|l| l as i32))
         .collect();
     let table_host: Vec<i32> = tables.concat();
-    let lens_dev = match shape.long_len {
-        Some(_) => Some(driver("uploading lengths", stream.clone_htod(&lens_host))?),
-        None => None,
+    let lens_dev = match shape.varies_lengths() {
+        true => Some(driver("uploading lengths", stream.clone_htod(&lens_host))?),
+        false => None,
     };
     let table_dev = match p.paged {
         Some(_) => Some(driver(
@@ -1032,6 +1044,15 @@ fn measure_shape(
 /// Requests checked against the reference: the first and the last, except a skewed batch's
 /// long request (its f64 reference alone would take minutes; the GPU tests cover it).
 fn checked_requests(shape: &Shape) -> Vec<usize> {
+    if shape.lens.is_some() {
+        // a ragged batch: its two shortest requests of set 0 (the longest can be 1M positions)
+        let lens = shape.lens(0);
+        let mut order: Vec<usize> = (0..shape.batch).collect();
+        order.sort_by_key(|&b| (lens[b], b));
+        order.truncate(2);
+        order.sort_unstable();
+        return order;
+    }
     let long = shape.long_len.map(|_| 0); // the long request of set 0
     let mut reqs = vec![0, shape.batch - 1, 1.min(shape.batch - 1)];
     reqs.retain(|&b| Some(b) != long);
@@ -1227,9 +1248,34 @@ mod tests {
                 assert!(g * te <= HOST_KV_ELEMS.max(te));
                 let reqs = checked_requests(s);
                 assert!(!reqs.is_empty() && reqs.len() <= 2);
-                if s.long_len.is_some() {
+                if s.lens.is_some() {
+                    // every set: the same total and page count, other lengths per request
+                    let l0 = s.lens(0);
+                    let mut sorted = l0.clone();
+                    sorted.sort_unstable();
                     assert!(
-                        !reqs.contains(&0),
+                        reqs.iter().all(|&b| l0[b] <= sorted[1]),
+                        "{}: the two shortest are checked",
+                        s.id
+                    );
+                    assert_ne!(l0, s.lens(1), "{}: the lengths move between sets", s.id);
+                    for set in 0..a.sets {
+                        let l = s.lens(set);
+                        assert_eq!(l.iter().sum::<usize>(), l0.iter().sum::<usize>());
+                        assert!(l.iter().all(|&x| x <= s.len));
+                    }
+                    let keys: Vec<String> = shape_implementations(s, &[])
+                        .into_iter()
+                        .map(|(k, _)| k)
+                        .collect();
+                    assert_eq!(
+                        keys,
+                        ["kvstream", "kvstream/device-plan", "kvstream/host-plan"]
+                    );
+                }
+                if s.varies_lengths() && p.paged.is_some() {
+                    assert!(
+                        s.long_len.is_none() || !reqs.contains(&0),
                         "{}: the long request is not checked",
                         s.id
                     );

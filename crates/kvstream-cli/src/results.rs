@@ -43,17 +43,33 @@ pub struct Shape {
     /// paging itself.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pages_in_order: bool,
+    /// Ragged batch: request b of set 0 has `lens[b]` positions (each at most `L`, the
+    /// capacity); set s rotates them by s requests, so every call of a replayed graph sees
+    /// other lengths with the same total.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lens: Option<Vec<usize>>,
 }
 
 impl Shape {
     /// Cache positions of each request in pool set `set`.
     pub fn lens(&self, set: usize) -> Vec<usize> {
+        if let Some(lens) = &self.lens {
+            return (0..self.batch)
+                .map(|b| lens[(b + set) % self.batch])
+                .collect();
+        }
         (0..self.batch)
             .map(|b| match self.long_len {
                 Some(long) if b == set % self.batch => long,
                 _ => self.len,
             })
             .collect()
+    }
+
+    /// Whether the lengths change from set to set (skewed and ragged batches): one captured
+    /// graph then replays calls with other lengths.
+    pub fn varies_lengths(&self) -> bool {
+        self.long_len.is_some() || self.lens.is_some()
     }
 
     /// Cache capacity per request: the longest length any set gives a request.
@@ -87,6 +103,7 @@ impl Shape {
             page_size: None,
             long_len: None,
             pages_in_order: false,
+            lens: None,
         })
     }
 }

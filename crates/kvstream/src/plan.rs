@@ -19,89 +19,22 @@
 //!   whenever one of its knobs (`num_splits`, `reduction`, `device_plan`, `stages`,
 //!   `consumer_groups`, `resident_ctas`) is set.
 //!
-//! # Split heuristic (v1, host side)
+//! # Split engine: split count and reduction mode
 //!
-//! Decode is a stream over the KV cache. One CTA handles one (request, KV head, split) and one CTA
-//! fits per SM (~135 KB of shared memory). Measured on the H200 (sweep below): about **64
-//! streaming CTAs already saturate HBM** (a CTA keeps 128 KB of TMA loads in flight and pulls
-//! 55-70 GB/s), and going to a full wave of 132 costs 2-5% (more DRAM streams, and more splits
-//! for the combine to merge). So:
-//!
-//! 1. `ctas = batch * hkv`; `target = sm_count / 2` ([`TARGET_CTAS_PER_SM`] = 1/2).
+//! 1. `ctas = batch * hkv`; `target = sm_count / 2` ([`TARGET_CTAS_PER_SM`] = 1/2): about 64
+//!    streaming CTAs saturate HBM on the H200;
 //! 2. `splits = max(1, target / ctas)`: one split as soon as the batch alone supplies the target;
-//! 3. at most one split per tile ([`MIN_TILES_PER_SPLIT`] = 1): short caches still split down to
-//!    single tiles, which measured best at L = 1024;
-//! 4. at most [`MAX_SPLITS`].
+//! 3. at most one split per tile ([`MIN_TILES_PER_SPLIT`] = 1), at most [`MAX_SPLITS`].
 //!
 //! Worked example: 16/2 heads, d 128, batch 1, L 131072 on 132 SMs: 2 CTAs, target 66, so
 //! 33 splits of 62 tiles (64 positions each): 66 CTAs.
 //!
-//! The sweep behind it (batch-1 unless noted, bf16, forced split counts, latency in us, best
-//! marked; `kvstream demo --splits N`, CUDA-graph timing over a 512 MiB pool, 2026-11-29):
-//!
-//! | shape (hq/hkv, d, L)      |    1 |    4 |   8 |  16 |  32 |  64 | 128 | best |
-//! |---------------------------|------|------|-----|-----|-----|-----|-----|------|
-//! | 16/2, d128, 1024          |  9.3 |  6.3 | 5.5 |*5.2*| 5.2 | 5.6 | 7.4 | 16   |
-//! | 16/2, d128, 4096          | 28.3 | 11.1 | 8.1 | 6.8 |*6.3*| 6.4 | 9.2 | 32   |
-//! | 16/2, d128, 16384         |  105 | 30.2 |17.7 |11.7 |*9.3*| 9.6 |12.8 | 32   |
-//! | 16/2, d128, 131072        |  825 |  210 | 108 |57.0 |*36.7*|38.0|40.4 | 32   |
-//! | 16/1, d128, 131072        |  986 |  252 | 130 |67.8 |37.2 |*23.6*|24.0| 64   |
-//! | 16/1, d64, 32768          |  156 | 43.2 |24.3 |14.9 |10.5 |*9.1*| 9.4 | 64   |
-//! | 16/16, d128, 4096         | 28.2 |*12.5*|12.6 |14.8 |17.8 |23.9 |28.8 | 4    |
-//! | 16/16, d128, 32768        |  209 |*68.1*|70.4 |70.7 |70.8 |72.6 |76.4 | 4    |
-//! | b4 32/8, d128, 32768      |  208 |  134 | 135 | 136 | 134 | 136 | 144 | 2 (128.8) |
-
-//! # Reduction mode (automatic selection)
-//!
-//! With several splits, their partial results are merged either by a combine kernel (kernel
-//! reduction: FP32 workspace, second launch under PDL) or inside a thread-block cluster (cluster
-//! reduction: one launch, DSMEM, powers of two up to 16 splits). Rule ([`auto_reduction`]):
-//! **cluster reduction when there are 2, 4 or 8 splits of at most 2 tiles each and at most 8
-//! query columns per KV head** ([`AUTO_CLUSTER_MAX_SPLITS`], [`AUTO_CLUSTER_MAX_TILES`],
-//! [`AUTO_CLUSTER_MAX_COLUMNS`]), and on the paged plan two splits in a cluster where the
-//! heuristic wants 2-4 ([`paged_cluster_pair`]); kernel reduction otherwise; PDL on in both
-//! modes. Measured with `kvstream bench --modes` on two H200s (run A at e0d1f75, run B at
-//! c790eea; `results/kvstream-bench-2026-11-29-{e0d1f75,c790eea}.json`), cluster time / kernel
-//! time at the heuristic's split count (< 1: cluster faster):
-//!
-//! | shape              | splits | tiles/split | run A | run B |
-//! |--------------------|-------:|------------:|------:|------:|
-//! | 16/2 d64 L1024     |      8 |           1 | 0.963 | 0.933 |
-//! | 16/1 d64 L1024     |      8 |           1 | 1.039 | 0.984 |
-//! | 16/16 d64 L1024    |      4 |           2 | 0.970 | 0.940 |
-//! | 16/16 d128 L1024   |      4 |           4 | 0.966 | 1.018 |
-//! | 16/16 d128 L4096   |      4 |          16 | 0.971 | 1.060 |
-//! | 16/16 d128 L131072 |      4 |         512 | 0.976 | 0.960 |
-//! | 16/16 d64 L65536   |      4 |         128 | 1.030 | 1.050 |
-//! | 32/8 d128 L4096    |      8 |           8 | 0.993 | 1.142 |
-//! | b4 32/8 d128 L4096 |      2 |          32 | 0.968 | 1.009 |
-//! | 16/2 d128 L1024    |     16 |           1 | 1.195 | 1.172 |
-//! | 16/1 d64 L2048     |     16 |           1 | 1.216 | 1.164 |
-//! | 16/2 d128 L131072  |     33 |        (16) | 1.637 | 1.604 |
-//!
-//! Where a split streams one or two tiles, the combine's launch and L2 round trip are a large
-//! part of the time and the cluster's one-launch merge wins on both GPUs (3-7%). With longer
-//! splits the merge is noise and the two GPUs disagree by up to 14% in either direction: the
-//! placement of clusters onto GPCs differs from chip to chip (the two runs used different
-//! H200s), while kernel reduction's plain grid spreads the same everywhere, so it is the default
-//! there. Clusters of 16 are ~1 us slower than 16 CTAs plus a combine, and past 16 splits only
-//! kernel reduction can keep the SMs streaming. PDL stays on in both modes: over the 52 split
-//! shapes of run A, PDL off cost kernel reduction 0.51-1.25 us (median 0.73) and cluster
-//! reduction 0.42 us at the median (51 of 52 shapes slower, b1 32/8 L32768 0.49 us faster;
-//! 16/1 d64 L1024: kernel 5.22 -> 5.82 us, cluster 5.42 -> 5.84 us).
-//!
-//! Rechecked at a4ea985 (two runs on one H200, `results/kvstream-bench-2026-11-29-a4ea985*.json`):
-//! the rule is within 3% of the better mode on 56 and 58 of the 60 shapes. The misses are
-//! 16/16-head rows with 4 splits of 4-512 tiles where clusters won this time (d64 L2048: 6.40 vs
-//! 6.80 us; d128 L65536: 126.2 vs 130.9 us), the same rows on which the two earlier runs
-//! disagreed, so the rule is unchanged.
-//!
-//! Since e7c628d every kernel releases its dependents at the top, which takes the combine's
-//! launch off kernel reduction's critical path (0.3-0.4 us on one-tile splits). Two runs of the
-//! 60 shapes (`results/kvstream-bench-2026-11-29-{e7c628d,26d9d4a}.json`), cluster / kernel on
-//! the three rows the rule then gave to clusters: 16/2 d64 L1024 (8 columns) 0.971 / 0.971,
-//! 16/16 d64 L1024 (1 column) 0.970 / 0.966, 16/1 d64 L1024 (16 columns) 1.046 / 1.053. The
-//! 16-column row had been the rule's weakest (1.039 / 0.984 above): hence the column bound.
+//! Reduction ([`auto_reduction`]): cluster reduction for 2, 4 or 8 splits of at most 2 tiles
+//! each and at most 8 query columns per KV head ([`AUTO_CLUSTER_MAX_SPLITS`],
+//! [`AUTO_CLUSTER_MAX_TILES`], [`AUTO_CLUSTER_MAX_COLUMNS`]), two splits in a cluster on the
+//! paged plan where the heuristic wants 2-4 ([`paged_cluster_pair`]), kernel reduction
+//! otherwise; PDL on in both modes. The sweeps and same-run comparisons behind every number
+//! here are in docs/tuning.md.
 
 use crate::error::{Error, Result};
 use crate::kernels::{CombineVariant, DecodeVariant, PersistentVariant, MAX_N_TILES};
