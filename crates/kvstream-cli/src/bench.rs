@@ -1273,7 +1273,7 @@ mod tests {
                         ["kvstream", "kvstream/device-plan", "kvstream/host-plan"]
                     );
                 }
-                if s.varies_lengths() && p.paged.is_some() {
+                if let (true, Some(pg)) = (s.varies_lengths(), p.paged) {
                     assert!(
                         s.long_len.is_none() || !reqs.contains(&0),
                         "{}: the long request is not checked",
@@ -1281,7 +1281,6 @@ mod tests {
                     );
                     for set in 0..a.sets {
                         let t = block_table(s, &p, set, &mut SplitMix64::new(set as u64));
-                        let pg = p.paged.unwrap();
                         let mut used: Vec<i32> = s
                             .lens(set)
                             .iter()
