@@ -6,7 +6,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use kvstream::jit;
 use kvstream::kernels::all_variants;
-use kvstream::plan::{plan, PlanOptions};
+use kvstream::plan::{choose, PlanOptions};
 use kvstream::{DType, DecodeProblem, DeviceFacts};
 
 mod bench;
@@ -67,6 +67,9 @@ pub struct ShapeArgs {
     /// Plan the split partition on the device at each call (either reduction; no --splits).
     #[arg(long)]
     pub device_plan: bool,
+    /// Force the engine: persistent or split (default: chosen by the plan).
+    #[arg(long)]
+    pub engine: Option<String>,
 }
 
 impl ShapeArgs {
@@ -91,6 +94,7 @@ impl ShapeArgs {
             consumer_groups: self.consumer_groups,
             reduction: self.reduction.as_deref().map(str::parse).transpose()?,
             device_plan: self.device_plan,
+            engine: self.engine.as_deref().map(str::parse).transpose()?,
             ..Default::default()
         };
         Ok((p, opts))
@@ -235,7 +239,7 @@ fn replot(path: &std::path::Path, out: Option<&std::path::Path>) -> Result<(), S
 
 fn print_plan(shape: &ShapeArgs) -> kvstream::Result<()> {
     let (p, opts) = shape.problem()?;
-    let pl = plan(&p, DeviceFacts::H200, opts)?;
+    let pl = choose(&p, DeviceFacts::H200, opts)?;
     println!("{p:?}");
     println!("{pl:#?}");
     Ok(())

@@ -14,7 +14,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
-use kvstream::plan::{choose, Reduction};
+use kvstream::plan::{choose, Engine, Reduction};
 use kvstream::{
     DType, DecodeProblem, DecodeTensors, DeviceFacts, Error, KvStrides, PlanOptions, Runtime,
 };
@@ -172,6 +172,7 @@ fn options(
     num_splits: Option<i64>,
     reduction: Option<&str>,
     device_plan: bool,
+    engine: Option<&str>,
 ) -> PyResult<PlanOptions> {
     Ok(PlanOptions {
         num_splits: num_splits.map(|n| size("num_splits", n)).transpose()?,
@@ -180,6 +181,10 @@ fn options(
             .transpose()
             .map_err(to_py)?,
         device_plan,
+        engine: engine
+            .map(str::parse::<Engine>)
+            .transpose()
+            .map_err(to_py)?,
         ..Default::default()
     })
 }
@@ -188,9 +193,10 @@ fn options(
 /// string. Raises ValueError naming the field that is out of range. `reduction` forces the
 /// split reduction mode (`"kernel"` or `"cluster"`); `None` lets the planner choose. `q_len`
 /// new tokens per request (1..=8); `page_size` and `num_pages` (and optionally `table_stride`)
-/// describe a paged cache; `device_plan` plans the split partition on the device at each call.
+/// describe a paged cache; `device_plan` plans the split partition on the device at each call;
+/// `engine` forces `"persistent"` or `"split"` (`None`: chosen by the plan).
 #[pyfunction]
-#[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false))]
+#[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false, engine=None))]
 #[allow(clippy::too_many_arguments)]
 fn validate(
     batch: i64,
@@ -209,6 +215,7 @@ fn validate(
     num_pages: Option<i64>,
     table_stride: Option<i64>,
     device_plan: bool,
+    engine: Option<&str>,
 ) -> PyResult<String> {
     let p = build_problem(
         batch,
@@ -225,7 +232,7 @@ fn validate(
         num_pages,
         table_stride,
     )?;
-    let opts = options(num_splits, reduction, device_plan)?;
+    let opts = options(num_splits, reduction, device_plan, engine)?;
     let plan = choose(&p, DeviceFacts::H200, opts).map_err(to_py)?;
     Ok(format!("{plan:?}"))
 }
@@ -249,7 +256,7 @@ struct Decoder {
 #[pymethods]
 impl Decoder {
     #[new]
-    #[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, device=0, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false))]
+    #[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, device=0, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false, engine=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -270,6 +277,7 @@ impl Decoder {
         num_pages: Option<i64>,
         table_stride: Option<i64>,
         device_plan: bool,
+        engine: Option<&str>,
     ) -> PyResult<Self> {
         // Everything that can be checked without a GPU is checked first.
         let problem = build_problem(
@@ -287,7 +295,7 @@ impl Decoder {
             num_pages,
             table_stride,
         )?;
-        let opts = options(num_splits, reduction, device_plan)?;
+        let opts = options(num_splits, reduction, device_plan, engine)?;
         choose(&problem, DeviceFacts::H200, opts).map_err(to_py)?;
         let device = size("device", device)?;
         // Compiling kernels may take seconds on a cold cache: let other threads run.

@@ -144,6 +144,31 @@ pub enum Engine {
     Split,
 }
 
+impl Engine {
+    /// `"persistent"` or `"split"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Persistent => "persistent",
+            Engine::Split => "split",
+        }
+    }
+}
+
+impl std::str::FromStr for Engine {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "persistent" => Ok(Engine::Persistent),
+            "split" => Ok(Engine::Split),
+            other => Err(Error::invalid(
+                "engine",
+                format!("{other:?}"),
+                "\"persistent\" or \"split\" (or None: chosen by the plan)",
+            )),
+        }
+    }
+}
+
 /// Whether the persistent engine is the default for `problem`: where the batch alone supplies
 /// about as many (request, KV head, column block) units as there are SMs, so that the split
 /// engine's host plan would not split and one long request replayed in a captured graph would

@@ -89,6 +89,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_GROUP = 32
 #: Largest forced split count.
 MAX_SPLITS = 128
+#: Engines ``decode`` accepts for ``engine`` (besides None: chosen by the plan).
+ENGINES = ("persistent", "split")
 #: Split reduction modes ``decode`` accepts for ``reduction`` (besides None: automatic).
 REDUCTIONS = ("kernel", "cluster")
 #: Split counts cluster reduction accepts.
@@ -227,6 +229,7 @@ def decode(
     num_splits: Optional[int] = None,
     reduction: Optional[str] = None,
     device_plan: bool = False,
+    engine: Optional[str] = None,
     return_lse: bool = False,
     out: Any = None,
 ) -> Any:
@@ -272,6 +275,8 @@ def decode(
             split writes FP32 partials to a workspace and a combine kernel merges them.
             ``"cluster"``: the splits of one (request, KV head) form a thread-block cluster and
             merge through distributed shared memory: one launch, no workspace, deterministic.
+        engine: ``"persistent"`` or ``"split"`` forces the engine (``None``: as above);
+            ``"persistent"`` takes none of ``num_splits``, ``reduction`` and ``device_plan``.
         device_plan: plan the split partition on the GPU at every call from the lengths in
             ``cache_seqlens`` (a small planner kernel ahead of the decode): each request gets
             splits in proportion to its length, so ragged batches and CUDA graphs replayed with
@@ -492,6 +497,23 @@ def decode(
             f"kvstream.decode: num_splits is {num_splits} with device_plan=True, allowed: None "
             f"(the device plan chooses each request's splits from its length)"
         )
+    if engine is not None:
+        allowed_engines = " or ".join(repr(e) for e in ENGINES) + " or None"
+        if not isinstance(engine, str):
+            raise TypeError(
+                f"kvstream.decode: engine must be a str or None, got {engine!r} "
+                f"({type(engine).__name__}), allowed: {allowed_engines}"
+            )
+        if engine not in ENGINES:
+            raise ValueError(f"kvstream.decode: engine is {engine!r}, allowed: {allowed_engines}")
+        if engine == "persistent" and (
+            num_splits is not None or reduction is not None or device_plan
+        ):
+            raise ValueError(
+                "kvstream.decode: engine is 'persistent' with num_splits, reduction or "
+                "device_plan given, allowed: those only with engine='split' or None (they "
+                "configure the split engine)"
+            )
     if not isinstance(return_lse, bool):
         raise TypeError(
             f"kvstream.decode: return_lse must be a bool, got {type(return_lse).__name__}"
@@ -506,7 +528,7 @@ def decode(
     dtype_name = SUPPORTED_DTYPES[qd]
     key = (
         b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits, reduction, index,
-        k_strides, v_strides, q_len, paging, device_plan,
+        k_strides, v_strides, q_len, paging, device_plan, engine,
     )
 
     def make() -> Any:
@@ -515,7 +537,7 @@ def decode(
             b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits,
             reduction=reduction, device=index, k_strides=k_strides, v_strides=v_strides,
             q_len=q_len, page_size=page_size_, num_pages=num_pages_,
-            table_stride=table_stride_, device_plan=device_plan,
+            table_stride=table_stride_, device_plan=device_plan, engine=engine,
         )
 
     cached = _decoder_for(key, make, capturing)

@@ -105,6 +105,7 @@ def test_decode_signature():
         ("num_splits", P.KEYWORD_ONLY, None),
         ("reduction", P.KEYWORD_ONLY, None),
         ("device_plan", P.KEYWORD_ONLY, False),
+        ("engine", P.KEYWORD_ONLY, None),
         ("return_lse", P.KEYWORD_ONLY, False),
         ("out", P.KEYWORD_ONLY, None),
     ]
@@ -565,3 +566,32 @@ def test_native_decoder_new_arguments_without_gpu():
         assert "q_len=4" in r and "page_size=16" in r and "table_stride=300" in r, r
         assert "device_plan=True" in r and d.reduction == "kernel", r
         pytest.skip("a GPU is present: the no-GPU error path is not reachable here")
+
+
+@pytest.mark.parametrize("bad", ["Persistent", "atomic", ""])
+def test_engine_value(bad):
+    fails(ValueError, "engine", repr(bad), "'persistent' or 'split' or None", engine=bad)
+
+
+def test_engine_type():
+    fails(TypeError, "engine", "'persistent' or 'split' or None", engine=1)
+
+
+@pytest.mark.parametrize("over", [dict(num_splits=4), dict(reduction="kernel"),
+                                  dict(device_plan=True)])
+def test_persistent_engine_takes_no_split_knobs(over):
+    fails(ValueError, "engine", "persistent", engine="persistent", **over)
+
+
+def test_native_validate_engine():
+    args = (1, 16, 2, 128, 4096, "bf16")
+    assert _native.validate(*args).startswith("Split(")
+    assert _native.validate(*args, engine="persistent").startswith("Persistent(")
+    assert _native.validate(16, 32, 8, 128, 4096, "bf16", engine="split").startswith("Split(")
+    with pytest.raises(ValueError) as e:
+        _native.validate(*args, engine="fast")
+    msg = str(e.value)
+    assert "engine" in msg and "fast" in msg and "persistent" in msg, msg
+    with pytest.raises(ValueError) as e:
+        _native.validate(*args, engine="persistent", num_splits=4)
+    assert "engine" in str(e.value), str(e.value)
