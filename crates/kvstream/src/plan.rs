@@ -278,54 +278,30 @@ pub const TARGET_CTAS_PER_SM: (usize, usize) = (1, 2);
 /// 27 GB/s where single-token CTAs pull 55-70), so these aim for a full wave.
 pub const MULTI_TOKEN_CTAS_PER_SM: usize = 1;
 /// Streaming CTAs per SM for a cache of pages smaller than a tile ([`takes_paged_plan`]), with
-/// the [`PAGED_STAGES`]-deep ring that lets two CTAs share an SM. Such a tile is one TMA per page
-/// run and head-dim box (8 per K tile at page 16, d128), and one producer warp per SM issuing
-/// them was the limit, not DRAM (measured before v20/v21): pages in pool
-/// order measure the same as shuffled ones (b713ea5, `results/pageorder-2026-11-29-b713ea5.json`:
-/// b128 L32768 page 16, 4539 us either way), while two resident CTAs per SM take page 16 from
-/// 4539 to 4049 us (contiguous: 4089 us) and page 64 at b8 from 269 to 255 us (contiguous 257).
+/// the [`PAGED_STAGES`]-deep ring that lets two CTAs share an SM: one producer warp per SM
+/// issuing a TMA per page run is the limit there, not DRAM (docs/tuning.md, `PAGED_CTAS_PER_SM`).
 pub const PAGED_CTAS_PER_SM: usize = 2;
 /// Ring depth for paged caches (see [`PAGED_CTAS_PER_SM`]).
 pub const PAGED_STAGES: usize = 2;
 /// Fewest tiles a paged split streams: a paged split pays one more dependent load before its
-/// first byte (length, block table, then TMA), so two-tile splits lose to four-tile ones. Forced
-/// split counts at b1 L4096, 32/8 d128 (`results/paged-sweep-2026-11-29-*.json`): 16 splits of
-/// 4 tiles 9.4-9.9 us, 33 of 2 tiles 10.9-11.6 us, at pages of 16 and 64 alike.
+/// first byte (length, block table, then TMA), so two-tile splits lose to four-tile ones
+/// (docs/tuning.md, `PAGED_MIN_TILES_PER_SPLIT`).
 pub const PAGED_MIN_TILES_PER_SPLIT: usize = 4;
 /// Ring depth of a plan whose unsplit CTAs fill the GPU ([`fills_the_gpu_unsplit`]), with at
-/// most [`FULL_WAVE_RESIDENT_CTAS`] CTAs per SM: fewer, longer streams per SM. Forced variants
-/// at a937947 (`results/resident-2026-11-29-a937947.json`, 32/8 d128, latency in us, default
-/// s4 / s2 with one CTA per SM): b16 L4096 68.5 / 66.4, b16 L32768 516.9 / 505.4, b128 L4096
-/// 511.5 / 512.6, b128 L32768 4068 / 4051; paged (2-stage ring already) two CTAs per SM / one:
-/// page 64 b128 L32768 4183 / 4056, page 16 with pages in pool order 4147 / 3925, page 16
-/// shuffled 4049 / 4057. (A 2-stage ring without the cap lets three CTAs share an SM: 4174 us
-/// at b128 L32768.)
+/// most [`FULL_WAVE_RESIDENT_CTAS`] CTAs per SM: fewer, longer streams per SM
+/// (docs/tuning.md, `FULL_WAVE_STAGES`).
 pub const FULL_WAVE_STAGES: usize = 2;
 /// CTAs per SM of a plan whose unsplit CTAs fill the GPU (see [`FULL_WAVE_STAGES`]).
 pub const FULL_WAVE_RESIDENT_CTAS: usize = 1;
-/// CTAs per SM of a device plan on a paged cache: the skewed serving row (one request of
-/// 1,048,576 positions and fifteen of 2048, page 64) took 1043.2 us with one, 1065.8 with two
-/// (a937947).
+/// CTAs per SM of a device plan on a paged cache (docs/tuning.md,
+/// `DEVICE_PLAN_PAGED_RESIDENT_CTAS`).
 pub const DEVICE_PLAN_PAGED_RESIDENT_CTAS: usize = 1;
 
 /// Whether a problem takes the paged plan ([`PAGED_CTAS_PER_SM`], [`PAGED_STAGES`],
-/// [`PAGED_MIN_TILES_PER_SPLIT`]): pages smaller than a tile, which cost one TMA per page run.
-/// Pages of at least a tile take the contiguous plan: with the block table read a chunk ahead
-/// (v20) a page-64 stream keeps up with a contiguous one, and the contiguous plan's split counts
-/// and 4-stage ring beat the paged plan on them (ea68dbc, 32/8 d128, page 64 / contiguous, us:
-/// b1 L4096 8 splits 8.80 / 8.56, paged plan 9.34; b8 L4096 one split 35.8 / 34.8, paged plan
-/// 38.8; b1 L32768 8 splits 37.3 / 36.2, paged plan 38.9; b8 L32768 one split 258.2 / 254.7).
-///
-/// Pages of 16 positions or more read with joined halves (d128, [`DecodeVariant::joins_halves`],
-/// two producer warps) take the contiguous plan too: a box then moves 4 KB or more, and forced
-/// configurations at 4f9e36f (v34, `results/ab-2026-11-29/run-4f9e36f/forced/`, 32/8 d128 page
-/// 16, us; paged plan / contiguous plan's configuration / contiguous cache) measured b1 L4096
-/// 9.44 / 8.93 (`n8-s4`) / 8.39, b8 L4096 36.9 (cluster pair) / 36.3 (`n1-s4`) / 34.7, b1
-/// L32768 38.9 / 37.8-38.1 (`n8-s4`) / 35.8. Pages of 8 (2 KB boxes) are not measured and keep
-/// the paged plan. As landed (c0bac70 against 7e3bce1, the build before joined halves, same
-/// run, `results/ab-2026-11-29/run-c0bac70/`, page 16, us): b1 L4096 9.17 -> 8.90, b1 L32768
-/// 38.81 -> 37.67, b8 L4096 36.93 -> 36.21, b8 L32768 261.4 -> 260.0, b32 L4096 134.4 -> 133.6,
-/// b128 L4096 524.8 -> 517.6.
+/// [`PAGED_MIN_TILES_PER_SPLIT`]): pages smaller than a tile, which cost one TMA per page run,
+/// except joined-halves pages of at least [`JOINED_CONTIGUOUS_PLAN_MIN_PAGE`] positions
+/// ([`DecodeVariant::joins_halves`]); every other cache takes the contiguous plan
+/// (docs/tuning.md, `takes_paged_plan`).
 pub fn takes_paged_plan(problem: &DecodeProblem) -> bool {
     let tile = tile_tokens(problem.head_dim);
     problem.paged.is_some_and(|pg| {
@@ -426,16 +402,10 @@ pub fn auto_reduction(num_splits: usize, tiles_per_split: usize, columns: usize)
 pub const PAGED_PAIR_MAX_SPLITS: usize = 4;
 
 /// Whether a paged-plan problem ([`takes_paged_plan`]) for which the heuristic wants
-/// `heuristic` splits runs two splits merged in a cluster instead: where the batch already
-/// supplies a quarter or more of the paged target (2-4 splits), the combine launch costs more
-/// than the extra splits save, and clusters of 4 paged CTAs place badly. Forced modes at 5ca22fb,
-/// 32/8 d128 page 16 b8 (`results/ab-2026-11-29/run-5ca22fb/serving-modes-5ca22fb.json`, us):
-/// L4096 kernel n4 (the heuristic) 38.70, n2 40.06, n8 40.62, cluster of 4 49.52, **cluster of
-/// 2 36.81** (contiguous 35.26); L32768 n4 260.77, n2 268.98, cluster of 4 339.04, **cluster of
-/// 2 259.09**. At b32 the heuristic asks for one split (forcing a cluster of 2 there: 135.3 vs
-/// 132.8 us, 10120ff), at b1 for 16, so neither changes. Query columns as in [`auto_reduction`].
-/// As the rule, same run against the build before it (`results/ab-2026-11-29/run-0e949d5/`):
-/// b8 L4096 38.19 -> 36.86 us, b8 L32768 261.90 -> 259.36, pages in pool order 262.78 -> 246.90.
+/// `heuristic` splits (2..=[`PAGED_PAIR_MAX_SPLITS`]) runs two splits merged in a cluster
+/// instead: the combine launch then costs more than the extra splits save, and clusters of 4
+/// paged CTAs place badly. Query columns as in [`auto_reduction`] (docs/tuning.md,
+/// `paged_cluster_pair`).
 pub fn paged_cluster_pair(problem: &DecodeProblem, heuristic: usize) -> bool {
     takes_paged_plan(problem)
         && (2..=PAGED_PAIR_MAX_SPLITS).contains(&heuristic)
@@ -505,13 +475,8 @@ pub fn resident_shared_bytes(needed: usize, resident: Option<usize>) -> usize {
 /// Ring depths a decode kernel can be built with.
 pub const SUPPORTED_STAGES: [usize; 2] = [2, STAGES];
 
-/// Groups of consumer warps for a split of `tiles_per_split` tiles with `n_tiles` head tiles.
-///
-/// Measured (kvstream bench, 2026-11-29, `results/kvstream-bench-2026-11-29.json`): a second
-/// group pays as soon as a split has two tiles (16/16 heads d64 L 131072: 151.0 -> 131.4 us,
-/// 16/1 d64 L 131072: 16.8 -> 14.8 us, 16/2 d128 L 4096 at two tiles per split: 5.90 -> 5.78
-/// us) and costs 0.1-0.2 us of merge when the second group has nothing to do (one tile per
-/// split: 16/2 d128 L 2048: 5.05 -> 5.15 us).
+/// Groups of consumer warps for a split of `tiles_per_split` tiles with `n_tiles` head tiles:
+/// two from two tiles a split on, where they fit (docs/tuning.md, `consumer_groups`).
 pub fn consumer_groups(n_tiles: usize, tiles_per_split: usize) -> usize {
     if tiles_per_split >= 2 && DecodeVariant::groups_fit(n_tiles, 2) {
         2
