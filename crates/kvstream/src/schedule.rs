@@ -177,6 +177,78 @@ mod tests {
         }
     }
 
+    /// The pieces of every unit, each a partial over its tiles' positions and merged in CTA
+    /// order as the merging CTA does, give the f64 reference output and LSE of every row.
+    #[test]
+    fn pieces_merged_in_cta_order_give_the_reference() {
+        use crate::reference::{
+            combine_partials, decode_reference, random_bf16, relative_error, split_partial,
+            RefShape, SplitMix64,
+        };
+        let tile = 16;
+        let mut rng = Rng(11);
+        for case in 0..12 {
+            let (hq, hkv, d) = [(4, 2, 16), (8, 1, 32), (6, 3, 16)][case % 3];
+            let batch = 1 + (rng.next() % 5) as usize;
+            let lens: Vec<usize> = (0..batch)
+                .map(|_| match rng.next() % 4 {
+                    0 => 0,
+                    _ => (rng.next() % 300) as usize,
+                })
+                .collect();
+            let max_len = lens.iter().copied().max().unwrap_or(0) + 5;
+            let shape = RefShape {
+                batch,
+                q_len: 1,
+                hq,
+                hkv,
+                d,
+                max_len,
+                softmax_scale: 1.0 / (d as f64).sqrt(),
+            };
+            let mut data = SplitMix64::new(case as u64);
+            let (_, q) = random_bf16(&mut data, batch * hq * d, 2.0);
+            let (_, k) = random_bf16(&mut data, batch * max_len * hkv * d, 1.0);
+            let (_, v) = random_bf16(&mut data, batch * max_len * hkv * d, 1.0);
+            let want = decode_reference(&shape, &q, &k, &v, &lens);
+            let grid = 1 + (rng.next() % 40) as usize;
+            let (_, per_cta) = pieces(&lens, hkv, tile, grid, 1 + case % 3);
+            // each unit's pieces in CTA order
+            let mut by_unit: std::collections::BTreeMap<(usize, usize), Vec<Piece>> =
+                Default::default();
+            for list in &per_cta {
+                for p in list {
+                    by_unit.entry((p.batch, p.unit)).or_default().push(*p);
+                }
+            }
+            for b in 0..batch {
+                for h in 0..hq {
+                    let row = b * hq + h;
+                    let got = match by_unit.get(&(b, h / (hq / hkv))) {
+                        None => (vec![0.0; d], f64::NEG_INFINITY), // zero-length request
+                        Some(list) => {
+                            let partials: Vec<_> = list
+                                .iter()
+                                .map(|p| {
+                                    let r = p.first * tile..(p.end * tile).min(lens[b]);
+                                    split_partial(&shape, &q, &k, &v, b, 0, h, r)
+                                })
+                                .collect();
+                            combine_partials(&partials, d)
+                        }
+                    };
+                    let o = &want.out[row * d..(row + 1) * d];
+                    assert!(relative_error(&got.0, o) < 1e-12, "case {case} row {row}");
+                    let (a, e) = (got.1, want.lse[row]);
+                    assert!(
+                        a == e || (a - e).abs() < 1e-9,
+                        "case {case} row {row}: {a} {e}"
+                    );
+                }
+            }
+        }
+    }
+
     /// The closed forms agree with their definitions: cta_of(t) is the largest c with
     /// B(c) <= t.
     #[test]
