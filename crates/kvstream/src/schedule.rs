@@ -221,7 +221,7 @@ mod tests {
                     by_unit.entry((p.batch, p.unit)).or_default().push(*p);
                 }
             }
-            for b in 0..batch {
+            for (b, &len) in lens.iter().enumerate() {
                 for h in 0..hq {
                     let row = b * hq + h;
                     let got = match by_unit.get(&(b, h / (hq / hkv))) {
@@ -230,7 +230,7 @@ mod tests {
                             let partials: Vec<_> = list
                                 .iter()
                                 .map(|p| {
-                                    let r = p.first * tile..(p.end * tile).min(lens[b]);
+                                    let r = p.first * tile..(p.end * tile).min(len);
                                     split_partial(&shape, &q, &k, &v, b, 0, h, r)
                                 })
                                 .collect();
