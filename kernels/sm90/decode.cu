@@ -107,7 +107,8 @@ struct SharedPlan {
     static constexpr int col_out = col_q + 8 * GROUP_PAD;
     static constexpr int col_row = col_out + 8 * GROUP_PAD;
     static constexpr int col_visible = col_row + 8 * GROUP_PAD;
-    static constexpr int start = col_visible + 4 * GROUP_PAD;  // StartShared
+    static constexpr int start = col_visible + 4 * GROUP_PAD;  // StartShared (48 bytes at most)
+    static constexpr int merge_flag = start + 56;               // int: this CTA merges the unit
     static constexpr int bytes = start + 64;
 };
 
@@ -143,6 +144,7 @@ struct StartShared {
     int batch;        // the request holding tile lo
     int ctas;         // working CTAs
 };
+static_assert(sizeof(StartShared) <= SharedPlan::merge_flag - SharedPlan::start, "StartShared slot");
 
 __device__ __forceinline__ long long warp_sum(long long v) {
 #pragma unroll
@@ -631,7 +633,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     const u32 q_base = smem_addr(smem + SharedPlan::q);
     const u32 ring_base = smem_addr(smem + SharedPlan::ring);
     float* merge = reinterpret_cast<float*>(smem + SharedPlan::merge);
-    int* merge_flag = reinterpret_cast<int*>(smem + SharedPlan::start + 56);
+    int* merge_flag = reinterpret_cast<int*>(smem + SharedPlan::merge_flag);
     // ldmatrix lane addressing (see ptx.cuh): K as row-major A, V^T via .trans, Q as col B.
     const int a_row = lane % 16, a_col = (lane / 16) * 8;                       // K
     const int v_row = (lane / 16) * 8 + lane % 8, v_col = ((lane / 8) % 2) * 8;  // V^T
