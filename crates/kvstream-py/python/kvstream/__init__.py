@@ -218,6 +218,18 @@ def _decoder_for(key: tuple, make: Any, capturing: bool) -> _Cached:
         return _decoders.setdefault(key, _Cached(d))
 
 
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    """TypeError unless `value` is a str, ValueError unless it is one of `allowed`."""
+    allowed_text = " or ".join(repr(a) for a in allowed) + " or None"
+    if not isinstance(value, str):
+        raise TypeError(
+            f"kvstream.decode: {name} must be a str or None, got {value!r} "
+            f"({type(value).__name__}), allowed: {allowed_text}"
+        )
+    if value not in allowed:
+        raise ValueError(f"kvstream.decode: {name} is {value!r}, allowed: {allowed_text}")
+
+
 def decode(
     q: Any,
     k_cache: Any,
@@ -472,16 +484,7 @@ def decode(
                 f"kvstream.decode: num_splits is {num_splits}, allowed: 1..{MAX_SPLITS} or None"
             )
     if reduction is not None:
-        allowed_modes = " or ".join(repr(m) for m in REDUCTIONS) + " or None"
-        if not isinstance(reduction, str):
-            raise TypeError(
-                f"kvstream.decode: reduction must be a str or None, got {reduction!r} "
-                f"({type(reduction).__name__}), allowed: {allowed_modes}"
-            )
-        if reduction not in REDUCTIONS:
-            raise ValueError(
-                f"kvstream.decode: reduction is {reduction!r}, allowed: {allowed_modes}"
-            )
+        _check_choice("reduction", reduction, REDUCTIONS)
         if reduction == "cluster" and num_splits is not None and num_splits not in CLUSTER_SPLITS:
             raise ValueError(
                 f"kvstream.decode: num_splits is {num_splits} with reduction='cluster', allowed: "
@@ -498,14 +501,7 @@ def decode(
             f"(the device plan chooses each request's splits from its length)"
         )
     if engine is not None:
-        allowed_engines = " or ".join(repr(e) for e in ENGINES) + " or None"
-        if not isinstance(engine, str):
-            raise TypeError(
-                f"kvstream.decode: engine must be a str or None, got {engine!r} "
-                f"({type(engine).__name__}), allowed: {allowed_engines}"
-            )
-        if engine not in ENGINES:
-            raise ValueError(f"kvstream.decode: engine is {engine!r}, allowed: {allowed_engines}")
+        _check_choice("engine", engine, ENGINES)
         if engine == "persistent" and (
             num_splits is not None or reduction is not None or device_plan
         ):
