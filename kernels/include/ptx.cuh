@@ -139,8 +139,8 @@ __device__ __forceinline__ float4 ld_global_l2(const float4* ptr) {
 // value (PTX ISA 9.7.13.5, atom; memory model 8.x). Issued by one thread after a bar.sync, its
 // release covers what the whole CTA wrote before the barrier (cumulativity), and its acquire
 // makes what the earlier releasers wrote visible to this CTA after the next bar.sync. One
-// thread's atomic instead of a fence in every thread: `__threadfence` is a sequentially
-// consistent fence (MEMBAR.SC.GPU) that waited microseconds per thread under full HBM load.
+// thread's atomic instead of a fence in every thread (`__threadfence` is a sequentially
+// consistent MEMBAR.SC.GPU in each of them).
 __device__ __forceinline__ int atom_add_acq_rel_gpu(int* ptr, int v) {
     int old;
     asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");

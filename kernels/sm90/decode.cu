@@ -154,8 +154,8 @@ __device__ __forceinline__ long long warp_sum(long long v) {
 
 // Tiles x units of requests base + 8 lane .. base + 8 lane + 7 (0 past the batch). The loads are
 // unconditional (an index past the batch reads the last length and is then dropped), so the
-// eight leave back to back: with a branch per request ptxas issued them one round trip after
-// another, about 6 us per pass.
+// eight leave back to back (with a branch per request ptxas issues them one round trip after
+// another).
 __device__ __forceinline__ void load_request_tiles(const PersistentParams& p, const int* lens, int base,
                                                    int lane, int uh, long long (&t)[SCAN_PER_LANE]) {
     int raw[SCAN_PER_LANE];

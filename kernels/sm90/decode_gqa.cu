@@ -399,9 +399,9 @@ __device__ __forceinline__ void produce_contiguous(const DecodeParams& p, const 
 // warp reads the block table a chunk of CHUNK_PAGES pages at a time, one coalesced load per 32
 // pages (lane i holds pages i, i + 32, ... of the chunk), and keeps two chunks: while the tiles of
 // one are issued the next is in flight, so a table read hides behind a whole chunk of tiles (16
-// tiles of page 16, 64 of page 64). (v15 read each tile's ids STAGES tiles ahead: 1-2 us at one
-// CTA per request and head, about one table read under full HBM traffic, and a lone page-64
-// stream ran 1.3x slower than a contiguous one.) The chunk loop is unrolled by two so each chunk
+// tiles of page 16, 64 of page 64). (Reading each tile's ids STAGES tiles ahead instead costs
+// about one table read under full HBM traffic, 1-2 us, per tile at one CTA per request and head:
+// a lone page-64 stream then ran 1.3x slower than a contiguous one.) The chunk loop is unrolled by two so each chunk
 // buffer is refilled in place: moving a register whose load is in flight would wait for it.
 constexpr int CHUNK_PAGES = 32 * RUNS_PER_LANE;
 // Paged one-CTA variants read the first chunks right after the PDL wait (see the kernel); the
@@ -463,8 +463,8 @@ __device__ __forceinline__ void load_first_page_chunks(int (&ids)[2][RUNS_PER_LA
         }
 }
 
-// The ring as the paged loop hands it to the wrappers, by variant, both forms measured (bench/
-// NOTES.md v44c, v44e): plain paged loops take shared-window addresses, converted once (with
+// The ring as the paged loop hands it to the wrappers, by variant, both forms measured on both
+// kinds of loop: plain paged loops take shared-window addresses, converted once (with
 // generic pointers ptxas put the window base's S2R back inside the tile loop of some variants:
 // 8% slower on 64-tile rows); joined-halves loops take generic pointers (with shared-window
 // addresses ptxas kept the tensor maps' addresses in ordinary registers, an R2UR pair per box:
@@ -553,13 +553,13 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
 // only after the PDL wait. Prefetches into L2 may start before it: the previous kernel's writes
 // land in L2, so the loads after the wait still see them. The consumer threads, idle until the
 // wait, each warm one K or V row (position) of the split's first WARM_TILES tiles, a 128-byte
-// `prefetch.global.L2` per line, through the load/store path (TMA prefetches, v26, queued in the
-// SM's TMA unit ahead of the previous call's loads). The range assumes every request is max_len
+// `prefetch.global.L2` per line, through the load/store path (TMA prefetches queued in the SM's
+// TMA unit ahead of the previous call's loads). The range assumes every request is max_len
 // long, since the lengths may not be read yet: a shorter one only warms positions it will not
-// read. Where it runs (decode kernel entry, measured in bench/NOTES.md v27-v29, v37): contiguous
+// read. Where it runs (decode kernel entry, each case measured with and without): contiguous
 // caches under a static plan in kernel reduction, and joined-halves pages there when the
 // request is split (WARMS_PAGES). Not other paged caches (their page ids, read before the wait
-// as hints, made 5 of 10 paged rows slower, page 64 b8 L32768 by 6.6 us, v28), not device plans
+// as hints, made 5 of 10 paged rows slower, page 64 b8 L32768 by 6.6 us), not device plans
 // (the work item is written by the planner, the kernel just before), not cluster reduction
 // (0.2-0.45 us slower on three of the six mha rows, mha-d64-L1024 among them, whose automatic
 // mode is cluster reduction; the cause is not known).
@@ -597,7 +597,7 @@ __device__ __forceinline__ void warm_first_tiles(const DecodeParams& p, const Wo
 }
 
 // The query rows, warmed in L2 before the PDL wait too (single-token decode, static plans: the
-// case measured, bench/NOTES.md v40; multi-token rows would need fill_columns' per-column
+// case measured; multi-token rows would need fill_columns' per-column
 // division first): the consumers' Q loads right after the wait can queue behind the first lap's
 // KV traffic, and a split cannot start without them. As for the KV lines, a prefetch sees the
 // previous kernel's writes (they land in L2), so only the addresses need to be known: the work
@@ -671,7 +671,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     // must be redone after the wait (`replan`: device plan or device lengths). Left to the
     // compiler, all of it sank below the wait, where one warp's chain of parameter reads,
     // compares and 64-bit divisions kept the first TMA 0.67 us behind the wait with no memory
-    // access in the way (bench/NOTES.md v41 probe, v41, v43). Pinned only where one CTA has the
+    // access in the way (measured with a phase trace). Pinned only where one CTA has the
     // SM: the two-CTA variants sit at their 96-register cap and serve long one-split rows, where
     // this start matters least.
     const bool replan = p.work || p.seqlens;
@@ -793,7 +793,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
         if constexpr (PAGED) {
             // The walk is worked out again here rather than kept from before the wait: carried
             // across the prologue it cost 12 registers and put the ring's address conversion
-            // back inside the tile loop (bench/NOTES.md, v44 measured).
+            // back inside the tile loop.
             const PageWalk walk = page_walk(p, batch, range);
             if (!EARLY_TABLE_READ || replan) load_first_page_chunks(page_ids, first_pages(walk, lane));
             produce_paged(p, ring_state, range, num_tiles, walk, page_ids, kv_head, lane, warp - PRODUCER_WARP);
@@ -1023,7 +1023,7 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
     // (a cluster slice is at least four wide, HEAD_DIM / 16 at d64). Each thread works its
     // column's CTA max and denominator out again from the warps' statistics: measured faster
     // than sharing them through shared memory, which puts one thread's chain in front of the
-    // merge barrier (bench/NOTES.md, v25).
+    // merge barrier.
     const bool single_split = item.num_splits == 1;
     if (in_cluster) cluster_wait_acquire();  // every peer has started: its shared memory exists
     for (int i = threadIdx.x; i < cols.count * (HEAD_DIM / 4); i += CONSUMER_THREADS) {

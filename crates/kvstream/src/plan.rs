@@ -176,7 +176,7 @@ impl std::str::FromStr for Engine {
 /// persistent engine balances every call whatever the lengths, at 0-11% over the split engine
 /// on uniform lengths; on smaller batches every request is split and the split engine measured
 /// 1.05-3.3x faster (a cut unit costs the persistent engine its partials, an arrival and a
-/// merge by one CTA). Measured on the H200 at 64ec7df; docs/tuning.md, "Engine choice".
+/// merge by one CTA). The measurements: docs/tuning.md, "Engine choice".
 ///
 /// Worked example: 16 requests of 32/8 heads, d 128: 128 units, 128 x 4 >= 132: persistent;
 /// 4 such requests: 32 units, 128 < 132: split.
@@ -769,9 +769,8 @@ fn plan_on_device(
         ));
     }
     // Device-planned splits are long (total work / SMs) unless the batch is tiny. Every paged
-    // cache keeps the paged ring here, whatever its page size: the skewed serving row (page 64)
-    // was measured with it (a937947: 2 stages, one CTA per SM, 1043.2 us; 9928443, where
-    // pages of a tile or more took the 4-stage ring here too: 1061.7 us).
+    // cache keeps the paged ring here, whatever its page size: on the skewed serving row (page
+    // 64) it measured 1043.2 us against 1061.7 us with the 4-stage ring (docs/tuning.md).
     let ring = if problem.paged.is_some() {
         PAGED_STAGES
     } else {
