@@ -522,8 +522,7 @@ impl SplitEngine {
             }
             _ => cache_map(p, arg, ptr, strides, tile),
         };
-        // q and out: [batch, q_len, hq, d]
-        let row = (p.hq * p.head_dim) as i64;
+        let rows = row_strides(p);
         // the caches' addresses for the decode's L2 warm-up (params.cuh): none where a position
         // or head stride needs more than 32 bits; a page pool's "batch" stride is its page stride
         let (k_warm, v_warm) = match p.paged {
@@ -547,12 +546,12 @@ impl SplitEngine {
             m_partial: at(off.m_partial),
             l_partial: at(off.l_partial),
             block_table: t.block_table.unwrap_or(0),
-            q_batch_stride: p.q_len as i64 * row,
-            q_token_stride: row,
-            q_head_stride: p.head_dim as i64,
-            o_batch_stride: p.q_len as i64 * row,
-            o_token_stride: row,
-            o_head_stride: p.head_dim as i64,
+            q_batch_stride: rows.batch,
+            q_token_stride: rows.token,
+            q_head_stride: rows.head,
+            o_batch_stride: rows.batch,
+            o_token_stride: rows.token,
+            o_head_stride: rows.head,
             batch: p.batch as i32,
             hq: p.hq as i32,
             hkv: p.hkv as i32,
@@ -619,6 +618,16 @@ impl SplitEngine {
     }
 }
 
+/// Element strides of q and out, both `[batch, q_len, hq, d]` contiguous.
+fn row_strides(p: &DecodeProblem) -> KvStrides {
+    let token = (p.hq * p.head_dim) as i64;
+    KvStrides {
+        batch: p.q_len as i64 * token,
+        token,
+        head: p.head_dim as i64,
+    }
+}
+
 /// The tensor map of a K or V cache (or page pool) with boxes of `tile` positions (whole pages
 /// where pages are smaller).
 fn cache_map(
@@ -660,8 +669,7 @@ impl PersistentEngine {
         let ws = self.workspace.1;
         let (o_off, ml_off, arrivals_off, _) = pp.workspace_offsets(p);
         let tile = pp.variant.tile_tokens;
-        // q and out: [batch, q_len, hq, d]
-        let row = (p.hq * p.head_dim) as i64;
+        let rows = row_strides(p);
         let params = PersistentParams {
             k_map: cache_map(p, "k_cache", t.k, p.k_strides, tile)?,
             v_map: cache_map(p, "v_cache", t.v, p.v_strides, tile)?,
@@ -674,12 +682,12 @@ impl PersistentEngine {
             ml_partial: ws + ml_off as u64,
             arrivals: ws + arrivals_off as u64,
             schedule_log: self.schedule_log.as_ref().map_or(0, |l| l.1),
-            q_batch_stride: p.q_len as i64 * row,
-            q_token_stride: row,
-            q_head_stride: p.head_dim as i64,
-            o_batch_stride: p.q_len as i64 * row,
-            o_token_stride: row,
-            o_head_stride: p.head_dim as i64,
+            q_batch_stride: rows.batch,
+            q_token_stride: rows.token,
+            q_head_stride: rows.head,
+            o_batch_stride: rows.batch,
+            o_token_stride: rows.token,
+            o_head_stride: rows.head,
             batch: p.batch as i32,
             hq: p.hq as i32,
             hkv: p.hkv as i32,

@@ -178,20 +178,16 @@ impl Variant for DecodeVariant {
         "kvs_decode_gqa"
     }
     fn defines(&self) -> Vec<(String, String)> {
-        vec![
-            (
-                "KVS_IS_F16".into(),
-                u8::from(self.dtype == DType::F16).to_string(),
-            ),
-            ("KVS_HEAD_DIM".into(), self.head_dim.to_string()),
-            ("KVS_N_TILES".into(), self.n_tiles.to_string()),
-            ("KVS_TILE_TOKENS".into(), self.tile_tokens.to_string()),
-            ("KVS_STAGES".into(), self.stages.to_string()),
-            (
-                "KVS_CONSUMER_GROUPS".into(),
-                self.consumer_groups.to_string(),
-            ),
-            ("KVS_PAGED".into(), u8::from(self.paged).to_string()),
+        let mut d = mainloop_defines(
+            self.dtype,
+            self.head_dim,
+            self.n_tiles,
+            self.tile_tokens,
+            self.stages,
+            self.consumer_groups,
+            self.paged,
+        );
+        d.extend([
             (
                 "KVS_JOINED_HALVES".into(),
                 u8::from(self.joined_halves).to_string(),
@@ -200,8 +196,33 @@ impl Variant for DecodeVariant {
                 "KVS_PRODUCER_WARPS".into(),
                 self.producer_warps().to_string(),
             ),
-        ]
+        ]);
+        d
     }
+}
+
+/// The defines both decode kernels take for their shared mainloop configuration.
+fn mainloop_defines(
+    dtype: DType,
+    head_dim: usize,
+    n_tiles: usize,
+    tile_tokens: usize,
+    stages: usize,
+    consumer_groups: usize,
+    paged: bool,
+) -> Vec<(String, String)> {
+    vec![
+        (
+            "KVS_IS_F16".into(),
+            u8::from(dtype == DType::F16).to_string(),
+        ),
+        ("KVS_HEAD_DIM".into(), head_dim.to_string()),
+        ("KVS_N_TILES".into(), n_tiles.to_string()),
+        ("KVS_TILE_TOKENS".into(), tile_tokens.to_string()),
+        ("KVS_STAGES".into(), stages.to_string()),
+        ("KVS_CONSUMER_GROUPS".into(), consumer_groups.to_string()),
+        ("KVS_PAGED".into(), u8::from(paged).to_string()),
+    ]
 }
 
 /// One specialisation of the persistent decode, `decode.cu`.
@@ -274,21 +295,15 @@ impl Variant for PersistentVariant {
         "kvs_decode"
     }
     fn defines(&self) -> Vec<(String, String)> {
-        vec![
-            (
-                "KVS_IS_F16".into(),
-                u8::from(self.dtype == DType::F16).to_string(),
-            ),
-            ("KVS_HEAD_DIM".into(), self.head_dim.to_string()),
-            ("KVS_N_TILES".into(), self.n_tiles.to_string()),
-            ("KVS_TILE_TOKENS".into(), self.tile_tokens.to_string()),
-            ("KVS_STAGES".into(), self.stages.to_string()),
-            (
-                "KVS_CONSUMER_GROUPS".into(),
-                self.consumer_groups.to_string(),
-            ),
-            ("KVS_PAGED".into(), u8::from(self.paged).to_string()),
-        ]
+        mainloop_defines(
+            self.dtype,
+            self.head_dim,
+            self.n_tiles,
+            self.tile_tokens,
+            self.stages,
+            self.consumer_groups,
+            self.paged,
+        )
     }
 }
 
