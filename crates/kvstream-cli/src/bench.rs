@@ -77,6 +77,10 @@ pub struct BenchArgs {
     /// Also time the persistent engine with this fewest tiles per working CTA (`kvstream/t4`).
     #[arg(long, value_delimiter = ',')]
     pub min_tiles: Vec<usize>,
+    /// Also time the persistent engine with these rings, each `g<groups>s<stages>p<positions
+    /// per stage>` with any part left out for its default (`kvstream/g1s6p64`, ...).
+    #[arg(long, value_delimiter = ',', value_parser = parse_ring)]
+    pub rings: Vec<Ring>,
     /// Also time each reduction mode forced (`kvstream/kernel`, `kvstream/cluster`), next to
     /// the automatic choice (`kvstream`).
     #[arg(long)]
@@ -102,6 +106,45 @@ pub struct BenchArgs {
     /// Skip the plots.
     #[arg(long)]
     pub no_plots: bool,
+}
+
+/// A forced persistent ring (`--rings`): consumer groups, stages, positions per stage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ring {
+    pub spec: String,
+    pub groups: Option<usize>,
+    pub stages: Option<usize>,
+    pub tile_tokens: Option<usize>,
+}
+
+/// `g2s4p64`, `s6`, `g1p128`, ...: letters g, s, p each followed by a number, at most once.
+pub fn parse_ring(text: &str) -> Result<Ring, String> {
+    let mut ring = Ring {
+        spec: text.to_string(),
+        groups: None,
+        stages: None,
+        tile_tokens: None,
+    };
+    let bad = || format!("ring {text:?}: expected g<groups>s<stages>p<positions>, e.g. g1s6p64");
+    let mut rest = text;
+    while let Some(key) = rest.chars().next() {
+        let digits = rest[1..].chars().take_while(|c| c.is_ascii_digit()).count();
+        let value: usize = rest[1..1 + digits].parse().map_err(|_| bad())?;
+        let slot = match key {
+            'g' => &mut ring.groups,
+            's' => &mut ring.stages,
+            'p' => &mut ring.tile_tokens,
+            _ => return Err(bad()),
+        };
+        if slot.replace(value).is_some() {
+            return Err(bad());
+        }
+        rest = &rest[1 + digits..];
+    }
+    if text.is_empty() {
+        return Err(bad());
+    }
+    Ok(ring)
 }
 
 /// The shapes to run: `--shape`s alone, or the matrix (all, or `--ids`) plus any `--shape`s;
@@ -236,6 +279,15 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
             ..Default::default()
         };
         forced.push((format!("kvstream/t{t}"), o));
+    }
+    for r in &args.rings {
+        let o = PlanOptions {
+            persistent_groups: r.groups,
+            persistent_stages: r.stages,
+            persistent_tile_tokens: r.tile_tokens,
+            ..Default::default()
+        };
+        forced.push((format!("kvstream/{}", r.spec), o));
     }
     for &c in &args.ctas {
         let o = PlanOptions {

@@ -121,6 +121,10 @@ enum Command {
         /// Only the variants whose name contains this text (e.g. `d128.n1.t64.s4.g2.paged`).
         #[arg(long)]
         only: Option<String>,
+        /// Also every persistent variant with these forced rings (`bench --rings` syntax, e.g.
+        /// g1s6p64): compiles what a ring sweep will load.
+        #[arg(long, value_delimiter = ',', value_parser = bench::parse_ring)]
+        rings: Vec<bench::Ring>,
     },
     /// Print the plan the library would choose for a shape (no GPU needed; assumes 132 SMs).
     Plan {
@@ -145,7 +149,9 @@ fn main() -> ExitCode {
     let lib = |r: kvstream::Result<()>| r.map_err(|e| e.to_string());
     let result = match cli.command {
         Command::Demo { shape, rounds } => lib(demo::run(&shape, rounds)),
-        Command::Kernels { dump, only } => lib(kernels(dump.as_deref(), only.as_deref())),
+        Command::Kernels { dump, only, rings } => {
+            lib(kernels(dump.as_deref(), only.as_deref(), &rings))
+        }
         Command::Plan { shape } => lib(print_plan(&shape)),
         Command::Bench(args) => bench::run(&args),
         Command::Plot { results, out } => replot(&results, out.as_deref()),
@@ -159,7 +165,11 @@ fn main() -> ExitCode {
     }
 }
 
-fn kernels(dump: Option<&std::path::Path>, only: Option<&str>) -> kvstream::Result<()> {
+fn kernels(
+    dump: Option<&std::path::Path>,
+    only: Option<&str>,
+    rings: &[bench::Ring],
+) -> kvstream::Result<()> {
     let (major, minor) = jit::compile::nvrtc_version()?;
     println!(
         "NVRTC {major}.{minor}, target {}, cache {}",
@@ -171,7 +181,26 @@ fn kernels(dump: Option<&std::path::Path>, only: Option<&str>) -> kvstream::Resu
         "variant", "regs", "stack", "spill_st", "spill_ld", "smem_dyn"
     );
     let mut failures = 0;
+    let mut variants = all_variants();
     for v in all_variants() {
+        if let kvstream::kernels::AnyVariant::Persistent(pv) = v {
+            for r in rings {
+                // a ring that does not fit this variant is skipped: it cannot be planned either
+                if let Ok(f) = kvstream::plan::persistent_variant_with_ring(
+                    pv,
+                    r.groups,
+                    r.stages,
+                    r.tile_tokens,
+                ) {
+                    let f = kvstream::kernels::AnyVariant::Persistent(f);
+                    if !variants.contains(&f) {
+                        variants.push(f);
+                    }
+                }
+            }
+        }
+    }
+    for v in variants {
         let var = v.as_variant();
         if only.is_some_and(|text| !var.name().contains(text)) {
             continue;

@@ -15,9 +15,11 @@
 //!   the fewest tiles a working CTA takes ([`PERSISTENT_MIN_TILES_PER_CTA`]). The default
 //!   where the batch fills the GPU ([`persistent_by_default`]).
 //! - The **split engine** (`decode_gqa.cu` + `combine.cu`, or `plan_work.cu` for a device
-//!   plan): one CTA per (request, KV head, split), planned below. The default elsewhere, and
-//!   whenever one of its knobs (`num_splits`, `reduction`, `device_plan`, `stages`,
-//!   `consumer_groups`, `resident_ctas`) is set.
+//!   plan): one CTA per (request, KV head, split), planned below. The default elsewhere.
+//!
+//! A knob of one engine selects it: `num_splits`, `reduction`, `device_plan`, `stages`,
+//! `consumer_groups`, `resident_ctas` the split engine; `persistent_ctas`, `min_tiles_per_cta`,
+//! `persistent_stages`, `persistent_groups`, `persistent_tile_tokens` the persistent one.
 //!
 //! # Split engine: split count and reduction mode
 //!
@@ -64,7 +66,7 @@ pub fn persistent_variant(
     } else {
         1
     };
-    let mut v = PersistentVariant {
+    let v = PersistentVariant {
         dtype,
         head_dim,
         n_tiles,
@@ -73,13 +75,89 @@ pub fn persistent_variant(
         consumer_groups,
         paged,
     };
-    let budget = SM_SHARED_BYTES - SHARED_BYTES_RESERVED_PER_CTA;
-    let mut stages = PERSISTENT_MAX_STAGES / consumer_groups * consumer_groups;
-    while stages > consumer_groups && v.shared_bytes_with(stages) > budget {
-        stages -= consumer_groups;
+    with_deepest_ring(v, PERSISTENT_MAX_STAGES)
+}
+
+/// `v` with the deepest ring of at most `max_stages` stages (a multiple of its consumer groups)
+/// that fits one SM's shared memory; one lap of its groups at least.
+fn with_deepest_ring(mut v: PersistentVariant, max_stages: usize) -> PersistentVariant {
+    let groups = v.consumer_groups;
+    let mut stages = (max_stages / groups * groups).max(groups);
+    while stages > groups && v.shared_bytes_with(stages) > PERSISTENT_SHARED_BUDGET {
+        stages -= groups;
     }
     v.stages = stages;
     v
+}
+
+/// Dynamic shared memory one persistent CTA may use (one CTA per SM).
+const PERSISTENT_SHARED_BUDGET: usize = SM_SHARED_BYTES - SHARED_BYTES_RESERVED_PER_CTA;
+
+/// Largest forced ring depth of the persistent engine ([`PlanOptions::persistent_stages`]).
+pub const PERSISTENT_MAX_FORCED_STAGES: usize = 8;
+/// Largest forced KV positions per stage ([`PlanOptions::persistent_tile_tokens`]): a TMA box
+/// spans at most 256 rows.
+pub const PERSISTENT_MAX_TILE_TOKENS: usize = 256;
+
+/// `v` with a forced ring, each part checked ([`PlanOptions::persistent_groups`],
+/// [`PlanOptions::persistent_stages`], [`PlanOptions::persistent_tile_tokens`]; `None` keeps
+/// the default).
+pub fn persistent_variant_with_ring(
+    mut v: PersistentVariant,
+    groups: Option<usize>,
+    stages: Option<usize>,
+    tile_tokens: Option<usize>,
+) -> Result<PersistentVariant> {
+    if let Some(t) = tile_tokens {
+        if t == 0 || t % 64 != 0 || t > PERSISTENT_MAX_TILE_TOKENS {
+            return Err(Error::invalid(
+                "persistent_tile_tokens",
+                t,
+                format!("a multiple of 64 up to {PERSISTENT_MAX_TILE_TOKENS}"),
+            ));
+        }
+        v.tile_tokens = t;
+    }
+    if let Some(g) = groups {
+        if !(1..=2).contains(&g) || !DecodeVariant::groups_fit(v.n_tiles, g) {
+            return Err(Error::invalid(
+                "persistent_groups",
+                g,
+                format!(
+                    "1, or 2 for at most 16 query rows per column block (this problem has {})",
+                    v.n_tiles * 8
+                ),
+            ));
+        }
+        v.consumer_groups = g;
+    }
+    match stages {
+        None => Ok(with_deepest_ring(v, PERSISTENT_MAX_STAGES)),
+        Some(s) => {
+            let g = v.consumer_groups;
+            v.stages = s;
+            if s == 0 || s % g != 0 || s > PERSISTENT_MAX_FORCED_STAGES {
+                return Err(Error::invalid(
+                    "persistent_stages",
+                    s,
+                    format!("a multiple of the {g} consumer group(s) up to {PERSISTENT_MAX_FORCED_STAGES}"),
+                ));
+            }
+            if v.shared_bytes() > PERSISTENT_SHARED_BUDGET {
+                return Err(Error::invalid(
+                    "persistent_stages",
+                    s,
+                    format!(
+                        "a ring that fits the {PERSISTENT_SHARED_BUDGET} bytes of shared memory \
+                         (this one needs {} with {} positions per stage)",
+                        v.shared_bytes(),
+                        v.tile_tokens
+                    ),
+                ));
+            }
+            Ok(v)
+        }
+    }
 }
 
 /// A persistent decode's plan: what [`plan`] decides when no split-engine knob is set.
@@ -119,16 +197,37 @@ pub fn plan_persistent(
 ) -> Result<PersistentPlan> {
     problem.validate()?;
     let n_tiles = problem.columns().div_ceil(8).min(MAX_N_TILES);
-    let variant = persistent_variant(
-        problem.dtype,
-        problem.head_dim,
-        n_tiles,
-        problem.paged.is_some(),
-    );
+    let variant = persistent_variant_with_ring(
+        persistent_variant(
+            problem.dtype,
+            problem.head_dim,
+            n_tiles,
+            problem.paged.is_some(),
+        ),
+        options.persistent_groups,
+        options.persistent_stages,
+        options.persistent_tile_tokens,
+    )?;
+    let grid = match options.persistent_ctas {
+        None => device.sm_count.clamp(1, PERSISTENT_MAX_GRID),
+        Some(c) if (1..=PERSISTENT_MAX_GRID).contains(&c) => c,
+        Some(c) => {
+            return Err(Error::invalid(
+                "persistent_ctas",
+                c,
+                format!("1..={PERSISTENT_MAX_GRID}"),
+            ))
+        }
+    };
+    let min_tiles_per_cta = match options.min_tiles_per_cta {
+        None => PERSISTENT_MIN_TILES_PER_CTA,
+        Some(t) if t >= 1 => t,
+        Some(t) => return Err(Error::invalid("min_tiles_per_cta", t, ">= 1")),
+    };
     Ok(PersistentPlan {
         variant,
-        grid: device.sm_count.clamp(1, PERSISTENT_MAX_GRID),
-        min_tiles_per_cta: PERSISTENT_MIN_TILES_PER_CTA,
+        grid,
+        min_tiles_per_cta,
         col_blocks: variant.column_blocks(problem),
         pdl: !options.disable_pdl,
     })
@@ -234,19 +333,34 @@ impl Plan {
 /// The engine and plan for `problem`: the persistent engine unless a split-engine knob is set.
 pub fn choose(problem: &DecodeProblem, device: DeviceFacts, options: PlanOptions) -> Result<Plan> {
     problem.validate()?;
-    let engine = match options.engine {
-        Some(Engine::Persistent) if options.wants_split_engine() => {
+    let (split_knob, persistent_knob) = (options.split_knob(), options.persistent_knob());
+    if let (Some(s), Some(p)) = (split_knob, persistent_knob) {
+        return Err(Error::invalid(
+            p,
+            "set",
+            format!("knobs of one engine only ({s} is a knob of the split engine, {p} of the persistent one)"),
+        ));
+    }
+    let engine = match (options.engine, split_knob, persistent_knob) {
+        (Some(Engine::Persistent), Some(knob), _) => {
             return Err(Error::invalid(
                 "engine",
                 "persistent",
-                "the split engine: num_splits, reduction, device_plan, stages, consumer_groups \
-                 and resident_ctas are knobs of the split engine",
+                format!("the split engine: {knob} is one of its knobs"),
             ))
         }
-        Some(e) => e,
-        None if options.wants_split_engine() => Engine::Split,
-        None if persistent_by_default(problem, device) => Engine::Persistent,
-        None => Engine::Split,
+        (Some(Engine::Split), _, Some(knob)) => {
+            return Err(Error::invalid(
+                "engine",
+                "split",
+                format!("the persistent engine: {knob} is one of its knobs"),
+            ))
+        }
+        (Some(e), _, _) => e,
+        (None, Some(_), _) => Engine::Split,
+        (None, _, Some(_)) => Engine::Persistent,
+        (None, None, None) if persistent_by_default(problem, device) => Engine::Persistent,
+        (None, None, None) => Engine::Split,
     };
     match engine {
         Engine::Persistent => plan_persistent(problem, device, options).map(Plan::Persistent),
@@ -257,12 +371,37 @@ pub fn choose(problem: &DecodeProblem, device: DeviceFacts, options: PlanOptions
 impl PlanOptions {
     /// Whether a knob of the split engine is set (which then runs instead of the persistent one).
     pub fn wants_split_engine(&self) -> bool {
-        self.num_splits.is_some()
-            || self.reduction.is_some()
-            || self.device_plan
-            || self.stages.is_some()
-            || self.consumer_groups.is_some()
-            || self.resident_ctas.is_some()
+        self.split_knob().is_some()
+    }
+
+    /// The first knob of the split engine that is set.
+    fn split_knob(&self) -> Option<&'static str> {
+        [
+            ("num_splits", self.num_splits.is_some()),
+            ("reduction", self.reduction.is_some()),
+            ("device_plan", self.device_plan),
+            ("stages", self.stages.is_some()),
+            ("consumer_groups", self.consumer_groups.is_some()),
+            ("resident_ctas", self.resident_ctas.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(name, set)| set.then_some(name))
+    }
+
+    /// The first knob of the persistent engine that is set.
+    fn persistent_knob(&self) -> Option<&'static str> {
+        [
+            ("persistent_ctas", self.persistent_ctas.is_some()),
+            ("min_tiles_per_cta", self.min_tiles_per_cta.is_some()),
+            ("persistent_stages", self.persistent_stages.is_some()),
+            ("persistent_groups", self.persistent_groups.is_some()),
+            (
+                "persistent_tile_tokens",
+                self.persistent_tile_tokens.is_some(),
+            ),
+        ]
+        .into_iter()
+        .find_map(|(name, set)| set.then_some(name))
     }
 }
 
@@ -439,8 +578,9 @@ pub struct PlanOptions {
     /// enforced by padding each CTA's shared memory ([`resident_shared_bytes`]). `None`: as
     /// many as fit.
     pub resident_ctas: Option<usize>,
-    /// Force the engine. `None`: the persistent engine where [`persistent_by_default`] says so,
-    /// the split engine elsewhere and wherever a split-engine knob is set.
+    /// Force the engine. `None`: the engine whose knob is set (setting knobs of both is an
+    /// error), else the persistent engine where [`persistent_by_default`] says so and the split
+    /// engine elsewhere.
     pub engine: Option<Engine>,
     /// Tests: the persistent engine records the pieces each CTA streams, read back with
     /// [`crate::Decoder::last_schedule`].
@@ -451,6 +591,16 @@ pub struct PlanOptions {
     /// Persistent engine, tuning knob: the fewest tiles a working CTA takes instead of
     /// [`PERSISTENT_MIN_TILES_PER_CTA`].
     pub min_tiles_per_cta: Option<usize>,
+    /// Persistent engine, tuning knob: ring depth (a multiple of the consumer groups, up to
+    /// [`PERSISTENT_MAX_FORCED_STAGES`], fitting the shared memory). `None`: the deepest ring
+    /// up to [`PERSISTENT_MAX_STAGES`] that fits.
+    pub persistent_stages: Option<usize>,
+    /// Persistent engine, tuning knob: groups of four consumer warps (1, or 2 where
+    /// [`DecodeVariant::groups_fit`]).
+    pub persistent_groups: Option<usize>,
+    /// Persistent engine, tuning knob: KV positions per ring stage (a multiple of 64 up to
+    /// [`PERSISTENT_MAX_TILE_TOKENS`]) instead of [`tile_tokens`].
+    pub persistent_tile_tokens: Option<usize>,
 }
 
 /// Shared memory of one H100/H200 SM, and what the hardware reserves per resident CTA.
@@ -948,6 +1098,165 @@ mod tests {
     use super::*;
     use crate::problem::DType;
     use proptest::prelude::*;
+
+    fn persistent(p: &DecodeProblem, o: PlanOptions) -> Result<PersistentPlan> {
+        match choose(p, DeviceFacts::H200, o)? {
+            Plan::Persistent(pp) => Ok(pp),
+            Plan::Split(_) => panic!("split engine chosen for {o:?}"),
+        }
+    }
+
+    #[test]
+    fn engine_follows_the_batch_and_the_knobs() {
+        let b1 = DecodeProblem::new(1, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        let b16 = DecodeProblem::new(16, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        let chosen = |p: &DecodeProblem, o: PlanOptions| {
+            matches!(
+                choose(p, DeviceFacts::H200, o).unwrap(),
+                Plan::Persistent(_)
+            )
+        };
+        assert!(!chosen(&b1, PlanOptions::default()));
+        assert!(chosen(&b16, PlanOptions::default()));
+        // a knob picks its engine
+        let stages = PlanOptions {
+            stages: Some(2),
+            ..Default::default()
+        };
+        assert!(!chosen(&b16, stages));
+        for o in [
+            PlanOptions {
+                persistent_ctas: Some(66),
+                ..Default::default()
+            },
+            PlanOptions {
+                min_tiles_per_cta: Some(4),
+                ..Default::default()
+            },
+            PlanOptions {
+                persistent_stages: Some(2),
+                ..Default::default()
+            },
+            PlanOptions {
+                persistent_groups: Some(1),
+                ..Default::default()
+            },
+            PlanOptions {
+                persistent_tile_tokens: Some(128),
+                ..Default::default()
+            },
+        ] {
+            assert!(chosen(&b1, o), "{o:?}");
+        }
+        // knobs of both engines, or of the other engine than the forced one: errors naming them
+        let both = PlanOptions {
+            num_splits: Some(4),
+            persistent_ctas: Some(66),
+            ..Default::default()
+        };
+        let msg = choose(&b1, DeviceFacts::H200, both)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("persistent_ctas") && msg.contains("num_splits"),
+            "{msg}"
+        );
+        let wrong = PlanOptions {
+            engine: Some(Engine::Split),
+            min_tiles_per_cta: Some(2),
+            ..Default::default()
+        };
+        let msg = choose(&b1, DeviceFacts::H200, wrong)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("min_tiles_per_cta"), "{msg}");
+        let wrong = PlanOptions {
+            engine: Some(Engine::Persistent),
+            reduction: Some(Reduction::Cluster),
+            ..Default::default()
+        };
+        let msg = choose(&b1, DeviceFacts::H200, wrong)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("reduction"), "{msg}");
+    }
+
+    #[test]
+    fn persistent_knobs_reach_the_plan() {
+        let p = DecodeProblem::new(16, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        let d = persistent(&p, PlanOptions::default()).unwrap();
+        assert_eq!(
+            (d.grid, d.min_tiles_per_cta),
+            (132, PERSISTENT_MIN_TILES_PER_CTA)
+        );
+        assert_eq!(
+            (
+                d.variant.consumer_groups,
+                d.variant.stages,
+                d.variant.tile_tokens
+            ),
+            (2, 4, 64)
+        );
+        let o = PlanOptions {
+            persistent_ctas: Some(66),
+            min_tiles_per_cta: Some(8),
+            ..Default::default()
+        };
+        let f = persistent(&p, o).unwrap();
+        assert_eq!((f.grid, f.min_tiles_per_cta), (66, 8));
+        let ring = |g, s, t| PlanOptions {
+            persistent_groups: g,
+            persistent_stages: s,
+            persistent_tile_tokens: t,
+            ..Default::default()
+        };
+        let v = |o| {
+            let v = persistent(&p, o).unwrap().variant;
+            (v.consumer_groups, v.stages, v.tile_tokens)
+        };
+        assert_eq!(v(ring(Some(1), Some(6), None)), (1, 6, 64));
+        assert_eq!(v(ring(Some(2), Some(2), Some(128))), (2, 2, 128));
+        // the default depth for a forced group count or stage size: the deepest that fits
+        assert_eq!(v(ring(Some(1), None, None)), (1, 4, 64));
+        assert_eq!(v(ring(Some(1), None, Some(128))), (1, 3, 128));
+        for (o, arg) in [
+            (ring(None, Some(3), None), "persistent_stages"), // not a multiple of 2 groups
+            (ring(None, Some(6), None), "persistent_stages"), // 6 x 32 KB + 2 groups' scratch
+            (ring(None, None, Some(96)), "persistent_tile_tokens"),
+            (ring(None, None, Some(512)), "persistent_tile_tokens"),
+            (ring(Some(3), None, None), "persistent_groups"),
+            (
+                PlanOptions {
+                    persistent_ctas: Some(133),
+                    ..Default::default()
+                },
+                "persistent_ctas",
+            ),
+            (
+                PlanOptions {
+                    persistent_ctas: Some(0),
+                    ..Default::default()
+                },
+                "persistent_ctas",
+            ),
+            (
+                PlanOptions {
+                    min_tiles_per_cta: Some(0),
+                    ..Default::default()
+                },
+                "min_tiles_per_cta",
+            ),
+        ] {
+            let msg = persistent(&p, o).unwrap_err().to_string();
+            assert!(msg.contains(arg), "{o:?}: {msg}");
+        }
+        // two groups do not fit 32 query rows per column block
+        let wide = DecodeProblem::new(16, 32, 1, 128, 4096, DType::Bf16).unwrap();
+        let msg = persistent(&wide, ring(Some(2), None, None))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("persistent_groups"), "{msg}");
+    }
 
     #[test]
     fn worked_example_from_the_docs() {
