@@ -107,6 +107,13 @@ __device__ __forceinline__ void tma_load_5d(void* dst, const void* tensor_map, i
     tma_load_5d(smem_addr(dst), tensor_map, c0, c1, c2, c3, c4, smem_addr(bar), policy);
 }
 
+// Bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared
+// memory, completing on `bar` as transaction bytes (PTX ISA 9.7.9.25.4.1, cp.async.bulk).
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
 // Prefetch of one global line into L2 through the load/store path (PTX ISA 9.7.9.15,
 // prefetch): nothing returns, so nothing waits for it, and the TMA unit is not involved.
 __device__ __forceinline__ void prefetch_l2(const void* ptr) {

@@ -15,8 +15,9 @@
 //              CTA's first tile, into shared memory (one pass over the lengths);
 //   producer   the last warp: walks the same pieces and streams their K and V tiles through a
 //              ring of STAGES shared-memory stages by TMA, without stopping at piece boundaries
-//              (KvSource: contiguous cache, or page runs looked up in the block table);
-//   consumers  per piece: Q to shared memory, then the KV loop (group g of four warps takes the
+//              (KvSource: contiguous cache, or page runs looked up in the block table), and the
+//              query rows of each piece into one of Q_BUFFERS buffers a piece ahead;
+//   consumers  per piece: wait for its Q, then the KV loop (group g of four warps takes the
 //              CTA's tiles n = g, g + G, ...; each warp keeps a private online softmax over its
 //              rows of each tile), then the epilogue;
 //   epilogue   the warps' softmax states merged in shared memory; a whole unit is normalised
@@ -28,6 +29,11 @@
 //   consumer  wait k_full[s], S^T and softmax, wait v_full[s], O^T, lane 0 arrives on empty[s]
 //   (STAGES is a multiple of CONSUMER_GROUPS: a stage always feeds the same group, whose four
 //   warps its `empty` barrier counts)
+// Query rows, j = the CTA's piece count, buffer b = j % Q_BUFFERS, parity (j / Q_BUFFERS) & 1:
+//   producer  at piece j - 1 (at the start for piece 0): wait q_empty[b] (from the second lap),
+//             the rows as bulk copies on q_full[b]
+//   consumer  wait q_full[b] before the KV loop; lane 0 of every warp arrives on q_empty[b]
+//             after it
 //
 // Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
 //   KVS_IS_F16           0: bf16, 1: f16 (Q, K, V and out share it)
@@ -87,6 +93,10 @@ constexpr int TILE_BYTES = BOXES * BOX_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K tile then V tile
 constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;  // paged: page runs per tile, per producer lane
 constexpr int SMEM_ROW = HEAD_DIM * 2 + 16;     // Q rows, padded for conflict-free ldmatrix
+constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;   // one piece's query rows
+// Buffers of query rows: the producer loads piece j + 1's while the consumers may still be on
+// piece j - 1 (it runs at most STAGES tiles ahead of them)
+constexpr int Q_BUFFERS = 3;
 constexpr int MERGE_ROW = HEAD_DIM + 4;         // epilogue scratch rows, padded likewise
 constexpr int MERGE_WARP_FLOATS = GROUP_PAD * MERGE_ROW;
 constexpr int SCAN_PER_LANE = 8;                // lengths one scheduler lane holds per round
@@ -98,13 +108,14 @@ struct SharedPlan {
     static constexpr int q = STAGES * STAGE_BYTES;
     // the epilogue's scratch has its own space: the producer is filling the ring with the next
     // piece's tiles while the consumers finish this one
-    static constexpr int merge = q + GROUP_PAD * SMEM_ROW;
+    static constexpr int merge = q + Q_BUFFERS * Q_BYTES;
     static constexpr int full = merge + CONSUMER_WARPS * MERGE_WARP_FLOATS * 4;  // K, V per stage
     static constexpr int empty = full + 16 * STAGES;
-    static constexpr int warp_m = empty + 8 * STAGES;
+    static constexpr int q_full = empty + 8 * STAGES;
+    static constexpr int q_empty = q_full + 8 * Q_BUFFERS;
+    static constexpr int warp_m = q_empty + 8 * Q_BUFFERS;
     static constexpr int warp_l = warp_m + 4 * CONSUMER_WARPS * GROUP_PAD;
-    static constexpr int col_q = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;  // Columns tables
-    static constexpr int col_out = col_q + 8 * GROUP_PAD;
+    static constexpr int col_out = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;  // Columns tables
     static constexpr int col_row = col_out + 8 * GROUP_PAD;
     static constexpr int col_visible = col_row + 8 * GROUP_PAD;
     static constexpr int start = col_visible + 4 * GROUP_PAD;  // StartShared (48 bytes at most)
@@ -123,6 +134,7 @@ static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
 constexpr int MAX_GRID = 132;
 static_assert(2 * MAX_GRID * GROUP_PAD <= CONSUMER_WARPS * MERGE_WARP_FLOATS, "merge scratch");
 static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern boundary");
+static_assert(SMEM_ROW % 16 == 0 && Q_BYTES % 16 == 0, "bulk copies of query rows: 16-byte aligned");
 
 __device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk) {
     return tile + (chunk / 8) * BOX_BYTES + t * 128 + (((chunk % 8) ^ (t % 8)) << 4);
@@ -274,8 +286,36 @@ struct Ring {
     u32 k_full;  // barriers, 8 bytes apart per stage
     u32 v_full;
     u32 empty;
+    u32 q;       // query-row buffer 0
+    u32 q_full;  // barriers, 8 bytes apart per buffer
+    u32 q_empty;
     __device__ __forceinline__ u32 stage(int s) const { return base + s * STAGE_BYTES; }
 };
+
+// One thread: the query rows of piece j (columns of its column block, token-major) as one bulk
+// copy per row into buffer j % Q_BUFFERS, once the consumers are done with that buffer's
+// previous piece. Rows past the block's valid columns are not loaded; their columns are
+// computed from whatever the buffer holds and dropped (columns never mix: each is its own
+// query row in both MMAs and in the softmax).
+__device__ __forceinline__ void load_query_rows(const PersistentParams& p, const Ring& r, const Piece& pc,
+                                                int j) {
+    const int b = j % Q_BUFFERS;
+    if (j >= Q_BUFFERS) mbarrier_wait(r.q_empty + 8 * b, ((j / Q_BUFFERS) - 1) & 1);
+    const int kv_head = pc.unit / p.col_blocks, first = (pc.unit % p.col_blocks) * GROUP_PAD;
+    const int count = min(GROUP_PAD, p.cols - first);
+    const u32 bar = r.q_full + 8 * b, dst = r.q + b * Q_BYTES;
+    mbarrier_arrive_expect_tx(bar, count * HEAD_DIM * 2);
+    int token = first / p.group, h = first % p.group;  // of column 0; then stepped
+    for (int c = 0; c < count; ++c) {
+        const u16* src = reinterpret_cast<const u16*>(p.q) + pc.batch * p.q_batch_stride +
+                         (long long)token * p.q_token_stride + (long long)(kv_head * p.group + h) * p.q_head_stride;
+        bulk_load(dst + c * SMEM_ROW, src, HEAD_DIM * 2, bar);
+        if (++h == p.group) {
+            h = 0;
+            ++token;
+        }
+    }
+}
 
 // Waits for stage n % STAGES to be free and announces a K and a V tile on its barriers.
 __device__ __forceinline__ int acquire_stage(const Ring& r, int n) {
@@ -289,10 +329,13 @@ __device__ __forceinline__ int acquire_stage(const Ring& r, int n) {
 // holds before it); the consumers mask them.
 __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, const Ring& r,
                                                    const StartShared& start, u64 policy) {
-    Walk walk(p, start);
-    Piece pc;
+    Walk walk(p, start), ahead(p, start);
+    Piece pc, next;
     int n = 0;
+    int j = 0;  // pieces whose query rows are on their way
+    if (ahead.next(p, next)) load_query_rows(p, r, next, j++);
     while (walk.next(p, pc)) {
+        if (ahead.next(p, next)) load_query_rows(p, r, next, j++);
         const int kv_head = pc.unit / p.col_blocks;
         for (int k = pc.first; k < pc.end; ++k, ++n) {
             const int s = acquire_stage(r, n);
@@ -340,10 +383,16 @@ __device__ __forceinline__ void produce_paged(const PersistentParams& p, const R
     const int run = min(p.page_size, TILE_TOKENS);
     const int runs = TILE_TOKENS / run;
     const int in_page_mask = p.page_size - 1;
-    Walk walk(p, start);
-    Piece pc;
+    Walk walk(p, start), ahead(p, start);
+    Piece pc, next;
     int n = 0;
+    int j = 0;  // pieces whose query rows are on their way (lane 0 issues them)
+    if (ahead.next(p, next) && lane == 0) load_query_rows(p, r, next, j);
+    ++j;
     while (walk.next(p, pc)) {
+        if (ahead.next(p, next) && lane == 0) load_query_rows(p, r, next, j);
+        ++j;
+        __syncwarp();
         const int kv_head = pc.unit / p.col_blocks;
         const int* table = p.block_table + (long long)pc.batch * p.table_stride;
         const int begin = pc.first * TILE_TOKENS;
@@ -396,7 +445,6 @@ struct Columns {
     int count;          // valid columns (<= GROUP_PAD)
     bool single_token;  // q_len == 1: column c is head first_head + c of token 0
     int batch, first_head, len;
-    const long long* q_off;
     const long long* out_off;
     const long long* out_row;
     const int* visible_len;
@@ -409,11 +457,6 @@ struct Columns {
                (single_token ? batch * p.o_batch_stride + (long long)(first_head + c) * p.o_head_stride
                              : out_off[c]);
     }
-    __device__ __forceinline__ const u16* q(const PersistentParams& p, int c) const {
-        return reinterpret_cast<const u16*>(p.q) +
-               (single_token ? batch * p.q_batch_stride + (long long)(first_head + c) * p.q_head_stride
-                             : q_off[c]);
-    }
     // Cache positions column c may see: [0, len - q_len + token] (causal among the new tokens).
     __device__ __forceinline__ int visible(int c) const { return single_token ? len : visible_len[c]; }
 };
@@ -423,7 +466,6 @@ __device__ __forceinline__ Columns piece_columns(const PersistentParams& p, cons
     const int kv_head = pc.unit / p.col_blocks, first_col = (pc.unit % p.col_blocks) * GROUP_PAD;
     return {min(GROUP_PAD, p.cols - first_col), p.q_len == 1, pc.batch, kv_head * p.group + first_col,
             pc.len,
-            reinterpret_cast<long long*>(smem + SharedPlan::col_q),
             reinterpret_cast<long long*>(smem + SharedPlan::col_out),
             reinterpret_cast<long long*>(smem + SharedPlan::col_row),
             reinterpret_cast<int*>(smem + SharedPlan::col_visible)};
@@ -438,8 +480,6 @@ __device__ __forceinline__ void fill_columns(const PersistentParams& p, const Pi
     const int row = first + c < p.cols ? first + c : 0;
     const int token = row / p.group;
     const int head = kv_head * p.group + row % p.group;
-    reinterpret_cast<long long*>(smem + SharedPlan::col_q)[c] =
-        pc.batch * p.q_batch_stride + token * p.q_token_stride + head * p.q_head_stride;
     reinterpret_cast<long long*>(smem + SharedPlan::col_out)[c] =
         pc.batch * p.o_batch_stride + token * p.o_token_stride + head * p.o_head_stride;
     reinterpret_cast<long long*>(smem + SharedPlan::col_row)[c] = ((long long)pc.batch * p.q_len + token) * p.hq + head;
@@ -559,6 +599,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     u64* k_full = reinterpret_cast<u64*>(smem + SharedPlan::full);
     u64* v_full = k_full + STAGES;
     u64* empty = reinterpret_cast<u64*>(smem + SharedPlan::empty);
+    u64* q_full = reinterpret_cast<u64*>(smem + SharedPlan::q_full);
+    u64* q_empty = reinterpret_cast<u64*>(smem + SharedPlan::q_empty);
     float* warp_m = reinterpret_cast<float*>(smem + SharedPlan::warp_m);
     float* warp_l = reinterpret_cast<float*>(smem + SharedPlan::warp_l);
     StartShared* start = reinterpret_cast<StartShared*>(smem + SharedPlan::start);
@@ -580,6 +622,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             mbarrier_init(&k_full[s], 1);
             mbarrier_init(&v_full[s], 1);
             mbarrier_init(&empty[s], GROUP_WARPS);
+        }
+        for (int b = 0; b < Q_BUFFERS; ++b) {
+            mbarrier_init(&q_full[b], 1);
+            mbarrier_init(&q_empty[b], CONSUMER_WARPS);
         }
         fence_mbarrier_init();
     }
@@ -617,7 +663,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     if (warp == PRODUCER_WARP) {
         // ================================ producer warp ===================================
         const Ring ring = {smem_addr(smem + SharedPlan::ring), smem_addr(k_full), smem_addr(v_full),
-                           smem_addr(empty)};
+                           smem_addr(empty), smem_addr(smem + SharedPlan::q), smem_addr(q_full),
+                           smem_addr(q_empty)};
         const u64 policy = l2_policy_evict_first();
         if constexpr (PAGED) {
             produce_paged(p, ring, st, policy);
@@ -630,7 +677,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     // ================================= consumer warps ======================================
     const int group = warp / GROUP_WARPS;
     const int row0 = (warp % GROUP_WARPS) * ROWS_PER_WARP;  // first row of this warp in a tile
-    const u32 q_base = smem_addr(smem + SharedPlan::q);
+    const u32 q_base0 = smem_addr(smem + SharedPlan::q);
     const u32 ring_base = smem_addr(smem + SharedPlan::ring);
     float* merge = reinterpret_cast<float*>(smem + SharedPlan::merge);
     int* merge_flag = reinterpret_cast<int*>(smem + SharedPlan::merge_flag);
@@ -645,33 +692,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     int pieces_done = 0;
     while (walk.next(p, pc)) {
         const Columns cols = piece_columns(p, pc, smem);
-        // The previous piece's epilogue is done with Q, the tables and the scratch.
+        // The previous piece's epilogue is done with the tables and the scratch.
         named_barrier_sync(1, CONSUMER_THREADS);
         if (!cols.single_token) {
             fill_columns(p, pc, smem);
             named_barrier_sync(1, CONSUMER_THREADS);
         }
-        // Q of the column block -> shared memory, rows past it zero-filled (their columns are
-        // computed and dropped; zeros keep them finite). All loads before the first store.
-        {
-            constexpr int CHUNKS = HEAD_DIM / 8;
-            constexpr int Q_CHUNKS = GROUP_PAD * CHUNKS;
-            constexpr int PER_THREAD = (Q_CHUNKS + CONSUMER_THREADS - 1) / CONSUMER_THREADS;
-            uint4 val[PER_THREAD];
-#pragma unroll
-            for (int k = 0; k < PER_THREAD; ++k) {
-                const int i = threadIdx.x + k * CONSUMER_THREADS, g = i / CHUNKS, c = i % CHUNKS;
-                val[k] = make_uint4(0, 0, 0, 0);
-                if (i < Q_CHUNKS && g < cols.count) val[k] = *reinterpret_cast<const uint4*>(cols.q(p, g) + c * 8);
-            }
-#pragma unroll
-            for (int k = 0; k < PER_THREAD; ++k) {
-                const int i = threadIdx.x + k * CONSUMER_THREADS, g = i / CHUNKS, c = i % CHUNKS;
-                if (i < Q_CHUNKS) *reinterpret_cast<uint4*>(smem + SharedPlan::q + g * SMEM_ROW + c * 16) = val[k];
-            }
-            named_barrier_sync(1, CONSUMER_THREADS);
-            if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);
-        }
+        // this piece's query rows, loaded by the producer
+        const int q_buf = pieces_done % Q_BUFFERS;
+        const u32 q_base = q_base0 + q_buf * Q_BYTES;
+        mbarrier_wait(&q_full[q_buf], (pieces_done / Q_BUFFERS) & 1);
+        if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);
 
         float o_acc[D_TILES][N_TILES][4];
         float m_run[N_TILES][2], l_run[N_TILES][2];
@@ -791,6 +822,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             __syncwarp();
             if (lane == 0) mbarrier_arrive(&empty[stage]);
         }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&q_empty[q_buf]);
         if (TRACE && threadIdx.x == 0) trace_stamp(n0 == 0 ? TRACE_FIRST_LOOP : TRACE_LAST_LOOP);
         n0 += pc.end - pc.first;
         ++pieces_done;

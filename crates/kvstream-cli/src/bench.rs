@@ -1206,6 +1206,22 @@ mod tests {
     }
 
     #[test]
+    fn rings_parse_each_part_once() {
+        let r = parse_ring("g1s6p128").unwrap();
+        assert_eq!(
+            (r.groups, r.stages, r.tile_tokens),
+            (Some(1), Some(6), Some(128))
+        );
+        let r = parse_ring("s2").unwrap();
+        assert_eq!((r.groups, r.stages, r.tile_tokens), (None, Some(2), None));
+        for bad in ["", "g", "x2", "g1g2", "s2p", "g1 s2"] {
+            assert!(parse_ring(bad).is_err(), "{bad:?}");
+        }
+        let a = parse(&["--matrix", &matrix_path(), "--rings", "g1s2,g2s4"]).unwrap();
+        assert_eq!(a.rings.len(), 2);
+    }
+
+    #[test]
     fn arguments_and_shape_selection() {
         let a = parse(&["--matrix", &matrix_path()]).unwrap();
         assert_eq!(a.rounds, 9);

@@ -225,6 +225,9 @@ fn mainloop_defines(
     ]
 }
 
+/// Query-row buffers of the persistent decode (`Q_BUFFERS` in decode.cu).
+const PERSISTENT_Q_BUFFERS: usize = 3;
+
 /// One specialisation of the persistent decode, `decode.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PersistentVariant {
@@ -261,11 +264,11 @@ impl PersistentVariant {
         let columns = self.n_tiles * 8;
         let warps = self.consumer_groups * 4;
         let ring = stages * 2 * self.tile_tokens * self.head_dim * 2;
-        let q = columns * (self.head_dim * 2 + 16);
+        let q = PERSISTENT_Q_BUFFERS * columns * (self.head_dim * 2 + 16);
         let merge = warps * columns * (self.head_dim + 4) * 4;
-        let barriers = 3 * 8 * stages;
+        let barriers = 3 * 8 * stages + 2 * 8 * PERSISTENT_Q_BUFFERS;
         let stats = 2 * 4 * warps * columns;
-        let tables = 28 * columns;
+        let tables = 20 * columns;
         1024 + ring + q + merge + barriers + stats + tables + 64
     }
 

@@ -48,23 +48,31 @@ pub const PERSISTENT_MAX_GRID: usize = 132;
 /// Fewest tiles a working CTA of the persistent engine takes: a short cache is spread over
 /// fewer CTAs rather than cut into single-tile pieces that each cost a partial and a merge.
 pub const PERSISTENT_MIN_TILES_PER_CTA: usize = 2;
-/// Deepest ring of the persistent engine (four 32 KB stages keep 128 KB in flight per SM, over
-/// the 50-70 KB that the read ceiling needs).
+/// Deepest ring of the persistent engine at d 64 (four 32 KB stages; see [`persistent_variant`]).
 pub const PERSISTENT_MAX_STAGES: usize = 4;
+/// Ring of the persistent engine at d 128: one group of consumer warps and two 32 KB stages
+/// (see [`persistent_variant`]).
+pub const PERSISTENT_D128_RING: (usize, usize) = (1, 2);
 
-/// The persistent variant for a head dim, column-block width and cache kind: two consumer
-/// groups where their accumulators fit the register file ([`DecodeVariant::groups_fit`]), and
-/// the deepest ring up to [`PERSISTENT_MAX_STAGES`] that fits the shared memory.
+/// The persistent variant for a head dim, column-block width and cache kind. d 128: one
+/// consumer group and a two-stage ring ([`PERSISTENT_D128_RING`]): 64 KB in flight per SM
+/// measured fastest on every batch >= 16 row and serving row against deeper rings and two
+/// groups (TMA streams lose rate past that; docs/tuning.md, "Persistent ring"). d 64: two
+/// consumer groups where their accumulators fit ([`DecodeVariant::groups_fit`]) and the
+/// deepest ring up to [`PERSISTENT_MAX_STAGES`] that fits the shared memory (two stages
+/// measured 1-2.5% slower there).
 pub fn persistent_variant(
     dtype: DType,
     head_dim: usize,
     n_tiles: usize,
     paged: bool,
 ) -> PersistentVariant {
-    let consumer_groups = if DecodeVariant::groups_fit(n_tiles, 2) {
-        2
+    let (consumer_groups, max_stages) = if head_dim == 128 {
+        PERSISTENT_D128_RING
+    } else if DecodeVariant::groups_fit(n_tiles, 2) {
+        (2, PERSISTENT_MAX_STAGES)
     } else {
-        1
+        (1, PERSISTENT_MAX_STAGES)
     };
     let v = PersistentVariant {
         dtype,
@@ -75,7 +83,7 @@ pub fn persistent_variant(
         consumer_groups,
         paged,
     };
-    with_deepest_ring(v, PERSISTENT_MAX_STAGES)
+    with_deepest_ring(v, max_stages)
 }
 
 /// `v` with the deepest ring of at most `max_stages` stages (a multiple of its consumer groups)
@@ -132,6 +140,7 @@ pub fn persistent_variant_with_ring(
         v.consumer_groups = g;
     }
     match stages {
+        None if v.head_dim == 128 && groups.is_none() && tile_tokens.is_none() => Ok(v),
         None => Ok(with_deepest_ring(v, PERSISTENT_MAX_STAGES)),
         Some(s) => {
             let g = v.consumer_groups;
@@ -1195,7 +1204,7 @@ mod tests {
                 d.variant.stages,
                 d.variant.tile_tokens
             ),
-            (2, 4, 64)
+            (1, 2, 64)
         );
         let o = PlanOptions {
             persistent_ctas: Some(66),
@@ -1216,12 +1225,13 @@ mod tests {
         };
         assert_eq!(v(ring(Some(1), Some(6), None)), (1, 6, 64));
         assert_eq!(v(ring(Some(2), Some(2), Some(128))), (2, 2, 128));
-        // the default depth for a forced group count or stage size: the deepest that fits
-        assert_eq!(v(ring(Some(1), None, None)), (1, 4, 64));
+        // the default depth for a forced group count or stage size: the deepest up to
+        // PERSISTENT_MAX_STAGES that fits
+        assert_eq!(v(ring(Some(2), None, None)), (2, 4, 64));
         assert_eq!(v(ring(Some(1), None, Some(128))), (1, 3, 128));
         for (o, arg) in [
-            (ring(None, Some(3), None), "persistent_stages"), // not a multiple of 2 groups
-            (ring(None, Some(6), None), "persistent_stages"), // 6 x 32 KB + 2 groups' scratch
+            (ring(Some(2), Some(3), None), "persistent_stages"), // not a multiple of 2 groups
+            (ring(Some(2), Some(6), None), "persistent_stages"), // 6 x 32 KB + 2 groups' scratch
             (ring(None, None, Some(96)), "persistent_tile_tokens"),
             (ring(None, None, Some(512)), "persistent_tile_tokens"),
             (ring(Some(3), None, None), "persistent_groups"),
