@@ -7,9 +7,13 @@
 //   unit      (request b, KV head h, column block cb), id  u = b * units_per_request + h * col_blocks
 //             + cb; it owns tiles(b) = ceil(len_b / TILE_TOKENS) tiles of TILE_TOKENS positions.
 //   sequence  the tiles of all units in unit order: T tiles; a request of length 0 owns none.
-//   CTAs      the first G = min(grid, ceil(T / min_tiles)) CTAs work; CTA c takes the tiles
-//             [B(c), B(c + 1)) with B(c) = floor(c * T / G), so every working CTA has
-//             floor(T / G) or ceil(T / G) tiles, whatever the lengths are.
+//   CTAs      balanced shares: the first G = min(grid, ceil(T / min_tiles)) CTAs work; CTA c
+//             takes the tiles [B(c), B(c + 1)) with B(c) = floor(c * T / G), so every working
+//             CTA has floor(T / G) or ceil(T / G) tiles, whatever the lengths are;
+//             whole units instead where every unit has the same U tiles and k = ceil(N / grid)
+//             units a CTA (N units) are at most WHOLE_UNIT_SLACK tiles over ceil(T / G): CTA c
+//             takes units [c k, (c + 1) k), B(c) = min(c k U, T), ceil(N / k) CTAs work, and no
+//             unit is cut (a cut costs its pieces a park and a merge, about that many tiles).
 //   piece     the part of one unit inside one CTA's range. A unit lying in one CTA is written
 //             out by it directly; a unit cut by CTA boundaries has one piece per CTA it touches,
 //             each parked as FP32 partials in a slot, and the CTA whose piece arrives last
@@ -20,14 +24,20 @@
 
 namespace kvs {
 
+constexpr int WHOLE_UNIT_SLACK = 4;
+
 struct Schedule {
     long long total;  // T: tiles in the sequence
     int ctas;         // G: working CTAs (0 when T = 0)
+    long long per;    // whole units: k U tiles a CTA; 0: balanced shares
 
-    __device__ __host__ long long begin(int c) const { return (long long)c * total / ctas; }
+    __device__ __host__ long long begin(int c) const {
+        if (per) return (long long)c * per < total ? (long long)c * per : total;
+        return (long long)c * total / ctas;
+    }
     // The CTA whose range holds tile t: the largest c with B(c) <= t.
     __device__ __host__ int cta_of(long long t) const {
-        return (int)(((t + 1) * ctas - 1) / total);
+        return per ? (int)(t / per) : (int)(((t + 1) * ctas - 1) / total);
     }
     // Workspace slot of the cut piece of CTA c that starts at tile `start`.
     __device__ __host__ int slot(int c, long long start) const {
@@ -35,9 +45,17 @@ struct Schedule {
     }
 };
 
-__device__ __host__ inline Schedule make_schedule(long long total, int grid, int min_tiles) {
+// `units` units of tiles, the shortest `unit_min` tiles and the longest `unit_max`.
+__device__ __host__ inline Schedule make_schedule(long long total, int grid, int min_tiles, long long units,
+                                                  long long unit_min, long long unit_max) {
     const long long wanted = (total + min_tiles - 1) / min_tiles;
-    return {total, (int)(wanted < grid ? wanted : grid)};
+    const int ctas = (int)(wanted < grid ? wanted : grid);
+    if (total > 0 && unit_min == unit_max) {
+        const long long k = (units + grid - 1) / grid;
+        if (k * unit_min <= (total + ctas - 1) / ctas + WHOLE_UNIT_SLACK)
+            return {total, (int)((units + k - 1) / k), k * unit_min};
+    }
+    return {total, ctas, 0};
 }
 
 // Tiles of a request of `len` positions.

@@ -153,6 +153,7 @@ struct StartShared {
     long long total;  // tiles in the sequence
     long long lo, hi; // this CTA's tiles
     long long base;   // global index of the first tile of `batch`
+    long long per;    // Schedule::per
     int batch;        // the request holding tile lo
     int ctas;         // working CTAs
 };
@@ -161,6 +162,16 @@ static_assert(sizeof(StartShared) <= SharedPlan::merge_flag - SharedPlan::start,
 __device__ __forceinline__ long long warp_sum(long long v) {
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+__device__ __forceinline__ long long warp_min(long long v) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) v = min(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+__device__ __forceinline__ long long warp_max(long long v) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
     return v;
 }
 
@@ -187,20 +198,34 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
     const int lane = threadIdx.x % 32;
     const int uh = units_per_request(p);
     const int* lens = p.seqlens;
-    long long total = 0;
+    // the sequence's tiles, and the units' count and extreme lengths (x uh: per request)
+    long long total = 0, busy = 0, t_min = 0, t_max = 0;
     if (!lens) {
-        total = (long long)p.batch * tiles_of(p.max_len, TILE_TOKENS) * uh;
+        t_min = t_max = (long long)tiles_of(p.max_len, TILE_TOKENS) * uh;
+        busy = t_min > 0 ? p.batch : 0;
+        total = busy * t_min;
     } else {
+        constexpr long long NONE = 0x7fffffffffffffffLL;
+        t_min = NONE;
         for (int base = 0; base < p.batch; base += 32 * SCAN_PER_LANE) {
             long long t[SCAN_PER_LANE];
             load_request_tiles(p, lens, base, lane, uh, t);
-            long long mine = 0;
+            long long mine = 0, lo = NONE, hi = 0;
+            int n = 0;
 #pragma unroll
-            for (int i = 0; i < SCAN_PER_LANE; ++i) mine += t[i];
+            for (int i = 0; i < SCAN_PER_LANE; ++i) {
+                mine += t[i];
+                n += t[i] > 0;
+                if (t[i] > 0) lo = min(lo, t[i]);
+                hi = max(hi, t[i]);
+            }
             total += warp_sum(mine);
+            busy += warp_sum(n);
+            t_min = min(t_min, warp_min(lo));
+            t_max = max(t_max, warp_max(hi));
         }
     }
-    const Schedule s = make_schedule(total, gridDim.x, p.min_tiles_per_cta);
+    const Schedule s = make_schedule(total, gridDim.x, p.min_tiles_per_cta, busy * uh, t_min / uh, t_max / uh);
     const int c = blockIdx.x;
     long long lo = 0, hi = 0, req_base = 0;
     int req = 0;
@@ -250,7 +275,7 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
             }
         }
     }
-    if (lane == 0) *out = {total, lo, hi, req_base, req, s.ctas};
+    if (lane == 0) *out = {total, lo, hi, req_base, s.per, req, s.ctas};
 }
 
 // The pieces of this CTA's range, in order; every role walks its own copy.
@@ -637,7 +662,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     __syncthreads();
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_SCHEDULED);
     const StartShared st = *start;
-    const Schedule sched = {st.total, st.ctas};
+    const Schedule sched = {st.total, st.ctas, st.per};
 
     if (p.schedule_log && threadIdx.x == 0) {
         int* log = p.schedule_log + (long long)blockIdx.x * (SCHEDULE_LOG_PIECES + 1) * 4;

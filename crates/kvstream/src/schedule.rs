@@ -3,6 +3,10 @@
 //! this out on the device at every call; this model is what the tests compare the kernel's
 //! record with, and what the CPU reference uses to check the merge rule.
 
+/// Most tiles a whole-unit schedule may put on a CTA over the balanced share and still be
+/// chosen (`WHOLE_UNIT_SLACK`): about what cutting a unit costs its pieces (a park and a merge).
+pub const WHOLE_UNIT_SLACK: u64 = 4;
+
 /// The sequence of `total` tiles cut over `ctas` working CTAs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Schedule {
@@ -10,27 +14,57 @@ pub struct Schedule {
     pub total: u64,
     /// Working CTAs (0 when there are no tiles).
     pub ctas: usize,
+    /// Whole units: the tiles of each CTA (k units of U tiles); 0: balanced shares.
+    pub per: u64,
 }
 
 impl Schedule {
     /// `make_schedule`: at most `grid` CTAs, each with at least `min_tiles` tiles where there
-    /// are enough.
-    pub fn new(total: u64, grid: usize, min_tiles: usize) -> Self {
-        let wanted = total.div_ceil(min_tiles as u64);
+    /// are enough, in balanced shares; or whole units where all `units` units have the same
+    /// tiles (`unit_min == unit_max`) and that costs a CTA at most [`WHOLE_UNIT_SLACK`] tiles
+    /// over the balanced share.
+    pub fn new(
+        total: u64,
+        grid: usize,
+        min_tiles: usize,
+        units: u64,
+        unit_min: u64,
+        unit_max: u64,
+    ) -> Self {
+        let ctas = total.div_ceil(min_tiles as u64).min(grid as u64);
+        if total > 0 && unit_min == unit_max {
+            let k = units.div_ceil(grid as u64);
+            if k * unit_min <= total.div_ceil(ctas) + WHOLE_UNIT_SLACK {
+                return Schedule {
+                    total,
+                    ctas: units.div_ceil(k) as usize,
+                    per: k * unit_min,
+                };
+            }
+        }
         Schedule {
             total,
-            ctas: wanted.min(grid as u64) as usize,
+            ctas: ctas as usize,
+            per: 0,
         }
     }
 
     /// B(c): the first tile of CTA c.
     pub fn begin(&self, c: usize) -> u64 {
-        c as u64 * self.total / self.ctas as u64
+        if self.per > 0 {
+            (c as u64 * self.per).min(self.total)
+        } else {
+            c as u64 * self.total / self.ctas as u64
+        }
     }
 
     /// The CTA whose range holds tile `t`.
     pub fn cta_of(&self, t: u64) -> usize {
-        (((t + 1) * self.ctas as u64 - 1) / self.total) as usize
+        if self.per > 0 {
+            (t / self.per) as usize
+        } else {
+            (((t + 1) * self.ctas as u64 - 1) / self.total) as usize
+        }
     }
 
     /// Workspace slot of CTA c's cut piece that starts at tile `start`.
@@ -80,7 +114,16 @@ pub fn pieces(
 ) -> (Schedule, Vec<Vec<Piece>>) {
     let tiles: Vec<usize> = lens.iter().map(|&l| tiles_of(l, tile_tokens)).collect();
     let total: u64 = tiles.iter().map(|&t| (t * units) as u64).sum();
-    let s = Schedule::new(total, grid, min_tiles);
+    let busy = tiles.iter().filter(|&&t| t > 0);
+    let (lo, hi) = (busy.clone().min(), busy.clone().max());
+    let s = Schedule::new(
+        total,
+        grid,
+        min_tiles,
+        (busy.count() * units) as u64,
+        lo.map_or(0, |&t| t as u64),
+        hi.map_or(0, |&t| t as u64),
+    );
     let mut out = vec![Vec::new(); s.ctas];
     let mut start = 0u64;
     for (b, &t) in tiles.iter().enumerate() {
@@ -134,8 +177,11 @@ mod tests {
             let units = 1 + (rng.next() % 8) as usize;
             let grid = 1 + (rng.next() % 140) as usize;
             let min_tiles = 1 + (rng.next() % 4) as usize;
+            let uniform = (rng.next() % 200) as usize;
             let lens: Vec<usize> = (0..batch)
                 .map(|_| match rng.next() % 4 {
+                    // one case in three has uniform lengths (whole units where they fit)
+                    _ if case % 3 == 0 => uniform,
                     0 => 0,
                     1 => (rng.next() % 200) as usize,
                     _ => (rng.next() % 20000) as usize,
@@ -155,10 +201,23 @@ mod tests {
                 let share: u64 = list.iter().map(|p| (p.end - p.first) as u64).sum();
                 assert_eq!(share, s.begin(c + 1) - s.begin(c), "case {case} cta {c}");
                 let floor = total / s.ctas as u64;
-                assert!(
-                    share == floor || share == floor + 1,
-                    "case {case}: share {share}"
-                );
+                if s.per > 0 {
+                    // whole units: k of them a CTA (the last CTA the rest), none cut, at most
+                    // the slack over the balanced share of the CTAs the grid would have had
+                    assert!(share == s.per || (c + 1 == s.ctas && share <= s.per));
+                    assert!(
+                        list.iter().all(|p| p.whole()),
+                        "case {case}: a cut whole unit"
+                    );
+                    let balanced =
+                        total.div_ceil(total.div_ceil(min_tiles as u64).min(grid as u64));
+                    assert!(s.per <= balanced + WHOLE_UNIT_SLACK, "case {case}");
+                } else {
+                    assert!(
+                        share == floor || share == floor + 1,
+                        "case {case}: share {share}"
+                    );
+                }
                 for (i, p) in list.iter().enumerate() {
                     assert!(p.first < p.end && p.end <= p.tiles);
                     if !p.whole() {
@@ -250,17 +309,52 @@ mod tests {
     }
 
     /// The closed forms agree with their definitions: cta_of(t) is the largest c with
-    /// B(c) <= t.
+    /// B(c) <= t, in both kinds of schedule.
     #[test]
     fn cta_of_inverts_begin() {
         for total in 1..300u64 {
             for ctas in 1..=total.min(140) as usize {
-                let s = Schedule { total, ctas };
-                for t in 0..total {
-                    let c = s.cta_of(t);
-                    assert!(s.begin(c) <= t && (c + 1 == ctas || s.begin(c + 1) > t));
+                let balanced = Schedule {
+                    total,
+                    ctas,
+                    per: 0,
+                };
+                let per = total.div_ceil(ctas as u64);
+                let whole = Schedule {
+                    total,
+                    ctas: total.div_ceil(per) as usize,
+                    per,
+                };
+                for s in [balanced, whole] {
+                    for t in 0..total {
+                        let c = s.cta_of(t);
+                        assert!(c < s.ctas, "{s:?} {t}");
+                        assert!(s.begin(c) <= t && (c + 1 == s.ctas || s.begin(c + 1) > t));
+                    }
                 }
             }
         }
+    }
+
+    /// Whole units where uniform units fit the slack, balanced shares elsewhere (32/8 heads,
+    /// d 128: 8 units a request, 64-position tiles, 132 SMs, 2 tiles at least).
+    #[test]
+    fn uniform_batches_take_whole_units_where_they_fit() {
+        let plan = |batch: usize, len: usize| {
+            let (s, per_cta) = pieces(&vec![len; batch], 8, 64, 132, 2);
+            let cut = per_cta.iter().flatten().filter(|p| !p.whole()).count();
+            (s.ctas, s.per, cut)
+        };
+        assert_eq!(plan(16, 4096), (128, 64, 0)); // one unit a CTA: 64 tiles, share 63
+        assert_eq!(plan(32, 4096), (128, 128, 0)); // two: 128, share 125
+        assert_eq!(plan(64, 4096).1, 0); // four would be 256 tiles, share 249: cut
+        assert_eq!(plan(16, 32768).1, 0); // 512 tiles, share 497
+        assert_eq!(plan(1, 4096).1, 0); // 8 units over 132 CTAs
+                                        // a zero-length request leaves the others uniform
+        let (s, per_cta) = pieces(&[4096, 0, 4096], 8, 64, 16, 2);
+        assert_eq!((s.ctas, s.per), (16, 64));
+        assert!(per_cta.iter().flatten().all(|p| p.whole()));
+        // one different length: balanced
+        assert_eq!(pieces(&[4096, 4032], 8, 64, 16, 2).0.per, 0);
     }
 }
