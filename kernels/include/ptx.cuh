@@ -76,6 +76,18 @@ __device__ __forceinline__ u64 l2_policy_evict_first() {
     return policy;
 }
 
+// The same fraction-1 policy with another priority (for loads whose best priority is measured).
+__device__ __forceinline__ u64 l2_policy_evict_normal() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+__device__ __forceinline__ u64 l2_policy_evict_last() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
 // Tensor-map (TMA) load of one 4-D box into shared memory, completing on `bar` as transaction
 // bytes (PTX ISA 9.7.9.25.5.1, cp.async.bulk.tensor). Coordinates are innermost first; parts of
 // the box outside the tensor are zero-filled and still count towards the transaction bytes.

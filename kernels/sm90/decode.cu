@@ -43,6 +43,8 @@
 //   KVS_STAGES           ring depth
 //   KVS_CONSUMER_GROUPS  1 or 2 groups of four consumer warps
 //   KVS_PAGED            0: contiguous cache; 1: paged cache
+//   KVS_KV_L2            L2 priority of the K and V loads: 0 evict_first, 1 evict_normal,
+//                        2 evict_last
 #include "ptx.cuh"
 #include "decode_params.cuh"
 #include "schedule.cuh"
@@ -73,6 +75,8 @@ constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
 constexpr int STAGES = KVS_STAGES;
 constexpr int CONSUMER_GROUPS = KVS_CONSUMER_GROUPS;
 constexpr bool PAGED = KVS_PAGED;
+constexpr int KV_L2 = KVS_KV_L2;
+static_assert(KV_L2 >= 0 && KV_L2 <= 2, "L2 priority");
 
 constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
@@ -690,7 +694,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         const Ring ring = {smem_addr(smem + SharedPlan::ring), smem_addr(k_full), smem_addr(v_full),
                            smem_addr(empty), smem_addr(smem + SharedPlan::q), smem_addr(q_full),
                            smem_addr(q_empty)};
-        const u64 policy = l2_policy_evict_first();
+        const u64 policy = KV_L2 == 0 ? l2_policy_evict_first()
+                           : KV_L2 == 1 ? l2_policy_evict_normal()
+                                        : l2_policy_evict_last();
         if constexpr (PAGED) {
             produce_paged(p, ring, st, policy);
         } else if (lane == 0) {

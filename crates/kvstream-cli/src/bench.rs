@@ -115,17 +115,25 @@ pub struct Ring {
     pub groups: Option<usize>,
     pub stages: Option<usize>,
     pub tile_tokens: Option<usize>,
+    /// L2 priority of K and V (`l0` evict_first, `l1` evict_normal, `l2` evict_last).
+    pub kv_l2: Option<usize>,
 }
 
-/// `g2s4p64`, `s6`, `g1p128`, ...: letters g, s, p each followed by a number, at most once.
+/// `g2s4p64`, `s6`, `g1p128l2`, ...: letters g, s, p, l each followed by a number, at most once.
 pub fn parse_ring(text: &str) -> Result<Ring, String> {
     let mut ring = Ring {
         spec: text.to_string(),
         groups: None,
         stages: None,
         tile_tokens: None,
+        kv_l2: None,
     };
-    let bad = || format!("ring {text:?}: expected g<groups>s<stages>p<positions>, e.g. g1s6p64");
+    let bad = || {
+        format!(
+            "ring {text:?}: expected g<groups>s<stages>p<positions>l<L2 priority: 0 first, \
+             1 normal, 2 last>, each part optional, e.g. g1s6p64"
+        )
+    };
     let mut rest = text;
     while let Some(key) = rest.chars().next() {
         let digits = rest[1..].chars().take_while(|c| c.is_ascii_digit()).count();
@@ -134,6 +142,7 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
             'g' => &mut ring.groups,
             's' => &mut ring.stages,
             'p' => &mut ring.tile_tokens,
+            'l' => &mut ring.kv_l2,
             _ => return Err(bad()),
         };
         if slot.replace(value).is_some() {
@@ -141,7 +150,11 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         }
         rest = &rest[1 + digits..];
     }
-    if text.is_empty() {
+    if text.is_empty()
+        || ring
+            .kv_l2
+            .is_some_and(|c| kvstream::kernels::L2Hint::from_code(c).is_none())
+    {
         return Err(bad());
     }
     Ok(ring)
@@ -285,6 +298,7 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
             persistent_groups: r.groups,
             persistent_stages: r.stages,
             persistent_tile_tokens: r.tile_tokens,
+            persistent_kv_l2: r.kv_l2.and_then(kvstream::kernels::L2Hint::from_code),
             ..Default::default()
         };
         forced.push((format!("kvstream/{}", r.spec), o));
@@ -1214,7 +1228,8 @@ mod tests {
         );
         let r = parse_ring("s2").unwrap();
         assert_eq!((r.groups, r.stages, r.tile_tokens), (None, Some(2), None));
-        for bad in ["", "g", "x2", "g1g2", "s2p", "g1 s2"] {
+        assert_eq!(parse_ring("s2l2").unwrap().kv_l2, Some(2));
+        for bad in ["", "g", "x2", "g1g2", "s2p", "g1 s2", "l3"] {
             assert!(parse_ring(bad).is_err(), "{bad:?}");
         }
         let a = parse(&["--matrix", &matrix_path(), "--rings", "g1s2,g2s4"]).unwrap();

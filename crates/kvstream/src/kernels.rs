@@ -225,6 +225,31 @@ fn mainloop_defines(
     ]
 }
 
+/// L2 eviction priority of the persistent decode's K and V loads (`KVS_KV_L2`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum L2Hint {
+    /// `evict_first`: read once, leave L2 first.
+    #[default]
+    EvictFirst,
+    /// `evict_normal`.
+    EvictNormal,
+    /// `evict_last`.
+    EvictLast,
+}
+
+impl L2Hint {
+    /// The value of `KVS_KV_L2` and of the `l` part of a bench ring.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+    /// From [`Self::code`].
+    pub fn from_code(code: usize) -> Option<Self> {
+        [Self::EvictFirst, Self::EvictNormal, Self::EvictLast]
+            .get(code)
+            .copied()
+    }
+}
+
 /// Query-row buffers of the persistent decode (`Q_BUFFERS` in decode.cu).
 const PERSISTENT_Q_BUFFERS: usize = 3;
 
@@ -245,6 +270,8 @@ pub struct PersistentVariant {
     pub consumer_groups: usize,
     /// Paged cache; contiguous otherwise.
     pub paged: bool,
+    /// L2 eviction priority of the K and V loads.
+    pub kv_l2: L2Hint,
 }
 
 impl PersistentVariant {
@@ -281,13 +308,18 @@ impl PersistentVariant {
 impl Variant for PersistentVariant {
     fn name(&self) -> String {
         format!(
-            "decode.{}.d{}.n{}.t{}.s{}.g{}{}",
+            "decode.{}.d{}.n{}.t{}.s{}.g{}{}{}",
             self.dtype.name(),
             self.head_dim,
             self.n_tiles,
             self.tile_tokens,
             self.stages,
             self.consumer_groups,
+            match self.kv_l2 {
+                L2Hint::EvictFirst => "",
+                L2Hint::EvictNormal => ".l2normal",
+                L2Hint::EvictLast => ".l2last",
+            },
             if self.paged { ".paged" } else { "" }
         )
     }
@@ -298,7 +330,7 @@ impl Variant for PersistentVariant {
         "kvs_decode"
     }
     fn defines(&self) -> Vec<(String, String)> {
-        mainloop_defines(
+        let mut d = mainloop_defines(
             self.dtype,
             self.head_dim,
             self.n_tiles,
@@ -306,7 +338,9 @@ impl Variant for PersistentVariant {
             self.stages,
             self.consumer_groups,
             self.paged,
-        )
+        );
+        d.push(("KVS_KV_L2".into(), self.kv_l2.code().to_string()));
+        d
     }
 }
 

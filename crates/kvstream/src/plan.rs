@@ -19,7 +19,8 @@
 //!
 //! A knob of one engine selects it: `num_splits`, `reduction`, `device_plan`, `stages`,
 //! `consumer_groups`, `resident_ctas` the split engine; `persistent_ctas`, `min_tiles_per_cta`,
-//! `persistent_stages`, `persistent_groups`, `persistent_tile_tokens` the persistent one.
+//! `persistent_stages`, `persistent_groups`, `persistent_tile_tokens`, `persistent_kv_l2` the
+//! persistent one.
 //!
 //! # Split engine: split count and reduction mode
 //!
@@ -82,6 +83,7 @@ pub fn persistent_variant(
         stages: consumer_groups,
         consumer_groups,
         paged,
+        kv_l2: crate::kernels::L2Hint::default(),
     };
     with_deepest_ring(v, max_stages)
 }
@@ -217,6 +219,10 @@ pub fn plan_persistent(
         options.persistent_stages,
         options.persistent_tile_tokens,
     )?;
+    let variant = PersistentVariant {
+        kv_l2: options.persistent_kv_l2.unwrap_or(variant.kv_l2),
+        ..variant
+    };
     let grid = match options.persistent_ctas {
         None => device.sm_count.clamp(1, PERSISTENT_MAX_GRID),
         Some(c) if (1..=PERSISTENT_MAX_GRID).contains(&c) => c,
@@ -408,6 +414,7 @@ impl PlanOptions {
                 "persistent_tile_tokens",
                 self.persistent_tile_tokens.is_some(),
             ),
+            ("persistent_kv_l2", self.persistent_kv_l2.is_some()),
         ]
         .into_iter()
         .find_map(|(name, set)| set.then_some(name))
@@ -610,6 +617,8 @@ pub struct PlanOptions {
     /// Persistent engine, tuning knob: KV positions per ring stage (a multiple of 64 up to
     /// [`PERSISTENT_MAX_TILE_TOKENS`]) instead of [`tile_tokens`].
     pub persistent_tile_tokens: Option<usize>,
+    /// Persistent engine, tuning knob: the L2 eviction priority of the K and V loads.
+    pub persistent_kv_l2: Option<crate::kernels::L2Hint>,
 }
 
 /// Shared memory of one H100/H200 SM, and what the hardware reserves per resident CTA.
