@@ -88,7 +88,7 @@ fi
 if want trace; then
   mkdir -p $O/trace
   KVSTREAM_TRACE=$O/trace timeout 300 $B bench --matrix bench/serving.json \
-    --ids "${TRACE_IDS:-contig-b1-L4096,paged16-b1-L4096,paged64-b1-L4096}" --no-plots \
+    --ids "${TRACE_IDS:-contig-d128-b1-L4096,paged16-d128-b1-L4096,paged64-d128-b1-L4096}" --no-plots \
     --json $O/trace/bench-traced.json 2>&1 | tail -12
   python3 bench/trace.py $O/trace --json $O/trace/summary.json | tee $O/trace/summary.txt
 fi

@@ -534,7 +534,7 @@ pub(crate) mod tests {
         let keys: Vec<&str> = row.extra.keys().map(String::as_str).collect();
         assert_eq!(keys, ["long_len", "page_size", "pages_in_order"]);
         assert_eq!(row.extra["long_len"], 1_048_576);
-        assert!(Row::for_shape(by_id("contig-b8-L32768"), 0)
+        assert!(Row::for_shape(by_id("contig-d128-b8-L32768"), 0)
             .extra
             .is_empty());
     }
