@@ -117,6 +117,8 @@ pub struct Ring {
     pub tile_tokens: Option<usize>,
     /// L2 priority of K and V (`l0` evict_first, `l1` evict_normal, `l2` evict_last).
     pub kv_l2: Option<usize>,
+    /// L2 promotion of the K and V tensor maps (`m0` none, `m1` 64 B, `m2` 128 B, `m3` 256 B).
+    pub promotion: Option<usize>,
 }
 
 /// `g2s4p64`, `s6`, `g1p128l2`, ...: letters g, s, p, l each followed by a number, at most once.
@@ -127,11 +129,13 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         stages: None,
         tile_tokens: None,
         kv_l2: None,
+        promotion: None,
     };
     let bad = || {
         format!(
             "ring {text:?}: expected g<groups>s<stages>p<positions>l<L2 priority: 0 first, \
-             1 normal, 2 last>, each part optional, e.g. g1s6p64"
+             1 normal, 2 last>m<L2 promotion: 0 none, 1 64 B, 2 128 B, 3 256 B>, each part \
+             optional, e.g. g1s6p64"
         )
     };
     let mut rest = text;
@@ -143,6 +147,7 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
             's' => &mut ring.stages,
             'p' => &mut ring.tile_tokens,
             'l' => &mut ring.kv_l2,
+            'm' => &mut ring.promotion,
             _ => return Err(bad()),
         };
         if slot.replace(value).is_some() {
@@ -154,6 +159,9 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         || ring
             .kv_l2
             .is_some_and(|c| kvstream::kernels::L2Hint::from_code(c).is_none())
+        || ring
+            .promotion
+            .is_some_and(|c| kvstream::launch::TmaPromotion::from_code(c).is_none())
     {
         return Err(bad());
     }
@@ -299,6 +307,9 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
             persistent_stages: r.stages,
             persistent_tile_tokens: r.tile_tokens,
             persistent_kv_l2: r.kv_l2.and_then(kvstream::kernels::L2Hint::from_code),
+            persistent_kv_promotion: r
+                .promotion
+                .and_then(kvstream::launch::TmaPromotion::from_code),
             ..Default::default()
         };
         forced.push((format!("kvstream/{}", r.spec), o));

@@ -11,7 +11,9 @@ use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::error::{Error, Result};
 use crate::kernels::{AnyVariant, PlanWorkVariant, COMBINE_THREADS};
-use crate::launch::{joined_page_map, kv_tensor_map, launch, max_active_clusters, LaunchConfig};
+use crate::launch::{
+    joined_page_map, kv_tensor_map, launch, max_active_clusters, LaunchConfig, TmaPromotion,
+};
 use crate::params::{DecodeParams, PersistentParams, SCHEDULE_LOG_PIECES};
 use crate::plan::{choose, DecodePlan, PersistentPlan, Plan, PlanOptions, Reduction};
 use crate::problem::{DType, DecodeProblem, KvStrides};
@@ -520,7 +522,7 @@ impl SplitEngine {
             Some(pg) if self.plan.decode.joined_halves => {
                 joined_page_map(arg, ptr, p.dtype, p.hkv, pg.page_size, pg.num_pages)
             }
-            _ => cache_map(p, arg, ptr, strides, tile),
+            _ => cache_map(p, arg, ptr, strides, tile, TmaPromotion::default()),
         };
         let rows = row_strides(p);
         // the caches' addresses for the decode's L2 warm-up (params.cuh): none where a position
@@ -636,6 +638,7 @@ fn cache_map(
     ptr: u64,
     strides: KvStrides,
     tile: usize,
+    promotion: TmaPromotion,
 ) -> Result<sys::CUtensorMap> {
     match p.paged {
         // the pool as {d, hkv, page_size, num_pages}
@@ -649,9 +652,10 @@ fn cache_map(
             pg.num_pages,
             KvStrides::contiguous(pg.page_size, p.hkv, p.head_dim),
             pg.page_size.min(tile),
+            promotion,
         ),
         None => kv_tensor_map(
-            arg, ptr, p.dtype, p.head_dim, p.hkv, p.max_len, p.batch, strides, tile,
+            arg, ptr, p.dtype, p.head_dim, p.hkv, p.max_len, p.batch, strides, tile, promotion,
         ),
     }
 }
@@ -671,8 +675,8 @@ impl PersistentEngine {
         let tile = pp.variant.tile_tokens;
         let rows = row_strides(p);
         let params = PersistentParams {
-            k_map: cache_map(p, "k_cache", t.k, p.k_strides, tile)?,
-            v_map: cache_map(p, "v_cache", t.v, p.v_strides, tile)?,
+            k_map: cache_map(p, "k_cache", t.k, p.k_strides, tile, pp.kv_promotion)?,
+            v_map: cache_map(p, "v_cache", t.v, p.v_strides, tile, pp.kv_promotion)?,
             q: t.q,
             out: t.out,
             lse: t.lse.unwrap_or(0),

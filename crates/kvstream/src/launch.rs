@@ -102,6 +102,38 @@ fn driver_config(
     }
 }
 
+/// How far the L2 extends a TMA load's DRAM fetch past the bytes the box asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TmaPromotion {
+    /// No promotion.
+    None,
+    /// To 64 bytes.
+    B64,
+    /// To 128 bytes.
+    B128,
+    /// To 256 bytes.
+    #[default]
+    B256,
+}
+
+impl TmaPromotion {
+    /// From 0 (none), 1 (64 B), 2 (128 B), 3 (256 B).
+    pub fn from_code(code: usize) -> Option<Self> {
+        [Self::None, Self::B64, Self::B128, Self::B256]
+            .get(code)
+            .copied()
+    }
+    fn raw(self) -> sys::CUtensorMapL2promotion {
+        use sys::CUtensorMapL2promotion as P;
+        match self {
+            Self::None => P::CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            Self::B64 => P::CU_TENSOR_MAP_L2_PROMOTION_L2_64B,
+            Self::B128 => P::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            Self::B256 => P::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        }
+    }
+}
+
 /// Encodes the TMA tensor map of one KV cache tensor for the decode kernel: a 4-D tensor
 /// `{d, hkv, max_len, batch}` (innermost first) with the given element strides, read in boxes of
 /// 64 head dims x `box_tokens` positions of one head, 128-byte swizzled in shared memory.
@@ -117,12 +149,14 @@ pub fn kv_tensor_map(
     batch: usize,
     strides: KvStrides,
     box_tokens: usize,
+    promotion: TmaPromotion,
 ) -> Result<sys::CUtensorMap> {
     let elem = dtype.size() as u64;
     encode_tiled(
         arg,
         ptr,
         dtype,
+        promotion,
         [head_dim as u64, hkv as u64, max_len as u64, batch as u64],
         // byte strides of dims 1.. (dim 0 is contiguous)
         &[
@@ -153,18 +187,20 @@ pub fn joined_page_map(
         arg,
         ptr,
         dtype,
+        TmaPromotion::default(),
         [64, page_size as u64, 2, hkv as u64, num_pages as u64],
         &[position, 64 * elem, 128 * elem, page_size as u64 * position],
         [64, page_size as u32, 2, 1, 1],
     )
 }
 
-/// cuTensorMapEncodeTiled with the decode kernel's settings: 128-byte swizzle, 256-byte L2
+/// cuTensorMapEncodeTiled with the decode kernel's settings: 128-byte swizzle, the given L2
 /// promotion, zeros outside the tensor.
 fn encode_tiled<const RANK: usize>(
     arg: &'static str,
     ptr: u64,
     dtype: DType,
+    promotion: TmaPromotion,
     dims: [u64; RANK],
     byte_strides: &[u64],
     box_dims: [u32; RANK],
@@ -192,7 +228,7 @@ fn encode_tiled<const RANK: usize>(
             element_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            promotion.raw(),
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };

@@ -184,6 +184,8 @@ pub struct PersistentPlan {
     pub col_blocks: usize,
     /// Launch with PDL.
     pub pdl: bool,
+    /// L2 promotion of the K and V tensor maps.
+    pub kv_promotion: crate::launch::TmaPromotion,
 }
 
 impl PersistentPlan {
@@ -245,6 +247,7 @@ pub fn plan_persistent(
         min_tiles_per_cta,
         col_blocks: variant.column_blocks(problem),
         pdl: !options.disable_pdl,
+        kv_promotion: options.persistent_kv_promotion.unwrap_or_default(),
     })
 }
 
@@ -415,6 +418,10 @@ impl PlanOptions {
                 self.persistent_tile_tokens.is_some(),
             ),
             ("persistent_kv_l2", self.persistent_kv_l2.is_some()),
+            (
+                "persistent_kv_promotion",
+                self.persistent_kv_promotion.is_some(),
+            ),
         ]
         .into_iter()
         .find_map(|(name, set)| set.then_some(name))
@@ -619,6 +626,8 @@ pub struct PlanOptions {
     pub persistent_tile_tokens: Option<usize>,
     /// Persistent engine, tuning knob: the L2 eviction priority of the K and V loads.
     pub persistent_kv_l2: Option<crate::kernels::L2Hint>,
+    /// Persistent engine, tuning knob: the L2 promotion of the K and V tensor maps.
+    pub persistent_kv_promotion: Option<crate::launch::TmaPromotion>,
 }
 
 /// Shared memory of one H100/H200 SM, and what the hardware reserves per resident CTA.
