@@ -307,7 +307,7 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
             persistent_stages: r.stages,
             persistent_tile_tokens: r.tile_tokens,
             persistent_kv_l2: r.kv_l2.and_then(kvstream::kernels::L2Hint::from_code),
-            persistent_kv_promotion: r
+            kv_promotion: r
                 .promotion
                 .and_then(kvstream::launch::TmaPromotion::from_code),
             ..Default::default()

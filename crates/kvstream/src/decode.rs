@@ -522,7 +522,7 @@ impl SplitEngine {
             Some(pg) if self.plan.decode.joined_halves => {
                 joined_page_map(arg, ptr, p.dtype, p.hkv, pg.page_size, pg.num_pages)
             }
-            _ => cache_map(p, arg, ptr, strides, tile, TmaPromotion::default()),
+            _ => cache_map(p, arg, ptr, strides, tile, self.plan.kv_promotion),
         };
         let rows = row_strides(p);
         // the caches' addresses for the decode's L2 warm-up (params.cuh): none where a position

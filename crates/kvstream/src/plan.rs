@@ -247,7 +247,7 @@ pub fn plan_persistent(
         min_tiles_per_cta,
         col_blocks: variant.column_blocks(problem),
         pdl: !options.disable_pdl,
-        kv_promotion: options.persistent_kv_promotion.unwrap_or_default(),
+        kv_promotion: options.kv_promotion.unwrap_or_default(),
     })
 }
 
@@ -418,10 +418,6 @@ impl PlanOptions {
                 self.persistent_tile_tokens.is_some(),
             ),
             ("persistent_kv_l2", self.persistent_kv_l2.is_some()),
-            (
-                "persistent_kv_promotion",
-                self.persistent_kv_promotion.is_some(),
-            ),
         ]
         .into_iter()
         .find_map(|(name, set)| set.then_some(name))
@@ -626,8 +622,9 @@ pub struct PlanOptions {
     pub persistent_tile_tokens: Option<usize>,
     /// Persistent engine, tuning knob: the L2 eviction priority of the K and V loads.
     pub persistent_kv_l2: Option<crate::kernels::L2Hint>,
-    /// Persistent engine, tuning knob: the L2 promotion of the K and V tensor maps.
-    pub persistent_kv_promotion: Option<crate::launch::TmaPromotion>,
+    /// Tuning knob of both engines: the L2 promotion of the K and V tensor maps instead of
+    /// [`crate::launch::TmaPromotion::default`].
+    pub kv_promotion: Option<crate::launch::TmaPromotion>,
 }
 
 /// Shared memory of one H100/H200 SM, and what the hardware reserves per resident CTA.
@@ -755,6 +752,8 @@ pub struct DecodePlan {
     pub workspace: WorkspaceLayout,
     /// Launch with PDL.
     pub pdl: bool,
+    /// L2 promotion of the K and V tensor maps.
+    pub kv_promotion: crate::launch::TmaPromotion,
     /// How splits are merged (irrelevant with one split).
     pub reduction: Reduction,
     /// Dynamic shared memory of a decode CTA: the variant's, or more to cap the CTAs per SM
@@ -895,6 +894,7 @@ pub fn plan(
         device_plan: None,
         workspace,
         pdl: !options.disable_pdl,
+        kv_promotion: options.kv_promotion.unwrap_or_default(),
         reduction,
         decode_shared_bytes: resident_shared_bytes(decode.shared_bytes(), resident),
     })
@@ -999,6 +999,7 @@ fn plan_on_device(
             request_plan: 2 * problem.batch,
         },
         pdl: !options.disable_pdl,
+        kv_promotion: options.kv_promotion.unwrap_or_default(),
         reduction: if cluster.is_some() {
             Reduction::Cluster
         } else {
