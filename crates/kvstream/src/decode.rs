@@ -519,9 +519,15 @@ impl SplitEngine {
         let tile = self.plan.decode.box_tokens();
         let map = |arg, ptr, strides| match p.paged {
             // pages of 8 positions up to a tile at d128: one box per page run, both halves
-            Some(pg) if self.plan.decode.joined_halves => {
-                joined_page_map(arg, ptr, p.dtype, p.hkv, pg.page_size, pg.num_pages)
-            }
+            Some(pg) if self.plan.decode.joined_halves => joined_page_map(
+                arg,
+                ptr,
+                p.dtype,
+                p.hkv,
+                pg.page_size,
+                pg.num_pages,
+                self.plan.kv_promotion,
+            ),
             _ => cache_map(p, arg, ptr, strides, tile, self.plan.kv_promotion),
         };
         let rows = row_strides(p);

@@ -109,8 +109,8 @@ pub enum TmaPromotion {
     None,
     /// To 64 bytes.
     B64,
-    /// To 128 bytes: a box row's line, the default (256 bytes fetched the next head's row with
-    /// it: docs/tuning.md, "L2 promotion").
+    /// To 128 bytes: a box row's line; the persistent engine's default (256 bytes fetched the
+    /// next head's row with it: docs/tuning.md, "L2 promotion").
     #[default]
     B128,
     /// To 256 bytes.
@@ -181,6 +181,7 @@ pub fn joined_page_map(
     hkv: usize,
     page_size: usize,
     num_pages: usize,
+    promotion: TmaPromotion,
 ) -> Result<sys::CUtensorMap> {
     let elem = dtype.size() as u64;
     let position = hkv as u64 * 128 * elem;
@@ -188,7 +189,7 @@ pub fn joined_page_map(
         arg,
         ptr,
         dtype,
-        TmaPromotion::default(),
+        promotion,
         [64, page_size as u64, 2, hkv as u64, num_pages as u64],
         &[position, 64 * elem, 128 * elem, page_size as u64 * position],
         [64, page_size as u32, 2, 1, 1],

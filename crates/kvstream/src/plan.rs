@@ -426,6 +426,10 @@ impl PlanOptions {
 
 /// Ring depth of the decode kernel.
 pub const STAGES: usize = 4;
+/// L2 promotion of the split engine's K and V tensor maps: 256 bytes, as measured by every
+/// table of this engine; the persistent engine's 128 bytes (docs/tuning.md, "L2 promotion")
+/// is not measured on this engine's rows yet.
+pub const SPLIT_KV_PROMOTION: crate::launch::TmaPromotion = crate::launch::TmaPromotion::B256;
 /// Fewest tiles a split should stream (see the module docs).
 pub const MIN_TILES_PER_SPLIT: usize = 1;
 /// Streaming CTAs per SM the heuristic aims for (as a fraction: numerator / denominator); half
@@ -894,7 +898,7 @@ pub fn plan(
         device_plan: None,
         workspace,
         pdl: !options.disable_pdl,
-        kv_promotion: options.kv_promotion.unwrap_or_default(),
+        kv_promotion: options.kv_promotion.unwrap_or(SPLIT_KV_PROMOTION),
         reduction,
         decode_shared_bytes: resident_shared_bytes(decode.shared_bytes(), resident),
     })
@@ -999,7 +1003,7 @@ fn plan_on_device(
             request_plan: 2 * problem.batch,
         },
         pdl: !options.disable_pdl,
-        kv_promotion: options.kv_promotion.unwrap_or_default(),
+        kv_promotion: options.kv_promotion.unwrap_or(SPLIT_KV_PROMOTION),
         reduction: if cluster.is_some() {
             Reduction::Cluster
         } else {
@@ -1285,6 +1289,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("persistent_groups"), "{msg}");
+    }
+
+    #[test]
+    fn l2_promotion_defaults_per_engine_and_the_knob_reaches_both() {
+        use crate::launch::TmaPromotion;
+        let b16 = DecodeProblem::new(16, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        let b1 = DecodeProblem::new(1, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        let of = |p: &DecodeProblem, o: PlanOptions| match choose(p, DeviceFacts::H200, o).unwrap()
+        {
+            Plan::Persistent(pp) => pp.kv_promotion,
+            Plan::Split(sp) => sp.kv_promotion,
+        };
+        assert_eq!(of(&b16, PlanOptions::default()), TmaPromotion::B128);
+        assert_eq!(of(&b1, PlanOptions::default()), SPLIT_KV_PROMOTION);
+        let forced = PlanOptions {
+            kv_promotion: Some(TmaPromotion::None),
+            ..Default::default()
+        };
+        assert_eq!(of(&b16, forced), TmaPromotion::None);
+        assert_eq!(of(&b1, forced), TmaPromotion::None);
+        // the knob belongs to neither engine: the choice stays the default one
+        assert!(matches!(
+            choose(&b1, DeviceFacts::H200, forced).unwrap(),
+            Plan::Split(_)
+        ));
     }
 
     #[test]
