@@ -60,10 +60,9 @@ impl Schedule {
 
     /// The CTA whose range holds tile `t`.
     pub fn cta_of(&self, t: u64) -> usize {
-        if self.per > 0 {
-            (t / self.per) as usize
-        } else {
-            (((t + 1) * self.ctas as u64 - 1) / self.total) as usize
+        match t.checked_div(self.per) {
+            Some(c) => c as usize, // whole units
+            None => (((t + 1) * self.ctas as u64 - 1) / self.total) as usize,
         }
     }
 
