@@ -47,6 +47,7 @@
 //                        2 evict_last
 #include "ptx.cuh"
 #include "decode_params.cuh"
+#include "kv_format.cuh"
 #include "schedule.cuh"
 #include "trace.cuh"
 
@@ -88,12 +89,13 @@ constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
 constexpr int GROUP_PAD = N_TILES * 8;        // columns per block
 constexpr int D_TILES = HEAD_DIM / 16;
 
-// K and V tiles arrive as TMA boxes of 64 head dims (128 bytes) x TILE_TOKENS positions, one box
-// per 64 dims, with the 128-byte swizzle: 16-byte chunk c of position t sits at chunk c ^ (t % 8)
-// of its 128-byte line, so the 8 rows one ldmatrix phase reads hit 8 different bank groups.
-constexpr int BOXES = HEAD_DIM / 64;
-constexpr int BOX_BYTES = TILE_TOKENS * 128;
-constexpr int TILE_BYTES = BOXES * BOX_BYTES;
+// K and V tiles: the cache's element format (kv_format.cuh). They arrive as TMA boxes of one
+// 128-byte row x TILE_TOKENS positions, with the 128-byte swizzle, so the 8 rows one ldmatrix
+// phase reads hit 8 different bank groups.
+using Kv = KvHalf<HEAD_DIM, TILE_TOKENS>;
+constexpr int BOXES = Kv::BOXES;
+constexpr int BOX_BYTES = Kv::BOX_BYTES;
+constexpr int TILE_BYTES = Kv::TILE_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K tile then V tile
 constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;  // paged: page runs per tile, per producer lane
 constexpr int SMEM_ROW = HEAD_DIM * 2 + 16;     // Q rows, padded for conflict-free ldmatrix
@@ -140,9 +142,6 @@ static_assert(2 * MAX_GRID * GROUP_PAD <= CONSUMER_WARPS * MERGE_WARP_FLOATS, "m
 static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern boundary");
 static_assert(SMEM_ROW % 16 == 0 && Q_BYTES % 16 == 0, "bulk copies of query rows: 16-byte aligned");
 
-__device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk) {
-    return tile + (chunk / 8) * BOX_BYTES + t * 128 + (((chunk % 8) ^ (t % 8)) << 4);
-}
 
 // ================================ scheduler ===============================================
 // Lengths come from device memory the host never sees: clamped, never trusted.
@@ -372,12 +371,12 @@ __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, co
             mbarrier_arrive_expect_tx(r.k_full + 8 * s, TILE_BYTES);
 #pragma unroll
             for (int box = 0; box < BOXES; ++box)
-                tma_load_4d(k_dst + box * BOX_BYTES, &p.k_map, box * 64, kv_head, k * TILE_TOKENS,
+                tma_load_4d(k_dst + box * BOX_BYTES, &p.k_map, box * Kv::DIMS_PER_BOX, kv_head, k * TILE_TOKENS,
                             pc.batch, r.k_full + 8 * s, policy);
             mbarrier_arrive_expect_tx(r.v_full + 8 * s, TILE_BYTES);
 #pragma unroll
             for (int box = 0; box < BOXES; ++box)
-                tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * 64, kv_head, k * TILE_TOKENS,
+                tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * Kv::DIMS_PER_BOX, kv_head, k * TILE_TOKENS,
                             pc.batch, r.v_full + 8 * s, policy);
             if (TRACE && n == 0) trace_stamp(TRACE_FIRST_ISSUE);
         }
@@ -454,7 +453,7 @@ __device__ __forceinline__ void produce_paged(const PersistentParams& p, const R
                             const int in_page = (tile_begin + rr * run) & in_page_mask;
 #pragma unroll
                             for (int box = 0; box < BOXES; ++box)
-                                tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * 64,
+                                tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * Kv::DIMS_PER_BOX,
                                             kv_head, in_page, ids[b][i], bar[kv], policy);
                         }
                     }
@@ -778,8 +777,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 #pragma unroll
                 for (int kk = 0; kk < D_TILES; kk += 2) {
                     u32 a0[4], a1[4];
-                    ldmatrix_x4(a0, kv_chunk(k_tile, slice_row + a_row, 2 * kk + a_col / 8));
-                    ldmatrix_x4(a1, kv_chunk(k_tile, slice_row + a_row, 2 * (kk + 1) + a_col / 8));
+                    Kv::k_fragment(a0, k_tile, slice_row + a_row, kk, a_col);
+                    Kv::k_fragment(a1, k_tile, slice_row + a_row, kk + 1, a_col);
 #pragma unroll
                     for (int nt = 0; nt < N_TILES; ++nt) {
                         u32 b[4];
@@ -840,7 +839,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 #pragma unroll
                 for (int dt = 0; dt < D_TILES; ++dt) {
                     u32 a[4];
-                    ldmatrix_x4_trans(a, kv_chunk(v_tile, slice_row + v_row, 2 * dt + v_col / 8));
+                    Kv::v_fragment(a, v_tile, slice_row + v_row, dt, v_col);
                     a[0] &= keep_lo;
                     a[1] &= keep_lo;
                     a[2] &= keep_hi;

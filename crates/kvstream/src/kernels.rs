@@ -8,8 +8,12 @@ use crate::plan;
 use crate::problem::{DType, DecodeProblem, MAX_GROUP, SUPPORTED_HEAD_DIMS};
 
 /// Headers the kernels include, by the name they use in `#include "..."`.
-pub const HEADERS: [(&str, &str); 5] = [
+pub const HEADERS: [(&str, &str); 6] = [
     ("ptx.cuh", include_str!("../../../kernels/include/ptx.cuh")),
+    (
+        "kv_format.cuh",
+        include_str!("../../../kernels/include/kv_format.cuh"),
+    ),
     (
         "params.cuh",
         include_str!("../../../kernels/include/params.cuh"),
