@@ -345,6 +345,34 @@ __device__ __forceinline__ void load_query_rows(const PersistentParams& p, const
     }
 }
 
+// The producer's walk over the CTA's pieces, one piece ahead: a piece is handed out only once
+// the query rows of the piece after it are on their way (issued by the `issuer` thread).
+struct ProducerWalk {
+    Walk walk;
+    Piece ahead;
+    bool more;
+    int j = 0;  // pieces whose query rows are on their way
+
+    __device__ __forceinline__ ProducerWalk(const PersistentParams& p, const StartShared& start, const Ring& r,
+                                            bool issuer)
+        : walk(p, start) {
+        more = walk.next(p, ahead);
+        issue(p, r, issuer);
+    }
+    __device__ __forceinline__ void issue(const PersistentParams& p, const Ring& r, bool issuer) {
+        if (!more) return;
+        if (issuer) load_query_rows(p, r, ahead, j);
+        ++j;
+    }
+    __device__ __forceinline__ bool next(const PersistentParams& p, const Ring& r, bool issuer, Piece& pc) {
+        if (!more) return false;
+        pc = ahead;
+        more = walk.next(p, ahead);
+        issue(p, r, issuer);
+        return true;
+    }
+};
+
 // Waits for stage n % STAGES to be free and announces a K and a V tile on its barriers.
 __device__ __forceinline__ int acquire_stage(const Ring& r, int n) {
     const int s = n % STAGES;
@@ -357,13 +385,10 @@ __device__ __forceinline__ int acquire_stage(const Ring& r, int n) {
 // holds before it); the consumers mask them.
 __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, const Ring& r,
                                                    const StartShared& start, u64 policy) {
-    Walk walk(p, start), ahead(p, start);
-    Piece pc, next;
+    ProducerWalk walk(p, start, r, true);
+    Piece pc;
     int n = 0;
-    int j = 0;  // pieces whose query rows are on their way
-    if (ahead.next(p, next)) load_query_rows(p, r, next, j++);
-    while (walk.next(p, pc)) {
-        if (ahead.next(p, next)) load_query_rows(p, r, next, j++);
+    while (walk.next(p, r, true, pc)) {
         const int kv_head = pc.unit / p.col_blocks;
         for (int k = pc.first; k < pc.end; ++k, ++n) {
             const int s = acquire_stage(r, n);
@@ -411,15 +436,10 @@ __device__ __forceinline__ void produce_paged(const PersistentParams& p, const R
     const int run = min(p.page_size, TILE_TOKENS);
     const int runs = TILE_TOKENS / run;
     const int in_page_mask = p.page_size - 1;
-    Walk walk(p, start), ahead(p, start);
-    Piece pc, next;
+    ProducerWalk walk(p, start, r, lane == 0);
+    Piece pc;
     int n = 0;
-    int j = 0;  // pieces whose query rows are on their way (lane 0 issues them)
-    if (ahead.next(p, next) && lane == 0) load_query_rows(p, r, next, j);
-    ++j;
-    while (walk.next(p, pc)) {
-        if (ahead.next(p, next) && lane == 0) load_query_rows(p, r, next, j);
-        ++j;
+    while (walk.next(p, r, lane == 0, pc)) {
         __syncwarp();
         const int kv_head = pc.unit / p.col_blocks;
         const int* table = p.block_table + (long long)pc.batch * p.table_stride;
