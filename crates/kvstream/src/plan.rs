@@ -68,13 +68,7 @@ pub fn persistent_variant(
     n_tiles: usize,
     paged: bool,
 ) -> PersistentVariant {
-    let (consumer_groups, max_stages) = if head_dim == 128 {
-        PERSISTENT_D128_RING
-    } else if DecodeVariant::groups_fit(n_tiles, 2) {
-        (2, PERSISTENT_MAX_STAGES)
-    } else {
-        (1, PERSISTENT_MAX_STAGES)
-    };
+    let (consumer_groups, max_stages) = default_ring(head_dim, n_tiles);
     let v = PersistentVariant {
         dtype,
         head_dim,
@@ -86,6 +80,17 @@ pub fn persistent_variant(
         kv_l2: crate::kernels::L2Hint::default(),
     };
     with_deepest_ring(v, max_stages)
+}
+
+/// (consumer groups, deepest ring) of the persistent variant (see [`persistent_variant`]).
+fn default_ring(head_dim: usize, n_tiles: usize) -> (usize, usize) {
+    if head_dim == 128 {
+        PERSISTENT_D128_RING
+    } else if DecodeVariant::groups_fit(n_tiles, 2) {
+        (2, PERSISTENT_MAX_STAGES)
+    } else {
+        (1, PERSISTENT_MAX_STAGES)
+    }
 }
 
 /// `v` with the deepest ring of at most `max_stages` stages (a multiple of its consumer groups)
@@ -142,8 +147,7 @@ pub fn persistent_variant_with_ring(
         v.consumer_groups = g;
     }
     match stages {
-        None if v.head_dim == 128 && groups.is_none() && tile_tokens.is_none() => Ok(v),
-        None => Ok(with_deepest_ring(v, PERSISTENT_MAX_STAGES)),
+        None => Ok(with_deepest_ring(v, default_ring(v.head_dim, v.n_tiles).1)),
         Some(s) => {
             let g = v.consumer_groups;
             v.stages = s;
@@ -616,7 +620,7 @@ pub struct PlanOptions {
     pub min_tiles_per_cta: Option<usize>,
     /// Persistent engine, tuning knob: ring depth (a multiple of the consumer groups, up to
     /// [`PERSISTENT_MAX_FORCED_STAGES`], fitting the shared memory). `None`: the deepest ring
-    /// up to [`PERSISTENT_MAX_STAGES`] that fits.
+    /// that fits up to the head dim's default depth ([`persistent_variant`]).
     pub persistent_stages: Option<usize>,
     /// Persistent engine, tuning knob: groups of four consumer warps (1, or 2 where
     /// [`DecodeVariant::groups_fit`]).
@@ -1248,10 +1252,13 @@ mod tests {
         };
         assert_eq!(v(ring(Some(1), Some(6), None)), (1, 6, 64));
         assert_eq!(v(ring(Some(2), Some(2), Some(128))), (2, 2, 128));
-        // the default depth for a forced group count or stage size: the deepest up to
-        // PERSISTENT_MAX_STAGES that fits
-        assert_eq!(v(ring(Some(2), None, None)), (2, 4, 64));
-        assert_eq!(v(ring(Some(1), None, Some(128))), (1, 3, 128));
+        // the default depth for a forced group count or stage size: the deepest up to the
+        // head dim's default depth that fits
+        assert_eq!(v(ring(Some(2), None, None)), (2, 2, 64));
+        assert_eq!(v(ring(Some(1), None, Some(128))), (1, 2, 128));
+        let d64 = DecodeProblem::new(16, 32, 8, 64, 4096, DType::Bf16).unwrap();
+        let r64 = persistent(&d64, ring(Some(1), None, None)).unwrap().variant;
+        assert_eq!((r64.consumer_groups, r64.stages), (1, 4));
         for (o, arg) in [
             (ring(Some(2), Some(3), None), "persistent_stages"), // not a multiple of 2 groups
             (ring(Some(2), Some(6), None), "persistent_stages"), // 6 x 32 KB + 2 groups' scratch
