@@ -108,29 +108,36 @@ pub struct BenchArgs {
     pub no_plots: bool,
 }
 
-/// A forced persistent ring (`--rings`): consumer groups, stages, positions per stage.
+/// A forced persistent configuration (`--rings`): consumer groups, stages, positions per stage,
+/// L2 priority and L2 promotion of K and V, each optional.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Ring {
     pub spec: String,
     pub groups: Option<usize>,
     pub stages: Option<usize>,
     pub tile_tokens: Option<usize>,
-    /// L2 priority of K and V (`l0` evict_first, `l1` evict_normal, `l2` evict_last).
-    pub kv_l2: Option<usize>,
-    /// L2 promotion of the K and V tensor maps (`m0` none, `m1` 64 B, `m2` 128 B, `m3` 256 B).
-    pub promotion: Option<usize>,
+    pub kv_l2: Option<kvstream::kernels::L2Hint>,
+    pub promotion: Option<kvstream::launch::TmaPromotion>,
 }
 
-/// `g2s4p64`, `s6`, `g1p128l2`, ...: letters g, s, p, l each followed by a number, at most once.
+impl Ring {
+    /// The plan options that force it.
+    pub fn options(&self) -> PlanOptions {
+        PlanOptions {
+            persistent_groups: self.groups,
+            persistent_stages: self.stages,
+            persistent_tile_tokens: self.tile_tokens,
+            persistent_kv_l2: self.kv_l2,
+            kv_promotion: self.promotion,
+            ..Default::default()
+        }
+    }
+}
+
+/// `g2s4p64`, `s6`, `g1p128l2m2`, ...: letters g, s, p, l, m each followed by a number, at
+/// most once (l: 0 evict_first, 1 evict_normal, 2 evict_last; m: 0 none, 1 64 B, 2 128 B,
+/// 3 256 B).
 pub fn parse_ring(text: &str) -> Result<Ring, String> {
-    let mut ring = Ring {
-        spec: text.to_string(),
-        groups: None,
-        stages: None,
-        tile_tokens: None,
-        kv_l2: None,
-        promotion: None,
-    };
     let bad = || {
         format!(
             "ring {text:?}: expected g<groups>s<stages>p<positions>l<L2 priority: 0 first, \
@@ -138,34 +145,36 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
              optional, e.g. g1s6p64"
         )
     };
+    const KEYS: &str = "gsplm";
+    let mut parts = [None::<usize>; 5];
     let mut rest = text;
     while let Some(key) = rest.chars().next() {
+        let slot = KEYS.find(key).ok_or_else(bad)?;
         let digits = rest[1..].chars().take_while(|c| c.is_ascii_digit()).count();
         let value: usize = rest[1..1 + digits].parse().map_err(|_| bad())?;
-        let slot = match key {
-            'g' => &mut ring.groups,
-            's' => &mut ring.stages,
-            'p' => &mut ring.tile_tokens,
-            'l' => &mut ring.kv_l2,
-            'm' => &mut ring.promotion,
-            _ => return Err(bad()),
-        };
-        if slot.replace(value).is_some() {
+        if parts[slot].replace(value).is_some() {
             return Err(bad());
         }
         rest = &rest[1 + digits..];
     }
-    if text.is_empty()
-        || ring
-            .kv_l2
-            .is_some_and(|c| kvstream::kernels::L2Hint::from_code(c).is_none())
-        || ring
-            .promotion
-            .is_some_and(|c| kvstream::launch::TmaPromotion::from_code(c).is_none())
-    {
+    let [groups, stages, tile_tokens, l2, promotion] = parts;
+    let kv_l2 = l2
+        .map(|c| kvstream::kernels::L2Hint::from_code(c).ok_or_else(bad))
+        .transpose()?;
+    let promotion = promotion
+        .map(|c| kvstream::launch::TmaPromotion::from_code(c).ok_or_else(bad))
+        .transpose()?;
+    if text.is_empty() {
         return Err(bad());
     }
-    Ok(ring)
+    Ok(Ring {
+        spec: text.to_string(),
+        groups,
+        stages,
+        tile_tokens,
+        kv_l2,
+        promotion,
+    })
 }
 
 /// The shapes to run: `--shape`s alone, or the matrix (all, or `--ids`) plus any `--shape`s;
@@ -302,16 +311,7 @@ pub fn implementations(args: &BenchArgs) -> Vec<(String, PlanOptions)> {
         forced.push((format!("kvstream/t{t}"), o));
     }
     for r in &args.rings {
-        let o = PlanOptions {
-            persistent_groups: r.groups,
-            persistent_stages: r.stages,
-            persistent_tile_tokens: r.tile_tokens,
-            persistent_kv_l2: r.kv_l2.and_then(kvstream::kernels::L2Hint::from_code),
-            kv_promotion: r
-                .promotion
-                .and_then(kvstream::launch::TmaPromotion::from_code),
-            ..Default::default()
-        };
+        let o = r.options();
         forced.push((format!("kvstream/{}", r.spec), o));
     }
     for &c in &args.ctas {
@@ -1239,7 +1239,10 @@ mod tests {
         );
         let r = parse_ring("s2").unwrap();
         assert_eq!((r.groups, r.stages, r.tile_tokens), (None, Some(2), None));
-        assert_eq!(parse_ring("s2l2").unwrap().kv_l2, Some(2));
+        assert_eq!(
+            parse_ring("s2l2").unwrap().kv_l2,
+            Some(kvstream::kernels::L2Hint::EvictLast)
+        );
         for bad in ["", "g", "x2", "g1g2", "s2p", "g1 s2", "l3"] {
             assert!(parse_ring(bad).is_err(), "{bad:?}");
         }

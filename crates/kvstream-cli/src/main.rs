@@ -192,10 +192,9 @@ fn kernels(
                     r.stages,
                     r.tile_tokens,
                 ) {
-                    let kv_l2 = r.kv_l2.and_then(kvstream::kernels::L2Hint::from_code);
                     let f = kvstream::kernels::AnyVariant::Persistent(
                         kvstream::kernels::PersistentVariant {
-                            kv_l2: kv_l2.unwrap_or(f.kv_l2),
+                            kv_l2: r.kv_l2.unwrap_or(f.kv_l2),
                             ..f
                         },
                     );
