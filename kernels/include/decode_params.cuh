@@ -21,6 +21,8 @@ struct alignas(128) PersistentParams {
     float* lse;               // [batch, q_len, hq] natural log, or null
     const int* seqlens;       // [batch] int32, or null: every request has max_len positions
     const int* block_table;   // paged: [batch, table_stride] int32 page ids; null: contiguous
+    const void* k_cache;      // paged: the pools [num_pages, page_size, hkv, d] for the gathering
+    const void* v_cache;      //   producer (KVS_GATHER); the tensor maps serve every other source
     float* o_partial;         // [2 * grid, block_cols, d] cut pieces' unnormalised O (schedule.cuh)
     float* ml_partial;        // [2 * grid, block_cols, 2] their base-2 max and denominator
     int* arrivals;            // [batch * hkv * col_blocks] pieces parked per unit: zero between
@@ -36,6 +38,7 @@ struct alignas(128) PersistentParams {
     float scale_log2;         // softmax_scale * log2(e): scores go straight to exp2
     int page_size;            // paged: positions per page (a power of two); 0: contiguous
     int table_stride;         // paged: entries per block-table row
+    int num_pages;            // paged: pages in each pool; a page id outside [0, num_pages) reads zeros
     int min_tiles_per_cta;    // schedule: fewer CTAs work when there are few tiles (schedule.cuh)
 };
 

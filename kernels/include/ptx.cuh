@@ -126,6 +126,21 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
+// Asynchronous 16-byte copy from global to shared memory through L2 only (PTX ISA 9.7.9.25.3,
+// cp.async.cg): `src_bytes` of 16 or 0 (0 reads nothing and writes 16 zeros; `src` must still be
+// a valid global address). Both addresses 16-byte aligned.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_bytes, u64 policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
+                 :: "r"(dst), "l"(src), "r"(src_bytes), "l"(policy) : "memory");
+}
+
+// Arrival on `bar` once every cp.async this thread issued before has landed, counted against
+// the barrier's expected arrivals (.noinc: the barrier is initialised with one arrival per
+// copying thread; PTX ISA 9.7.9.25.3.4, cp.async.mbarrier.arrive).
+__device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+
 // Prefetch of one global line into L2 through the load/store path (PTX ISA 9.7.9.15,
 // prefetch): nothing returns, so nothing waits for it, and the TMA unit is not involved.
 __device__ __forceinline__ void prefetch_l2(const void* ptr) {

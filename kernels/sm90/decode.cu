@@ -10,13 +10,14 @@
 // by the CTA whose piece arrives last (an arrival counter it resets itself: nothing is zeroed
 // between calls); the merge order is fixed, so results are bitwise reproducible.
 //
-// Roles (CTA of 4 * CONSUMER_GROUPS consumer warps + 1 producer warp):
+// Roles (CTA of 4 * CONSUMER_GROUPS consumer warps + PRODUCER_WARPS producer warps):
 //   scheduler  consumer warp 0 at entry: the total tile count and the request holding this
 //              CTA's first tile, into shared memory (one pass over the lengths);
-//   producer   the last warp: walks the same pieces and streams their K and V tiles through a
+//   producer   the last warp(s): walks the same pieces and streams their K and V tiles through a
 //              ring of STAGES shared-memory stages by TMA, without stopping at piece boundaries
-//              (KvSource: contiguous cache, or page runs looked up in the block table), and the
-//              query rows of each piece into one of Q_BUFFERS buffers a piece ahead;
+//              (KvSource: contiguous cache, page runs looked up in the block table, or pages
+//              gathered position by position), and the query rows of each piece into one of
+//              Q_BUFFERS buffers a piece ahead;
 //   consumers  per piece: wait for its Q, then the KV loop (group g of four warps takes the
 //              CTA's tiles n = g, g + G, ...; each warp keeps a private online softmax over its
 //              rows of each tile), then the epilogue;
@@ -26,6 +27,8 @@
 //
 // Ring protocol, n = the CTA's running tile count, stage s = n % STAGES, parity (n / STAGES) & 1:
 //   producer  wait empty[s] (from the second lap); K boxes on k_full[s], V boxes on v_full[s]
+//             (gathered pages: every lane's K copies, then its V copies, each arriving when
+//             they have landed, so a full barrier counts 32 arrivals instead of bytes)
 //   consumer  wait k_full[s], S^T and softmax, wait v_full[s], O^T, lane 0 arrives on empty[s]
 //   (STAGES is a multiple of CONSUMER_GROUPS: a stage always feeds the same group, whose four
 //   warps its `empty` barrier counts)
@@ -43,6 +46,8 @@
 //   KVS_STAGES           ring depth
 //   KVS_CONSUMER_GROUPS  1 or 2 groups of four consumer warps
 //   KVS_PAGED            0: contiguous cache; 1: paged cache
+//   KVS_GATHER           paged: 0 TMA boxes per page run; 1 pages gathered by 16-byte copies
+//   KVS_PRODUCER_WARPS   1; gathering: 1, 2 or 4 warps, each copying its share of every tile
 //   KVS_KV_L2            L2 priority of the K and V loads: 0 evict_first, 1 evict_normal,
 //                        2 evict_last
 #include "ptx.cuh"
@@ -76,14 +81,19 @@ constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
 constexpr int STAGES = KVS_STAGES;
 constexpr int CONSUMER_GROUPS = KVS_CONSUMER_GROUPS;
 constexpr bool PAGED = KVS_PAGED;
+constexpr bool GATHER = KVS_GATHER;
+constexpr int PRODUCER_WARPS = KVS_PRODUCER_WARPS;
+static_assert(PAGED || !GATHER, "only a paged pool is gathered");
+static_assert(PRODUCER_WARPS == 1 || (GATHER && (PRODUCER_WARPS == 2 || PRODUCER_WARPS == 4)),
+              "several producer warps only gather");
 constexpr int KV_L2 = KVS_KV_L2;
 static_assert(KV_L2 >= 0 && KV_L2 <= 2, "L2 priority");
 
 constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
-constexpr int PRODUCER_WARP = CONSUMER_WARPS;
-constexpr int THREADS = CONSUMER_THREADS + 32;
+constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the first producer warp
+constexpr int THREADS = CONSUMER_THREADS + 32 * PRODUCER_WARPS;
 constexpr int ROWS_PER_WARP = TILE_TOKENS / GROUP_WARPS;
 constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
 constexpr int GROUP_PAD = N_TILES * 8;        // columns per block
@@ -98,6 +108,8 @@ constexpr int BOX_BYTES = Kv::BOX_BYTES;
 constexpr int TILE_BYTES = Kv::TILE_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K tile then V tile
 constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;  // paged: page runs per tile, per producer lane
+// Paged producers read a piece's page ids a chunk of CHUNK_PAGES at a time (produce_paged)
+constexpr int CHUNK_PAGES = 32 * RUNS_PER_LANE;
 constexpr int SMEM_ROW = HEAD_DIM * 2 + 16;     // Q rows, padded for conflict-free ldmatrix
 constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;   // one piece's query rows
 // Buffers of query rows: the producer loads piece j + 1's while the consumers may still be on
@@ -126,7 +138,11 @@ struct SharedPlan {
     static constexpr int col_visible = col_row + 8 * GROUP_PAD;
     static constexpr int start = col_visible + 4 * GROUP_PAD;  // StartShared (48 bytes at most)
     static constexpr int merge_flag = start + 56;               // int: this CTA merges the unit
-    static constexpr int bytes = start + 64;
+    // gather: each producer warp's copy of one chunk's page ids, one tile's pool rows
+    // (produce_gathered)
+    static constexpr int page_ids = start + 64;
+    static constexpr int pool_rows = page_ids + (GATHER ? 4 * CHUNK_PAGES * PRODUCER_WARPS : 0);
+    static constexpr int bytes = pool_rows + (GATHER ? 4 * TILE_TOKENS : 0);
 };
 
 static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
@@ -409,17 +425,18 @@ __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, co
     if (TRACE) trace_stamp(TRACE_LAST_ISSUE);
 }
 
-// Paged cache (KvSource for KVS_PAGED 1), the whole warp: a tile is TILE_TOKENS / run runs of
-// `run` = min(page, tile) positions; the lane holding a run's page id issues its boxes. The
-// warp reads a piece's page ids a chunk of CHUNK_PAGES at a time (lane i holds pages i, i + 32,
-// ... of the chunk) and keeps two chunks, so the next chunk's table read hides behind a whole
-// chunk of tiles; a piece's first chunk is read when the producer reaches it, while the ring
-// still holds the previous piece's last STAGES tiles.
-constexpr int CHUNK_PAGES = 32 * RUNS_PER_LANE;
-static_assert(CHUNK_PAGES % TILE_TOKENS == 0, "a tile's runs never straddle two chunks");
+// Paged caches, the whole warp: a piece's tiles with the page ids they need. The warp reads a
+// piece's page ids a chunk of CHUNK_PAGES at a time (lane i holds pages i, i + 32, ... of the
+// chunk) and keeps two chunks, so the next chunk's table read hides behind a whole chunk of
+// tiles; a piece's first chunk is read when the producer reaches it, while the ring still holds
+// the previous piece's last STAGES tiles. `use_chunk(ids)` runs when a chunk becomes current,
+// `issue(stage, kv_head, tile_begin, chunk_page, ids)` once per tile with its stage acquired;
+// the warp with `query_rows` also loads the pieces' query rows.
+static_assert(CHUNK_PAGES % TILE_TOKENS == 0, "a tile's pages never straddle two chunks");
 
 // Page ids of pages [first + 32 * i + lane] (i < RUNS_PER_LANE), -1 from `end` on: their boxes
-// are out of bounds and arrive zero-filled (masked by the consumers).
+// are out of bounds and arrive zero-filled, their gathered copies are zero-filled (masked by
+// the consumers).
 __device__ __forceinline__ void load_page_chunk(int (&ids)[RUNS_PER_LANE], const int* table,
                                                 int first, int end, int lane) {
 #pragma unroll
@@ -429,22 +446,21 @@ __device__ __forceinline__ void load_page_chunk(int (&ids)[RUNS_PER_LANE], const
     }
 }
 
-__device__ __forceinline__ void produce_paged(const PersistentParams& p, const Ring& r,
-                                              const StartShared& start, u64 policy) {
+template <class UseChunk, class Issue>
+__device__ __forceinline__ void walk_paged_tiles(const PersistentParams& p, const Ring& r,
+                                                 const StartShared& start, bool query_rows, UseChunk use_chunk,
+                                                 Issue issue) {
     const int lane = threadIdx.x % 32;
     const int shift = __ffs(p.page_size) - 1;
-    const int run = min(p.page_size, TILE_TOKENS);
-    const int runs = TILE_TOKENS / run;
-    const int in_page_mask = p.page_size - 1;
-    ProducerWalk walk(p, start, r, lane == 0);
+    const bool issuer = query_rows && lane == 0;
+    ProducerWalk walk(p, start, r, issuer);
     Piece pc;
     int n = 0;
-    while (walk.next(p, r, lane == 0, pc)) {
+    while (walk.next(p, r, issuer, pc)) {
         __syncwarp();
         const int kv_head = pc.unit / p.col_blocks;
         const int* table = p.block_table + (long long)pc.batch * p.table_stride;
-        const int begin = pc.first * TILE_TOKENS;
-        const int first_page = begin >> shift;
+        const int first_page = (pc.first * TILE_TOKENS) >> shift;
         const int end_page = ((min(pc.len, pc.end * TILE_TOKENS) - 1) >> shift) + 1;
         int ids[2][RUNS_PER_LANE];
         load_page_chunk(ids[0], table, first_page, end_page, lane);
@@ -454,34 +470,123 @@ __device__ __forceinline__ void produce_paged(const PersistentParams& p, const R
 #pragma unroll
             for (int b = 0; b < 2; ++b) {
                 const int chunk_page = first_page + (chunk + b) * CHUNK_PAGES;
+                use_chunk(ids[b]);
                 for (; k < pc.end; ++k, ++n) {
                     const int tile_begin = k * TILE_TOKENS;
-                    const int tile_page = tile_begin >> shift;  // page of the tile's first run
-                    if (tile_page >= chunk_page + CHUNK_PAGES) break;
-                    const int s = acquire_stage(r, n);
-                    const u32 dst[2] = {r.stage(s), r.stage(s) + TILE_BYTES};
-                    const u32 bar[2] = {r.k_full + 8 * s, r.v_full + 8 * s};
-                    const TensorMap* map[2] = {&p.k_map, &p.v_map};
-#pragma unroll
-                    for (int kv = 0; kv < 2; ++kv) {  // K, then V
-                        if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_BYTES);
-                        __syncwarp();
-#pragma unroll
-                        for (int i = 0; i < RUNS_PER_LANE; ++i) {
-                            const int rr = chunk_page + lane + 32 * i - tile_page;  // this lane's run
-                            if (rr < 0 || rr >= runs) continue;
-                            const int in_page = (tile_begin + rr * run) & in_page_mask;
-#pragma unroll
-                            for (int box = 0; box < BOXES; ++box)
-                                tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * Kv::DIMS_PER_BOX,
-                                            kv_head, in_page, ids[b][i], bar[kv], policy);
-                        }
-                    }
+                    if ((tile_begin >> shift) >= chunk_page + CHUNK_PAGES) break;
+                    issue(acquire_stage(r, n), kv_head, tile_begin, chunk_page, ids[b]);
                 }
                 load_page_chunk(ids[b], table, first_page + (chunk + b + 2) * CHUNK_PAGES, end_page, lane);
             }
         }
     }
+}
+
+// Paged cache by TMA boxes (KvSource for KVS_PAGED 1, KVS_GATHER 0): a tile is
+// TILE_TOKENS / run runs of `run` = min(page, tile) positions; the lane holding a run's page id
+// issues its boxes.
+__device__ __forceinline__ void produce_paged(const PersistentParams& p, const Ring& r,
+                                              const StartShared& start, u64 policy) {
+    const int lane = threadIdx.x % 32;
+    const int shift = __ffs(p.page_size) - 1;
+    const int run = min(p.page_size, TILE_TOKENS);
+    const int runs = TILE_TOKENS / run;
+    const int in_page_mask = p.page_size - 1;
+    walk_paged_tiles(
+        p, r, start, true, [](const int (&)[RUNS_PER_LANE]) {},
+        [&](int s, int kv_head, int tile_begin, int chunk_page, const int (&ids)[RUNS_PER_LANE]) {
+            const int tile_page = tile_begin >> shift;  // page of the tile's first run
+            const u32 dst[2] = {r.stage(s), r.stage(s) + TILE_BYTES};
+            const u32 bar[2] = {r.k_full + 8 * s, r.v_full + 8 * s};
+            const TensorMap* map[2] = {&p.k_map, &p.v_map};
+#pragma unroll
+            for (int kv = 0; kv < 2; ++kv) {  // K, then V
+                if (lane == 0) mbarrier_arrive_expect_tx(bar[kv], TILE_BYTES);
+                __syncwarp();
+#pragma unroll
+                for (int i = 0; i < RUNS_PER_LANE; ++i) {
+                    const int rr = chunk_page + lane + 32 * i - tile_page;  // this lane's run
+                    if (rr < 0 || rr >= runs) continue;
+                    const int in_page = (tile_begin + rr * run) & in_page_mask;
+#pragma unroll
+                    for (int box = 0; box < BOXES; ++box)
+                        tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * Kv::DIMS_PER_BOX,
+                                    kv_head, in_page, ids[i], bar[kv], policy);
+                }
+            }
+        });
+}
+
+// Paged cache gathered (KvSource for KVS_GATHER 1), every producer warp: pages too small for
+// boxes to pay (one descriptor per page run and 64 head dims, issued by one lane) are copied in
+// 16-byte chunks by every lane, ROW_CHUNKS lanes per position so that each copy instruction
+// reads whole rows, into the same swizzled tile the boxes fill. Producer warp w copies
+// positions [w, w + 1) x GATHER_WARP_POSITIONS of every tile: one warp alone cannot issue
+// copies as fast as HBM delivers them. Each warp keeps the current chunk's page ids in shared
+// memory and, per tile, turns them into its positions' rows in the pool (-1 past the pages),
+// so that a copy costs one shared load and one multiply. A lane's K copies arrive on k_full
+// once they have landed, then its V copies on v_full.
+constexpr int GATHER_WARP_POSITIONS = TILE_TOKENS / PRODUCER_WARPS;
+constexpr int GATHER_ROWS = 32 / Kv::ROW_CHUNKS;                   // positions per warp-wide copy
+constexpr int GATHER_COPIES = GATHER_WARP_POSITIONS / GATHER_ROWS;  // per lane per tile, K or V
+constexpr int GATHER_PARTS = Kv::SWIZZLE_ROWS / GATHER_ROWS;        // a lane's swizzled row offsets
+static_assert(32 % Kv::ROW_CHUNKS == 0 && Kv::SWIZZLE_ROWS % GATHER_ROWS == 0, "gather lanes");
+static_assert(GATHER_WARP_POSITIONS % Kv::SWIZZLE_ROWS == 0, "a warp's share starts a swizzle period");
+
+__device__ __forceinline__ void produce_gathered(const PersistentParams& p, const Ring& r,
+                                                 const StartShared& start, u64 policy, int w, int* page_ids,
+                                                 int* pool_rows) {
+    const int lane = threadIdx.x % 32;
+    const int shift = __ffs(p.page_size) - 1;
+    const int in_page_mask = p.page_size - 1;
+    const int row = lane / Kv::ROW_CHUNKS, c = lane % Kv::ROW_CHUNKS;  // lane's position, chunk
+    const u32 row_bytes = p.hkv * HEAD_DIM * 2;                       // one pool position
+    const int first = w * GATHER_WARP_POSITIONS;                     // this warp's positions
+    // copy i lands at stage + part[i % GATHER_PARTS] + (i / GATHER_PARTS) * SWIZZLE_BYTES
+    u32 part[GATHER_PARTS];
+#pragma unroll
+    for (int j = 0; j < GATHER_PARTS; ++j) part[j] = first * 128 + Kv::row_part(j * GATHER_ROWS + row, c);
+    const int* my_rows = pool_rows + row;  // copy i reads my_rows[i * GATHER_ROWS]
+    walk_paged_tiles(
+        p, r, start, w == 0,
+        [&](const int (&ids)[RUNS_PER_LANE]) {
+            __syncwarp();  // every lane is done with the previous chunk's ids
+#pragma unroll
+            for (int i = 0; i < RUNS_PER_LANE; ++i) page_ids[lane + 32 * i] = ids[i];
+            __syncwarp();
+        },
+        [&](int s, int kv_head, int tile_begin, int chunk_page, const int (&)[RUNS_PER_LANE]) {
+            // this warp's pool rows of the tile, once every lane is done with the previous
+            // tile's; -1 (zeros) past the pages and for ids outside the pools, which the boxes
+            // would zero-fill too. A pool row fits an int: 2^31 rows of >= 128 bytes exceed
+            // any GPU's memory.
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < (GATHER_WARP_POSITIONS + 31) / 32; ++i) {
+                const int e = lane + 32 * i;
+                if (GATHER_WARP_POSITIONS % 32 != 0 && e >= GATHER_WARP_POSITIONS) break;
+                const int pos = tile_begin + first + e;
+                const int id = page_ids[(pos >> shift) - chunk_page];
+                pool_rows[e] = (u32)id < (u32)p.num_pages ? (id << shift) | (pos & in_page_mask) : -1;
+            }
+            __syncwarp();
+            const u64 head_bytes = ((u64)kv_head * HEAD_DIM + c * Kv::CHUNK_ELEMS) * 2;
+            const u64 pools[2] = {reinterpret_cast<u64>(p.k_cache) + head_bytes,
+                                  reinterpret_cast<u64>(p.v_cache) + head_bytes};
+            const u32 bars[2] = {r.k_full + 8 * s, r.v_full + 8 * s};
+#pragma unroll
+            for (int kv = 0; kv < 2; ++kv) {  // K, then V
+                const u32 tile = r.stage(s) + kv * TILE_BYTES;
+#pragma unroll
+                for (int i = 0; i < GATHER_COPIES; ++i) {
+                    const int pool_row = my_rows[i * GATHER_ROWS];
+                    const u64 src = pools[kv] + (u64)(u32)max(pool_row, 0) * row_bytes;
+                    cp_async_16(tile + part[i % GATHER_PARTS] + (i / GATHER_PARTS) * Kv::SWIZZLE_BYTES,
+                                reinterpret_cast<const void*>(src), pool_row >= 0 ? 16 : 0, policy);
+                }
+                cp_async_arrive_noinc(bars[kv]);
+            }
+        });
 }
 
 // ================================ query rows (columns) =====================================
@@ -667,8 +772,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     }
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(&k_full[s], 1);
-            mbarrier_init(&v_full[s], 1);
+            mbarrier_init(&k_full[s], GATHER ? 32 * PRODUCER_WARPS : 1);
+            mbarrier_init(&v_full[s], GATHER ? 32 * PRODUCER_WARPS : 1);
             mbarrier_init(&empty[s], GROUP_WARPS);
         }
         for (int b = 0; b < Q_BUFFERS; ++b) {
@@ -708,15 +813,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         log[3] = 0;
     }
 
-    if (warp == PRODUCER_WARP) {
-        // ================================ producer warp ===================================
+    if (warp >= PRODUCER_WARP) {
+        // ================================ producer warp(s) ================================
         const Ring ring = {smem_addr(smem + SharedPlan::ring), smem_addr(k_full), smem_addr(v_full),
                            smem_addr(empty), smem_addr(smem + SharedPlan::q), smem_addr(q_full),
                            smem_addr(q_empty)};
         const u64 policy = KV_L2 == 0 ? l2_policy_evict_first()
                            : KV_L2 == 1 ? l2_policy_evict_normal()
                                         : l2_policy_evict_last();
-        if constexpr (PAGED) {
+        if constexpr (GATHER) {
+            const int w = warp - PRODUCER_WARP;
+            produce_gathered(p, ring, st, policy, w,
+                             reinterpret_cast<int*>(smem + SharedPlan::page_ids) + w * CHUNK_PAGES,
+                             reinterpret_cast<int*>(smem + SharedPlan::pool_rows) + w * GATHER_WARP_POSITIONS);
+        } else if constexpr (PAGED) {
             produce_paged(p, ring, st, policy);
         } else if (lane == 0) {
             produce_contiguous(p, ring, st, policy);

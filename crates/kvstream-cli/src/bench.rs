@@ -118,6 +118,8 @@ pub struct Ring {
     pub tile_tokens: Option<usize>,
     pub kv_l2: Option<kvstream::kernels::L2Hint>,
     pub promotion: Option<kvstream::launch::TmaPromotion>,
+    pub gather: Option<bool>,
+    pub producer_warps: Option<usize>,
 }
 
 impl Ring {
@@ -129,6 +131,8 @@ impl Ring {
             persistent_tile_tokens: self.tile_tokens,
             persistent_kv_l2: self.kv_l2,
             kv_promotion: self.promotion,
+            persistent_paged_gather: self.gather,
+            persistent_producer_warps: self.producer_warps,
             ..Default::default()
         }
     }
@@ -136,17 +140,17 @@ impl Ring {
 
 /// `g2s4p64`, `s6`, `g1p128l2m2`, ...: letters g, s, p, l, m each followed by a number, at
 /// most once (l: 0 evict_first, 1 evict_normal, 2 evict_last; m: 0 none, 1 64 B, 2 128 B,
-/// 3 256 B).
+/// 3 256 B; x: paged caches, 0 TMA boxes, 1 gathered pages; w: warps gathering them).
 pub fn parse_ring(text: &str) -> Result<Ring, String> {
     let bad = || {
         format!(
             "ring {text:?}: expected g<groups>s<stages>p<positions>l<L2 priority: 0 first, \
-             1 normal, 2 last>m<L2 promotion: 0 none, 1 64 B, 2 128 B, 3 256 B>, each part \
-             optional, e.g. g1s6p64"
+             1 normal, 2 last>m<L2 promotion: 0 none, 1 64 B, 2 128 B, 3 256 B>x<pages: 0 TMA \
+             boxes, 1 gathered>w<gathering warps>, each part optional, e.g. g1s6p64"
         )
     };
-    const KEYS: &str = "gsplm";
-    let mut parts = [None::<usize>; 5];
+    const KEYS: &str = "gsplmxw";
+    let mut parts = [None::<usize>; 7];
     let mut rest = text;
     while let Some(key) = rest.chars().next() {
         let slot = KEYS.find(key).ok_or_else(bad)?;
@@ -157,12 +161,19 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         }
         rest = &rest[1 + digits..];
     }
-    let [groups, stages, tile_tokens, l2, promotion] = parts;
+    let [groups, stages, tile_tokens, l2, promotion, gather, producer_warps] = parts;
     let kv_l2 = l2
         .map(|c| kvstream::kernels::L2Hint::from_code(c).ok_or_else(bad))
         .transpose()?;
     let promotion = promotion
         .map(|c| kvstream::launch::TmaPromotion::from_code(c).ok_or_else(bad))
+        .transpose()?;
+    let gather = gather
+        .map(|c| match c {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(bad()),
+        })
         .transpose()?;
     if text.is_empty() {
         return Err(bad());
@@ -174,6 +185,8 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         tile_tokens,
         kv_l2,
         promotion,
+        gather,
+        producer_warps,
     })
 }
 
@@ -1243,6 +1256,9 @@ mod tests {
             parse_ring("s2l2").unwrap().kv_l2,
             Some(kvstream::kernels::L2Hint::EvictLast)
         );
+        assert_eq!(parse_ring("x1").unwrap().gather, Some(true));
+        assert_eq!(parse_ring("g1x0").unwrap().gather, Some(false));
+        assert_eq!(parse_ring("x1w2").unwrap().producer_warps, Some(2));
         for bad in ["", "g", "x2", "g1g2", "s2p", "g1 s2", "l3"] {
             assert!(parse_ring(bad).is_err(), "{bad:?}");
         }

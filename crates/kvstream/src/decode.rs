@@ -688,6 +688,8 @@ impl PersistentEngine {
             lse: t.lse.unwrap_or(0),
             seqlens: t.seqlens.unwrap_or(0),
             block_table: t.block_table.unwrap_or(0),
+            k_cache: t.k,
+            v_cache: t.v,
             o_partial: ws + o_off as u64,
             ml_partial: ws + ml_off as u64,
             arrivals: ws + arrivals_off as u64,
@@ -709,6 +711,7 @@ impl PersistentEngine {
             scale_log2: p.scale() * std::f32::consts::LOG2_E,
             page_size: p.paged.map_or(0, |pg| pg.page_size as i32),
             table_stride: p.paged.map_or(0, |pg| pg.table_stride as i32),
+            num_pages: p.paged.map_or(0, |pg| pg.num_pages as i32),
             min_tiles_per_cta: pp.min_tiles_per_cta as i32,
         };
         let cfg = LaunchConfig {

@@ -272,10 +272,35 @@ pub struct PersistentVariant {
     pub stages: usize,
     /// Groups of four consumer warps working on alternate tiles (1 or 2).
     pub consumer_groups: usize,
-    /// Paged cache; contiguous otherwise.
-    pub paged: bool,
+    /// Where the producer reads K and V from.
+    pub kv_source: KvSource,
+    /// Producer warps (`KVS_PRODUCER_WARPS`): 1, or 1, 2 or 4 gathering pages.
+    pub producer_warps: usize,
     /// L2 eviction priority of the K and V loads.
     pub kv_l2: L2Hint,
+}
+
+/// How the persistent decode's producer brings K and V into the ring (`KVS_PAGED`,
+/// `KVS_GATHER`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KvSource {
+    /// A contiguous (strided) cache: one TMA box per 64 head dims per tile.
+    Contiguous,
+    /// A paged pool, one TMA box per page run and 64 head dims.
+    PagedBoxes,
+    /// A paged pool, gathered by 16-byte copies from every producer lane (pages smaller than
+    /// a box makes worth its descriptor).
+    PagedGather,
+}
+
+impl KvSource {
+    /// Every source.
+    pub const ALL: [KvSource; 3] = [Self::Contiguous, Self::PagedBoxes, Self::PagedGather];
+
+    /// Reads a paged pool.
+    pub fn paged(self) -> bool {
+        self != Self::Contiguous
+    }
 }
 
 impl PersistentVariant {
@@ -284,9 +309,9 @@ impl PersistentVariant {
         problem.columns().div_ceil(8 * self.n_tiles)
     }
 
-    /// Threads per CTA: the consumer warps and one producer warp.
+    /// Threads per CTA: the consumer warps and the producer warps.
     pub fn threads(&self) -> u32 {
-        ((self.consumer_groups * 4 + 1) * 32) as u32
+        ((self.consumer_groups * 4 + self.producer_warps) * 32) as u32
     }
 
     /// Dynamic shared memory of one CTA with `stages` stages; mirrors `SharedPlan` in
@@ -300,7 +325,14 @@ impl PersistentVariant {
         let barriers = 3 * 8 * stages + 2 * 8 * PERSISTENT_Q_BUFFERS;
         let stats = 2 * 4 * warps * columns;
         let tables = 20 * columns;
-        1024 + ring + q + merge + barriers + stats + tables + 64
+        // gather: each producer warp's copy of one chunk of page ids (one per position of a
+        // tile), and the pool rows of one tile
+        let page_ids = if self.kv_source == KvSource::PagedGather {
+            4 * self.tile_tokens * (self.producer_warps + 1)
+        } else {
+            0
+        };
+        1024 + ring + q + merge + barriers + stats + tables + 64 + page_ids
     }
 
     /// [`Self::shared_bytes_with`] its own ring depth.
@@ -312,7 +344,7 @@ impl PersistentVariant {
 impl Variant for PersistentVariant {
     fn name(&self) -> String {
         format!(
-            "decode.{}.d{}.n{}.t{}.s{}.g{}{}{}",
+            "decode.{}.d{}.n{}.t{}.s{}.g{}{}{}{}",
             self.dtype.name(),
             self.head_dim,
             self.n_tiles,
@@ -324,7 +356,16 @@ impl Variant for PersistentVariant {
                 L2Hint::EvictNormal => ".l2normal",
                 L2Hint::EvictLast => ".l2last",
             },
-            if self.paged { ".paged" } else { "" }
+            match self.kv_source {
+                KvSource::Contiguous => "",
+                KvSource::PagedBoxes => ".paged",
+                KvSource::PagedGather => ".paged.gather",
+            },
+            if self.producer_warps == 1 {
+                String::new()
+            } else {
+                format!(".w{}", self.producer_warps)
+            }
         )
     }
     fn source(&self) -> &'static str {
@@ -341,9 +382,14 @@ impl Variant for PersistentVariant {
             self.tile_tokens,
             self.stages,
             self.consumer_groups,
-            self.paged,
+            self.kv_source.paged(),
         );
         d.push(("KVS_KV_L2".into(), self.kv_l2.code().to_string()));
+        d.push((
+            "KVS_GATHER".into(),
+            u8::from(self.kv_source == KvSource::PagedGather).to_string(),
+        ));
+        d.push(("KVS_PRODUCER_WARPS".into(), self.producer_warps.to_string()));
         d
     }
 }
@@ -488,9 +534,9 @@ pub fn all_variants() -> Vec<AnyVariant> {
     for dtype in [DType::Bf16, DType::F16] {
         for head_dim in SUPPORTED_HEAD_DIMS {
             for n_tiles in 1..=MAX_N_TILES {
-                for paged in [false, true] {
+                for source in KvSource::ALL {
                     out.push(AnyVariant::Persistent(plan::persistent_variant(
-                        dtype, head_dim, n_tiles, paged,
+                        dtype, head_dim, n_tiles, source,
                     )));
                 }
             }

@@ -109,8 +109,8 @@ pub enum TmaPromotion {
     None,
     /// To 64 bytes.
     B64,
-    /// To 128 bytes: a box row's line; the persistent engine's default (256 bytes fetched the
-    /// next head's row with it: docs/tuning.md, "L2 promotion").
+    /// To 128 bytes: a box row's line; the default of both engines (256 bytes fetched the next
+    /// head's row with it: docs/tuning.md, "L2 promotion").
     #[default]
     B128,
     /// To 256 bytes.

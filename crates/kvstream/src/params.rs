@@ -75,6 +75,8 @@ pub struct PersistentParams {
     pub lse: u64,
     pub seqlens: u64,
     pub block_table: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
     pub o_partial: u64,
     pub ml_partial: u64,
     pub arrivals: u64,
@@ -96,6 +98,7 @@ pub struct PersistentParams {
     pub scale_log2: f32,
     pub page_size: i32,
     pub table_stride: i32,
+    pub num_pages: i32,
     pub min_tiles_per_cta: i32,
 }
 
@@ -217,10 +220,11 @@ mod tests {
     #[test]
     fn persistent_mirror_has_the_cuda_layout() {
         let rust = offsets!(PersistentParams:
-            k_map, v_map, q, out, lse, seqlens, block_table, o_partial, ml_partial, arrivals,
+            k_map, v_map, q, out, lse, seqlens, block_table, k_cache, v_cache, o_partial,
+            ml_partial, arrivals,
             schedule_log, q_batch_stride, q_token_stride, q_head_stride, o_batch_stride,
             o_token_stride, o_head_stride, batch, hq, hkv, group, q_len, cols, col_blocks,
-            max_len, scale_log2, page_size, table_stride, min_tiles_per_cta,
+            max_len, scale_log2, page_size, table_stride, num_pages, min_tiles_per_cta,
         );
         let header = include_str!("../../../kernels/include/decode_params.cuh");
         let (cuda, size) = cuda_layout(header, "PersistentParams");

@@ -19,8 +19,8 @@
 //!
 //! A knob of one engine selects it: `num_splits`, `reduction`, `device_plan`, `stages`,
 //! `consumer_groups`, `resident_ctas` the split engine; `persistent_ctas`, `min_tiles_per_cta`,
-//! `persistent_stages`, `persistent_groups`, `persistent_tile_tokens`, `persistent_kv_l2` the
-//! persistent one.
+//! `persistent_stages`, `persistent_groups`, `persistent_tile_tokens`, `persistent_kv_l2`,
+//! `persistent_paged_gather`, `persistent_producer_warps` the persistent one.
 //!
 //! # Split engine: split count and reduction mode
 //!
@@ -40,7 +40,7 @@
 //! here are in docs/tuning.md.
 
 use crate::error::{Error, Result};
-use crate::kernels::{CombineVariant, DecodeVariant, PersistentVariant, MAX_N_TILES};
+use crate::kernels::{CombineVariant, DecodeVariant, KvSource, PersistentVariant, MAX_N_TILES};
 use crate::problem::{DType, DecodeProblem};
 
 /// Most CTAs of a persistent grid: the SMs of an H100/H200 (the kernel's merge scratch is sized
@@ -66,7 +66,7 @@ pub fn persistent_variant(
     dtype: DType,
     head_dim: usize,
     n_tiles: usize,
-    paged: bool,
+    kv_source: KvSource,
 ) -> PersistentVariant {
     let (consumer_groups, max_stages) = default_ring(head_dim, n_tiles);
     let v = PersistentVariant {
@@ -76,10 +76,55 @@ pub fn persistent_variant(
         tile_tokens: tile_tokens(head_dim),
         stages: consumer_groups,
         consumer_groups,
-        paged,
+        kv_source,
+        producer_warps: if kv_source == KvSource::PagedGather {
+            PERSISTENT_GATHER_WARPS
+        } else {
+            1
+        },
         kv_l2: crate::kernels::L2Hint::default(),
     };
     with_deepest_ring(v, max_stages)
+}
+
+/// Pages smaller than this many positions are gathered by the persistent producer
+/// ([`KvSource::PagedGather`], [`PERSISTENT_GATHER_WARPS`] warps of 16-byte copies); larger ones
+/// arrive as one TMA box per page run and 64 head dims ([`KvSource::PagedBoxes`]). d 64: a box
+/// of a page of 16 carries 2 KB, and the boxes streamed 1.08-1.14x slower than the gather
+/// there at batch >= 8; d 128: the boxes of pages of 16 ran 1.0-1.9% faster than the gather.
+/// Pages of 1 by boxes (a descriptor per position and 64 dims) ran 5-7x slower than gathered.
+/// Tables: docs/tuning.md, "Gathered pages".
+pub fn persistent_gather_below_page(head_dim: usize) -> usize {
+    if head_dim == 64 {
+        PERSISTENT_GATHER_BELOW_PAGE_D64
+    } else {
+        PERSISTENT_GATHER_BELOW_PAGE_D128
+    }
+}
+/// (see [`persistent_gather_below_page`])
+pub const PERSISTENT_GATHER_BELOW_PAGE_D64: usize = 32;
+/// (see [`persistent_gather_below_page`])
+pub const PERSISTENT_GATHER_BELOW_PAGE_D128: usize = 16;
+
+/// Producer warps gathering pages ([`KvSource::PagedGather`]): one warp issuing every 16-byte
+/// copy streamed pages of 1 at a third of a contiguous cache's rate, two at half; four reach
+/// 1.33-1.41x of it on pages of 1 and 1.02-1.05x on pages of 16 at d 64 (docs/tuning.md,
+/// "Gathered pages").
+pub const PERSISTENT_GATHER_WARPS: usize = 4;
+
+/// Where the persistent producer reads `problem`'s K and V from; `gather` forces the choice
+/// for a paged cache ([`PlanOptions::persistent_paged_gather`]).
+pub fn persistent_kv_source(problem: &DecodeProblem, gather: Option<bool>) -> KvSource {
+    match problem.paged {
+        None => KvSource::Contiguous,
+        Some(pg) => {
+            if gather.unwrap_or(pg.page_size < persistent_gather_below_page(problem.head_dim)) {
+                KvSource::PagedGather
+            } else {
+                KvSource::PagedBoxes
+            }
+        }
+    }
 }
 
 /// (consumer groups, deepest ring) of the persistent variant (see [`persistent_variant`]).
@@ -219,14 +264,28 @@ pub fn plan_persistent(
             problem.dtype,
             problem.head_dim,
             n_tiles,
-            problem.paged.is_some(),
+            persistent_kv_source(problem, options.persistent_paged_gather),
         ),
         options.persistent_groups,
         options.persistent_stages,
         options.persistent_tile_tokens,
     )?;
+    let producer_warps = match options.persistent_producer_warps {
+        None => variant.producer_warps,
+        Some(1) => 1,
+        Some(w) if variant.kv_source == KvSource::PagedGather && [2, 4].contains(&w) => w,
+        Some(w) => {
+            return Err(Error::invalid(
+                "persistent_producer_warps",
+                w,
+                "1; 2 or 4 only for a paged cache the persistent engine gathers \
+                 (persistent_paged_gather)",
+            ))
+        }
+    };
     let variant = PersistentVariant {
         kv_l2: options.persistent_kv_l2.unwrap_or(variant.kv_l2),
+        producer_warps,
         ..variant
     };
     let grid = match options.persistent_ctas {
@@ -299,13 +358,28 @@ impl std::str::FromStr for Engine {
 /// 1.05-3.3x faster (a cut unit costs the persistent engine its partials, an arrival and a
 /// merge by one CTA). The measurements: docs/tuning.md, "Engine choice".
 ///
+/// Pages smaller than [`PERSISTENT_GATHER_ALWAYS_BELOW_PAGE`] take the persistent engine at
+/// any batch: its gathering producer streams them several times faster than the split engine's
+/// boxes (pages of 1 at batch 1: 49 against 133 us at d 128, L 32768).
+///
 /// Worked example: 16 requests of 32/8 heads, d 128: 128 units, 128 x 4 >= 132: persistent;
-/// 4 such requests: 32 units, 128 < 132: split.
+/// 4 such requests: 32 units, 128 < 132: split; with pages of 8: persistent.
 pub fn persistent_by_default(problem: &DecodeProblem, device: DeviceFacts) -> bool {
+    if problem
+        .paged
+        .is_some_and(|pg| pg.page_size < PERSISTENT_GATHER_ALWAYS_BELOW_PAGE)
+    {
+        return true;
+    }
     let n_tiles = problem.columns().div_ceil(8).min(MAX_N_TILES);
     let units = problem.batch * problem.hkv * problem.columns().div_ceil(8 * n_tiles);
     units * PERSISTENT_MAX_PIECES_PER_UNIT >= device.sm_count.min(PERSISTENT_MAX_GRID)
 }
+
+/// See [`persistent_by_default`]: smaller pages take the persistent engine whatever the batch
+/// (at d 64 pages of 16 are gathered too, but at batch 1 the split engine's boxes of them
+/// measured faster: 8.0 against 10.3 us at L 4096).
+pub const PERSISTENT_GATHER_ALWAYS_BELOW_PAGE: usize = 16;
 
 /// See [`persistent_by_default`]: the persistent engine is the default where its schedule cuts
 /// a unit into at most this many pieces on average.
@@ -422,6 +496,14 @@ impl PlanOptions {
                 self.persistent_tile_tokens.is_some(),
             ),
             ("persistent_kv_l2", self.persistent_kv_l2.is_some()),
+            (
+                "persistent_paged_gather",
+                self.persistent_paged_gather.is_some(),
+            ),
+            (
+                "persistent_producer_warps",
+                self.persistent_producer_warps.is_some(),
+            ),
         ]
         .into_iter()
         .find_map(|(name, set)| set.then_some(name))
@@ -430,10 +512,6 @@ impl PlanOptions {
 
 /// Ring depth of the decode kernel.
 pub const STAGES: usize = 4;
-/// L2 promotion of the split engine's K and V tensor maps: 256 bytes, as measured by every
-/// table of this engine; the persistent engine's 128 bytes (docs/tuning.md, "L2 promotion")
-/// is not measured on this engine's rows yet.
-pub const SPLIT_KV_PROMOTION: crate::launch::TmaPromotion = crate::launch::TmaPromotion::B256;
 /// Fewest tiles a split should stream (see the module docs).
 pub const MIN_TILES_PER_SPLIT: usize = 1;
 /// Streaming CTAs per SM the heuristic aims for (as a fraction: numerator / denominator); half
@@ -630,6 +708,13 @@ pub struct PlanOptions {
     pub persistent_tile_tokens: Option<usize>,
     /// Persistent engine, tuning knob: the L2 eviction priority of the K and V loads.
     pub persistent_kv_l2: Option<crate::kernels::L2Hint>,
+    /// Persistent engine, tuning knob, paged caches: `true` gathers the pages by 16-byte copies
+    /// from every producer lane, `false` loads them as TMA boxes. `None`: gather pages smaller
+    /// than [`persistent_gather_below_page`]. No effect on a contiguous cache.
+    pub persistent_paged_gather: Option<bool>,
+    /// Persistent engine, tuning knob, gathered pages: producer warps issuing the copies (1, 2
+    /// or 4) instead of [`PERSISTENT_GATHER_WARPS`].
+    pub persistent_producer_warps: Option<usize>,
     /// Tuning knob of both engines: the L2 promotion of the K and V tensor maps instead of
     /// [`crate::launch::TmaPromotion::default`].
     pub kv_promotion: Option<crate::launch::TmaPromotion>,
@@ -902,7 +987,7 @@ pub fn plan(
         device_plan: None,
         workspace,
         pdl: !options.disable_pdl,
-        kv_promotion: options.kv_promotion.unwrap_or(SPLIT_KV_PROMOTION),
+        kv_promotion: options.kv_promotion.unwrap_or_default(),
         reduction,
         decode_shared_bytes: resident_shared_bytes(decode.shared_bytes(), resident),
     })
@@ -1007,7 +1092,7 @@ fn plan_on_device(
             request_plan: 2 * problem.batch,
         },
         pdl: !options.disable_pdl,
-        kv_promotion: options.kv_promotion.unwrap_or(SPLIT_KV_PROMOTION),
+        kv_promotion: options.kv_promotion.unwrap_or_default(),
         reduction: if cluster.is_some() {
             Reduction::Cluster
         } else {
@@ -1218,6 +1303,98 @@ mod tests {
     }
 
     #[test]
+    fn small_pages_are_gathered_unless_forced() {
+        let p = DecodeProblem::new(16, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        let source = |page: Option<usize>, gather| {
+            let q = match page {
+                Some(pg) => p.clone().with_paged(pg, 16 * 4096 / pg, None).unwrap(),
+                None => p.clone(),
+            };
+            let o = PlanOptions {
+                persistent_paged_gather: gather,
+                ..Default::default()
+            };
+            persistent(&q, o).unwrap().variant.kv_source
+        };
+        assert_eq!(source(None, None), KvSource::Contiguous);
+        assert_eq!(source(None, Some(true)), KvSource::Contiguous);
+        for page in [1, 2, 8] {
+            assert_eq!(
+                source(Some(page), None),
+                KvSource::PagedGather,
+                "page {page}"
+            );
+            assert_eq!(source(Some(page), Some(false)), KvSource::PagedBoxes);
+        }
+        for page in [PERSISTENT_GATHER_BELOW_PAGE_D128, 64, 256] {
+            assert_eq!(
+                source(Some(page), None),
+                KvSource::PagedBoxes,
+                "page {page}"
+            );
+            assert_eq!(source(Some(page), Some(true)), KvSource::PagedGather);
+        }
+        let paged1 = p.clone().with_paged(1, 16 * 4096, None).unwrap();
+        let warps = |q: &DecodeProblem, w| {
+            let o = PlanOptions {
+                persistent_producer_warps: w,
+                ..Default::default()
+            };
+            persistent(q, o).map(|d| (d.variant.producer_warps, d.variant.threads()))
+        };
+        assert_eq!(
+            warps(&paged1, None).unwrap(),
+            (PERSISTENT_GATHER_WARPS, 256)
+        );
+        assert_eq!(warps(&paged1, Some(2)).unwrap(), (2, 192));
+        for (q, w) in [(&paged1, 3), (&p, 2)] {
+            let msg = warps(q, Some(w)).unwrap_err().to_string();
+            assert!(msg.contains("persistent_producer_warps"), "{msg}");
+        }
+        assert_eq!(warps(&p, None).unwrap().0, 1);
+        assert_eq!(warps(&p, Some(1)).unwrap().0, 1);
+        // d 64 gathers pages of 16 too
+        let d64 = DecodeProblem::new(16, 32, 8, 64, 4096, DType::Bf16).unwrap();
+        let d64_source = |page: usize| {
+            let q = d64
+                .clone()
+                .with_paged(page, 16 * 4096 / page, None)
+                .unwrap();
+            persistent(&q, PlanOptions::default())
+                .unwrap()
+                .variant
+                .kv_source
+        };
+        assert_eq!(d64_source(16), KvSource::PagedGather);
+        assert_eq!(
+            d64_source(PERSISTENT_GATHER_BELOW_PAGE_D64),
+            KvSource::PagedBoxes
+        );
+        // small pages take the persistent engine at batch 1, pages of 16 do not
+        let b1_paged = |page: usize| {
+            DecodeProblem::new(1, 32, 8, 128, 4096, DType::Bf16)
+                .unwrap()
+                .with_paged(page, 4096 / page, None)
+                .unwrap()
+        };
+        assert!(persistent_by_default(&b1_paged(8), DeviceFacts::H200));
+        assert!(!persistent_by_default(
+            &b1_paged(PERSISTENT_GATHER_ALWAYS_BELOW_PAGE),
+            DeviceFacts::H200
+        ));
+        // the knob selects the persistent engine, where the split engine would be the default
+        let b1 = b1_paged(16);
+        let o = PlanOptions {
+            persistent_paged_gather: Some(true),
+            ..Default::default()
+        };
+        assert!(matches!(
+            choose(&b1, DeviceFacts::H200, o).unwrap(),
+            Plan::Persistent(_)
+        ));
+    }
+
+    #[test]
     fn persistent_knobs_reach_the_plan() {
         let p = DecodeProblem::new(16, 32, 8, 128, 4096, DType::Bf16).unwrap();
         let d = persistent(&p, PlanOptions::default()).unwrap();
@@ -1299,7 +1476,7 @@ mod tests {
     }
 
     #[test]
-    fn l2_promotion_defaults_per_engine_and_the_knob_reaches_both() {
+    fn l2_promotion_defaults_to_128_bytes_and_the_knob_reaches_both_engines() {
         use crate::launch::TmaPromotion;
         let b16 = DecodeProblem::new(16, 32, 8, 128, 4096, DType::Bf16).unwrap();
         let b1 = DecodeProblem::new(1, 32, 8, 128, 4096, DType::Bf16).unwrap();
@@ -1309,7 +1486,7 @@ mod tests {
             Plan::Split(sp) => sp.kv_promotion,
         };
         assert_eq!(of(&b16, PlanOptions::default()), TmaPromotion::B128);
-        assert_eq!(of(&b1, PlanOptions::default()), SPLIT_KV_PROMOTION);
+        assert_eq!(of(&b1, PlanOptions::default()), TmaPromotion::B128);
         let forced = PlanOptions {
             kv_promotion: Some(TmaPromotion::None),
             ..Default::default()

@@ -1345,7 +1345,8 @@ fn cluster_reduction_matches_kernel_reduction() {
 
 /// A paged cache (shuffled pages, spare pages, table entries past the length pointing at other
 /// requests' pages) gives the same bits as the contiguous cache it was scattered from, for every
-/// page size, in both reduction modes and with several split counts; both match the reference.
+/// page size, in both reduction modes and with several split counts, and on the persistent
+/// engine with either producer (gathered pages, TMA boxes); all match the reference.
 /// Expected run time: a few seconds.
 #[test]
 #[ignore = "needs an H100/H200 GPU: run with --ignored"]
@@ -1374,18 +1375,36 @@ fn paged_cache_equals_contiguous() {
                 .expect("a valid paged problem");
             let pages = page_inputs(&mut rng, &paged, &x);
             let paged_dev = DeviceInputs::upload_paged(&stream, &x, &pages, Some(&lens));
-            for (splits, reduction, engine) in [
-                (None, None, None),
-                (None, None, Some(kvstream::Engine::Persistent)),
-                (Some(3), Some(Reduction::Kernel), None),
-                (Some(4), Some(Reduction::Cluster), None),
+            let persistent = PlanOptions {
+                engine: Some(kvstream::Engine::Persistent),
+                ..Default::default()
+            };
+            let split = |n, reduction| PlanOptions {
+                num_splits: Some(n),
+                reduction: Some(reduction),
+                ..Default::default()
+            };
+            for opts in [
+                PlanOptions::default(),
+                persistent,
+                // both producers of the persistent engine at every page size, the gathering one
+                // with its default warps and with one
+                PlanOptions {
+                    persistent_paged_gather: Some(true),
+                    ..persistent
+                },
+                PlanOptions {
+                    persistent_paged_gather: Some(true),
+                    persistent_producer_warps: Some(1),
+                    ..persistent
+                },
+                PlanOptions {
+                    persistent_paged_gather: Some(false),
+                    ..persistent
+                },
+                split(3, Reduction::Kernel),
+                split(4, Reduction::Cluster),
             ] {
-                let opts = PlanOptions {
-                    num_splits: splits,
-                    reduction,
-                    engine,
-                    ..Default::default()
-                };
                 let what = format!("{base:?} lens {lens:?}, page {page_size}, {opts:?}");
                 let pd = make_decoder(&rt, &paged, opts);
                 // the heuristic may split a paged cache differently: compare like with like

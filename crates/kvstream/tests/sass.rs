@@ -1,12 +1,13 @@
 //! Machine-code facts of every decode variant, read from the SASS of the NVRTC CUBINs: tensor
-//! cores are used (HMMA), K/V arrive by TMA (UTMALDG), P^T is transposed in registers (MOVM), and
+//! cores are used (HMMA), K/V arrive by TMA (UTMALDG) or, for gathered pages, by 16-byte
+//! asynchronous copies (LDGSTS) and then no TMA, P^T is transposed in registers (MOVM), and
 //! nothing lives in local memory (no LDL/STL). Needs NVRTC and `cuobjdump` + `nvdisasm` on the
 //! PATH (the README's test command installs both); a missing tool fails here, it does not skip.
 
 use std::process::Command;
 
 use kvstream::jit::compile;
-use kvstream::kernels::{all_variants, AnyVariant, Variant};
+use kvstream::kernels::{all_variants, AnyVariant, KvSource, Variant};
 
 fn sass_of(name: &str, cubin: &[u8]) -> String {
     let path =
@@ -32,13 +33,27 @@ fn count(sass: &str, opcode: &str) -> usize {
         .count()
 }
 
+/// How a variant's K and V reach shared memory.
+#[derive(Clone, Copy)]
+enum KvCopies {
+    Tma,
+    Gathered,
+}
+
 /// The SASS facts of one decode variant with `n_tiles` n8 tiles of query rows: per m16 slice
 /// and n8 tile, d/16 HMMA for S^T and d/16 for O^T in the one KV loop.
-fn check_decode_sass(name: &str, cubin: &[u8], n_tiles: usize) {
+fn check_decode_sass(name: &str, cubin: &[u8], n_tiles: usize, copies: KvCopies) {
     let sass = sass_of(name, cubin);
     let hmma = count(&sass, "HMMA");
     assert_eq!(hmma, 16 * n_tiles, "{name}: {hmma} HMMA");
-    assert!(count(&sass, "UTMALDG") > 0, "{name}: no TMA loads");
+    let (tma, ldgsts) = (count(&sass, "UTMALDG"), count(&sass, "LDGSTS"));
+    match copies {
+        KvCopies::Tma => assert!(tma > 0, "{name}: no TMA loads"),
+        KvCopies::Gathered => {
+            assert!(ldgsts > 0, "{name}: no asynchronous copies");
+            assert_eq!(tma, 0, "{name}: TMA loads in a gathering variant");
+        }
+    }
     assert!(count(&sass, "MOVM") > 0, "{name}: no in-register transpose");
     for local in ["LDL", "STL"] {
         assert_eq!(count(&sass, local), 0, "{name}: local memory ({local})");
@@ -51,11 +66,15 @@ fn decode_variants_use_tensor_cores_and_tma_and_no_local_memory() {
         match v {
             AnyVariant::Decode(d) => {
                 let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
-                check_decode_sass(&d.name(), &c.cubin, d.n_tiles);
+                check_decode_sass(&d.name(), &c.cubin, d.n_tiles, KvCopies::Tma);
             }
             AnyVariant::Persistent(d) => {
                 let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
-                check_decode_sass(&d.name(), &c.cubin, d.n_tiles);
+                let copies = match d.kv_source {
+                    KvSource::PagedGather => KvCopies::Gathered,
+                    KvSource::Contiguous | KvSource::PagedBoxes => KvCopies::Tma,
+                };
+                check_decode_sass(&d.name(), &c.cubin, d.n_tiles, copies);
             }
             _ => {}
         }
