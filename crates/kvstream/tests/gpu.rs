@@ -1416,7 +1416,12 @@ fn paged_cache_equals_contiguous() {
                         consumer_groups: Some(sp.decode.consumer_groups),
                         ..opts
                     },
-                    None => opts,
+                    // the paged problem may take the persistent engine where the contiguous
+                    // one would not (small pages)
+                    None => PlanOptions {
+                        engine: Some(kvstream::Engine::Persistent),
+                        ..opts
+                    },
                 };
                 let c = make_decoder(&rt, &base, same_plan);
                 let mut o = Outputs::<bf16>::new(&stream, &base, true);
