@@ -25,17 +25,16 @@ struct KvHalf {
     static constexpr int CHUNK_ELEMS = 16 / ELEM_BYTES;
     static_assert(HEAD_DIM % DIMS_PER_BOX == 0, "whole boxes per position");
 
-    // Shared-memory address of 16-byte chunk `chunk` (of HEAD_DIM * ELEM_BYTES / 16) of position t.
+    // Shared-memory address of 16-byte chunk c (of ROW_CHUNKS) of position t.
     __device__ static __forceinline__ u32 chunk(u32 tile, int t, int c) {
         return tile + (c / 8) * BOX_BYTES + t * 128 + (((c % 8) ^ (t % 8)) << 4);
     }
-    // chunk(tile, t, c) for t = 8 m + t8 (t8 < 8) is tile + row_part(t8, c) + m * 1024: the
-    // swizzle repeats every 8 positions, so a loop over positions adds a constant.
+    // The swizzle repeats every SWIZZLE_ROWS positions: chunk(tile, t, c) for t = 8 m + t8
+    // (t8 < 8) is tile + row_part(t8, c) + m * SWIZZLE_BYTES, so a loop over positions adds a
+    // constant.
     static constexpr int SWIZZLE_ROWS = 8;
     static constexpr int SWIZZLE_BYTES = SWIZZLE_ROWS * 128;
-    __device__ static __forceinline__ u32 row_part(int t8, int c) {
-        return (c / 8) * BOX_BYTES + t8 * 128 + (((c % 8) ^ t8) << 4);
-    }
+    __device__ static __forceinline__ u32 row_part(int t8, int c) { return chunk(0, t8, c); }
     // K as the row-major A operand: the m16 x k16 fragment of positions row.. and head dims
     // 16 kstep.. (ldmatrix lane addressing: a_row = lane % 16, a_col = (lane / 16) * 8).
     __device__ static __forceinline__ void k_fragment(u32 (&a)[4], u32 tile, int row, int kstep, int a_col) {

@@ -108,7 +108,7 @@ constexpr int BOX_BYTES = Kv::BOX_BYTES;
 constexpr int TILE_BYTES = Kv::TILE_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K tile then V tile
 constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;  // paged: page runs per tile, per producer lane
-// Paged producers read a piece's page ids a chunk of CHUNK_PAGES at a time (produce_paged)
+// Paged producers read a piece's page ids a chunk of CHUNK_PAGES at a time (walk_paged_tiles)
 constexpr int CHUNK_PAGES = 32 * RUNS_PER_LANE;
 constexpr int SMEM_ROW = HEAD_DIM * 2 + 16;     // Q rows, padded for conflict-free ldmatrix
 constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;   // one piece's query rows

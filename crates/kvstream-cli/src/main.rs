@@ -186,32 +186,8 @@ fn kernels(
         if let kvstream::kernels::AnyVariant::Persistent(pv) = v {
             for r in rings {
                 // a ring that does not fit this variant is skipped: it cannot be planned either
-                if let Ok(f) = kvstream::plan::persistent_variant_with_ring(
-                    pv,
-                    r.groups,
-                    r.stages,
-                    r.tile_tokens,
-                ) {
-                    use kvstream::kernels::KvSource;
-                    let kv_source = match (f.kv_source, r.gather) {
-                        (KvSource::Contiguous, _) | (_, None) => f.kv_source,
-                        (_, Some(true)) => KvSource::PagedGather,
-                        (_, Some(false)) => KvSource::PagedBoxes,
-                    };
-                    let producer_warps = match kv_source {
-                        KvSource::PagedGather => r
-                            .producer_warps
-                            .unwrap_or(kvstream::plan::PERSISTENT_GATHER_WARPS),
-                        _ => 1,
-                    };
-                    let f = kvstream::kernels::AnyVariant::Persistent(
-                        kvstream::kernels::PersistentVariant {
-                            kv_l2: r.kv_l2.unwrap_or(f.kv_l2),
-                            kv_source,
-                            producer_warps,
-                            ..f
-                        },
-                    );
+                if let Ok(f) = kvstream::plan::persistent_variant_forced(pv, &r.options()) {
+                    let f = kvstream::kernels::AnyVariant::Persistent(f);
                     if !variants.contains(&f) {
                         variants.push(f);
                     }

@@ -77,11 +77,7 @@ pub fn persistent_variant(
         stages: consumer_groups,
         consumer_groups,
         kv_source,
-        producer_warps: if kv_source == KvSource::PagedGather {
-            PERSISTENT_GATHER_WARPS
-        } else {
-            1
-        },
+        producer_warps: default_producer_warps(kv_source),
         kv_l2: crate::kernels::L2Hint::default(),
     };
     with_deepest_ring(v, max_stages)
@@ -112,19 +108,66 @@ pub const PERSISTENT_GATHER_BELOW_PAGE_D128: usize = 16;
 /// "Gathered pages").
 pub const PERSISTENT_GATHER_WARPS: usize = 4;
 
-/// Where the persistent producer reads `problem`'s K and V from; `gather` forces the choice
-/// for a paged cache ([`PlanOptions::persistent_paged_gather`]).
-pub fn persistent_kv_source(problem: &DecodeProblem, gather: Option<bool>) -> KvSource {
+/// Where the persistent producer reads `problem`'s K and V from by default.
+pub fn persistent_kv_source(problem: &DecodeProblem) -> KvSource {
     match problem.paged {
         None => KvSource::Contiguous,
-        Some(pg) => {
-            if gather.unwrap_or(pg.page_size < persistent_gather_below_page(problem.head_dim)) {
-                KvSource::PagedGather
-            } else {
-                KvSource::PagedBoxes
-            }
+        Some(pg) if pg.page_size < persistent_gather_below_page(problem.head_dim) => {
+            KvSource::PagedGather
         }
+        Some(_) => KvSource::PagedBoxes,
     }
+}
+
+/// Producer warps of a source: [`PERSISTENT_GATHER_WARPS`] gathering, one otherwise.
+fn default_producer_warps(source: KvSource) -> usize {
+    if source == KvSource::PagedGather {
+        PERSISTENT_GATHER_WARPS
+    } else {
+        1
+    }
+}
+
+/// `v` with every variant-level knob of the persistent engine in `o` applied, each checked:
+/// the producer of a paged cache ([`PlanOptions::persistent_paged_gather`]), its warps
+/// ([`PlanOptions::persistent_producer_warps`]), the ring ([`persistent_variant_with_ring`])
+/// and the L2 priority ([`PlanOptions::persistent_kv_l2`]). The one place the plan and the
+/// CLI's ring sweeps turn knobs into a variant.
+pub fn persistent_variant_forced(
+    mut v: PersistentVariant,
+    o: &PlanOptions,
+) -> Result<PersistentVariant> {
+    if let (true, Some(gather)) = (v.kv_source.paged(), o.persistent_paged_gather) {
+        v.kv_source = if gather {
+            KvSource::PagedGather
+        } else {
+            KvSource::PagedBoxes
+        };
+        v.producer_warps = default_producer_warps(v.kv_source);
+    }
+    v.producer_warps = match o.persistent_producer_warps {
+        None => v.producer_warps,
+        Some(1) => 1,
+        Some(w) if v.kv_source == KvSource::PagedGather && [2, 4].contains(&w) => w,
+        Some(w) => {
+            return Err(Error::invalid(
+                "persistent_producer_warps",
+                w,
+                "1; 2 or 4 only for a paged cache the persistent engine gathers \
+                 (persistent_paged_gather)",
+            ))
+        }
+    };
+    let v = persistent_variant_with_ring(
+        v,
+        o.persistent_groups,
+        o.persistent_stages,
+        o.persistent_tile_tokens,
+    )?;
+    Ok(PersistentVariant {
+        kv_l2: o.persistent_kv_l2.unwrap_or(v.kv_l2),
+        ..v
+    })
 }
 
 /// (consumer groups, deepest ring) of the persistent variant (see [`persistent_variant`]).
@@ -259,35 +302,15 @@ pub fn plan_persistent(
 ) -> Result<PersistentPlan> {
     problem.validate()?;
     let n_tiles = problem.columns().div_ceil(8).min(MAX_N_TILES);
-    let variant = persistent_variant_with_ring(
+    let variant = persistent_variant_forced(
         persistent_variant(
             problem.dtype,
             problem.head_dim,
             n_tiles,
-            persistent_kv_source(problem, options.persistent_paged_gather),
+            persistent_kv_source(problem),
         ),
-        options.persistent_groups,
-        options.persistent_stages,
-        options.persistent_tile_tokens,
+        &options,
     )?;
-    let producer_warps = match options.persistent_producer_warps {
-        None => variant.producer_warps,
-        Some(1) => 1,
-        Some(w) if variant.kv_source == KvSource::PagedGather && [2, 4].contains(&w) => w,
-        Some(w) => {
-            return Err(Error::invalid(
-                "persistent_producer_warps",
-                w,
-                "1; 2 or 4 only for a paged cache the persistent engine gathers \
-                 (persistent_paged_gather)",
-            ))
-        }
-    };
-    let variant = PersistentVariant {
-        kv_l2: options.persistent_kv_l2.unwrap_or(variant.kv_l2),
-        producer_warps,
-        ..variant
-    };
     let grid = match options.persistent_ctas {
         None => device.sm_count.clamp(1, PERSISTENT_MAX_GRID),
         Some(c) if (1..=PERSISTENT_MAX_GRID).contains(&c) => c,
