@@ -15,7 +15,7 @@ namespace kvs {
 // token-major), in column blocks of up to 32.
 struct alignas(128) PersistentParams {
     TensorMap k_map;          // contiguous: K as {d, hkv, max_len, batch}; paged: the pool
-    TensorMap v_map;          //   {d, hkv, page_size, num_pages}; boxes {64, 1, rows, 1}, 128B swizzle
+    TensorMap v_map;          //   {d, hkv, page_size, num_pages}; boxes of one row (kv_format.cuh)
     const void* q;            // [batch, q_len, hq, d]  bf16 | f16, strides below
     void* out;                // [batch, q_len, hq, d]  same dtype as q, strides below
     float* lse;               // [batch, q_len, hq] natural log, or null
@@ -40,6 +40,13 @@ struct alignas(128) PersistentParams {
     int table_stride;         // paged: entries per block-table row
     int num_pages;            // paged: pages in each pool; a page id outside [0, num_pages) reads zeros
     int min_tiles_per_cta;    // schedule: fewer CTAs work when there are few tiles (schedule.cuh)
+    // fp8 caches (KVS_KV_FP8): FP32 dequantisation scales, request b's KV head h at
+    // scale[b * batch_stride + h * head_stride] (one per tensor: strides 0; per KV head: 0, 1;
+    // per request and KV head: hkv, 1); null: 1. K's scales the scores, V's the output.
+    const float* k_scale;
+    const float* v_scale;
+    int k_scale_batch_stride, k_scale_head_stride;
+    int v_scale_batch_stride, v_scale_head_stride;
 };
 
 static_assert(sizeof(PersistentParams) == 512, "PersistentParams must match params.rs");

@@ -1,50 +1,136 @@
 // How a KV cache element type sits in a ring stage and reaches the tensor cores: the persistent
 // decode's mainloop and producer take everything element-specific from one of these policies,
-// so a cache of another element type (one byte plus scales) changes this file, not the
-// scheduler, the ring or the epilogue.
+// so a cache of another element type changes this file, not the scheduler, the ring or the
+// epilogue.
 //
 // A tile is TILE_TOKENS positions of one KV head. Each position's HEAD_DIM elements arrive as
-// BOXES 128-byte rows (one TMA box each, 128-byte swizzle: 16-byte chunk c of position t sits
-// at chunk c ^ (t % 8) of its row), box after box. The fragment loads return the MMA operands
-// in the MMA's element type.
+// BOXES rows of ROW_BYTES (one TMA box each, at most 128 bytes, swizzled at its own width:
+// 16-byte chunk c of position t sits at chunk c ^ swizzle(t) of its row), box after box.
+//
+// The fragment loads return MMA operands of the m16n8k16 f16/bf16 MMA for 16 positions x 32
+// head dims (K, two k-steps) or 32 head dims x 16 positions (V^T, two m-tiles):
+//   - K fragments may hold the head dims of a k-step in a permuted order; the query rows must
+//     then be permuted likewise (QUERY_PERMUTED, query_pair).
+//   - The O^T accumulator's row r of m-tile dt is head dim o_dim(dt, r).
+// MMA_F16 says which MMA the operands are for: f16 whatever the query dtype (the consumers
+// convert the query rows), or the query dtype itself.
 #pragma once
 
 #include "ptx.cuh"
 
 namespace kvs {
 
-// 2-byte elements (bf16 / f16), stored as the MMA reads them.
-template <int HEAD_DIM, int TILE_TOKENS>
-struct KvHalf {
-    static constexpr int ELEM_BYTES = 2;
-    static constexpr int DIMS_PER_BOX = 128 / ELEM_BYTES;  // head dims in one 128-byte row
-    static constexpr int BOXES = HEAD_DIM / DIMS_PER_BOX;
-    static constexpr int BOX_BYTES = TILE_TOKENS * 128;
+// Chunk placement shared by the formats: rows of 128 bytes use the 128-byte swizzle (chunk
+// c ^ t % 8), rows of 64 bytes the 64-byte one (chunk c ^ (t / 2) % 4); either way the 8 rows
+// one ldmatrix phase reads hit 8 different 16-byte bank groups.
+template <int ROW_BYTES_, int BOXES_, int TILE_TOKENS>
+struct SwizzledRows {
+    static constexpr int ROW_BYTES = ROW_BYTES_;
+    static constexpr int BOXES = BOXES_;
+    static constexpr int BOX_BYTES = TILE_TOKENS * ROW_BYTES;
     static constexpr int TILE_BYTES = BOXES * BOX_BYTES;
-    static constexpr int ROW_CHUNKS = HEAD_DIM * ELEM_BYTES / 16;  // 16-byte chunks per position
-    static constexpr int CHUNK_ELEMS = 16 / ELEM_BYTES;
-    static_assert(HEAD_DIM % DIMS_PER_BOX == 0, "whole boxes per position");
+    static constexpr int BOX_CHUNKS = ROW_BYTES / 16;
+    static constexpr int ROW_CHUNKS = BOXES * BOX_CHUNKS;  // 16-byte chunks per position
+    static_assert(ROW_BYTES == 128 || ROW_BYTES == 64, "TMA swizzle widths");
 
+    __device__ static __forceinline__ int swizzle(int t) { return ROW_BYTES == 128 ? t % 8 : (t / 2) % 4; }
     // Shared-memory address of 16-byte chunk c (of ROW_CHUNKS) of position t.
     __device__ static __forceinline__ u32 chunk(u32 tile, int t, int c) {
-        return tile + (c / 8) * BOX_BYTES + t * 128 + (((c % 8) ^ (t % 8)) << 4);
+        return tile + (c / BOX_CHUNKS) * BOX_BYTES + t * ROW_BYTES + (((c % BOX_CHUNKS) ^ swizzle(t)) << 4);
     }
     // The swizzle repeats every SWIZZLE_ROWS positions: chunk(tile, t, c) for t = 8 m + t8
     // (t8 < 8) is tile + row_part(t8, c) + m * SWIZZLE_BYTES, so a loop over positions adds a
     // constant.
     static constexpr int SWIZZLE_ROWS = 8;
-    static constexpr int SWIZZLE_BYTES = SWIZZLE_ROWS * 128;
+    static constexpr int SWIZZLE_BYTES = SWIZZLE_ROWS * ROW_BYTES;
     __device__ static __forceinline__ u32 row_part(int t8, int c) { return chunk(0, t8, c); }
-    // K as the row-major A operand: the m16 x k16 fragment of positions row.. and head dims
-    // 16 kstep.. (ldmatrix lane addressing: a_row = lane % 16, a_col = (lane / 16) * 8).
-    __device__ static __forceinline__ void k_fragment(u32 (&a)[4], u32 tile, int row, int kstep, int a_col) {
-        ldmatrix_x4(a, chunk(tile, row, 2 * kstep + a_col / 8));
+};
+
+// 2-byte elements (bf16 / f16), stored as the MMA reads them.
+template <int HEAD_DIM, int TILE_TOKENS, bool IS_F16>
+struct KvHalf : SwizzledRows<128, HEAD_DIM * 2 / 128, TILE_TOKENS> {
+    using Rows = SwizzledRows<128, HEAD_DIM * 2 / 128, TILE_TOKENS>;
+    static constexpr int ELEM_BYTES = 2;
+    static constexpr int DIMS_PER_BOX = 64;
+    static constexpr int CHUNK_ELEMS = 8;
+    static constexpr bool MMA_F16 = IS_F16;
+    static constexpr bool QUERY_PERMUTED = false;
+    static_assert(HEAD_DIM % DIMS_PER_BOX == 0, "whole boxes per position");
+    __device__ static __forceinline__ int query_pair(int p) { return p; }
+
+    // K as the row-major A operand, k-steps kstep and kstep + 1 (head dims 16 kstep .. + 32) of
+    // positions row .. row + 15.
+    __device__ static __forceinline__ void k_fragments(u32 (&a0)[4], u32 (&a1)[4], u32 tile, int row, int kstep,
+                                                       int lane) {
+        const int r = row + lane % 16, c = (lane / 16);  // ldmatrix: a_row, a_col / 8
+        ldmatrix_x4(a0, Rows::chunk(tile, r, 2 * kstep + c));
+        ldmatrix_x4(a1, Rows::chunk(tile, r, 2 * kstep + 2 + c));
     }
-    // V^T as the A operand: the m16 (head dims 16 dt..) x k16 (positions) fragment, transposed
-    // on the way out of shared memory.
-    __device__ static __forceinline__ void v_fragment(u32 (&a)[4], u32 tile, int row, int dt, int v_col) {
-        ldmatrix_x4_trans(a, chunk(tile, row, 2 * dt + v_col / 8));
+    // V^T as the A operand, m-tiles dt and dt + 1 (head dims 16 dt .. + 32) x k16 (positions
+    // row ..), transposed on the way out of shared memory.
+    __device__ static __forceinline__ void v_fragments(u32 (&a0)[4], u32 (&a1)[4], u32 tile, int row, int dt,
+                                                       int lane) {
+        const int r = row + (lane / 16) * 8 + lane % 8, c = (lane / 8) % 2;
+        ldmatrix_x4_trans(a0, Rows::chunk(tile, r, 2 * dt + c));
+        ldmatrix_x4_trans(a1, Rows::chunk(tile, r, 2 * dt + 2 + c));
     }
+    __device__ static __forceinline__ int o_dim(int dt, int r) { return dt * 16 + r; }
+};
+
+// float8 e4m3 elements, dequantised exactly to f16 in registers (the scales are applied to the
+// FP32 scores and output, outside the MMAs). One byte per head dim: a d128 position is one
+// 128-byte row, a d64 one a 64-byte row.
+//   K: ldmatrix reads 4 consecutive head dims per lane; as the k order of an MMA is free, lane
+//   (g, j) = (lane / 4, lane % 4) takes head dims 4j..4j+3 of chunk c as its k = 2j, 2j+1
+//   (a0, a1) and 2j+8, 2j+9 (a2, a3): the query's 16-bit pair p of a chunk is its head-dim
+//   pair query_pair(p).
+//   V: ldmatrix.trans on byte pairs gives lane (g, j) head dims 2g, 2g+1 of positions 2j and
+//   2j+1; one byte permute makes them two (positions 2j, 2j+1) pairs, of head dim 2g (row g
+//   of the m-tile) and 2g+1 (row g + 8).
+template <int HEAD_DIM, int TILE_TOKENS>
+struct KvE4m3 : SwizzledRows<(HEAD_DIM < 128 ? HEAD_DIM : 128), (HEAD_DIM + 127) / 128, TILE_TOKENS> {
+    using Rows = SwizzledRows<(HEAD_DIM < 128 ? HEAD_DIM : 128), (HEAD_DIM + 127) / 128, TILE_TOKENS>;
+    static constexpr int ELEM_BYTES = 1;
+    static constexpr int DIMS_PER_BOX = Rows::ROW_BYTES;
+    static constexpr int CHUNK_ELEMS = 16;
+    static constexpr bool MMA_F16 = true;
+    static constexpr bool QUERY_PERMUTED = true;
+    static_assert(HEAD_DIM % 64 == 0, "whole 64-byte rows per position");
+
+    // logical 16-bit pair p (k = 2p, 2p + 1) of a 16-dim k-step holds the query's head dims
+    // 2 query_pair(p), + 1
+    __device__ static __forceinline__ int query_pair(int p) { return 2 * (p % 4) + p / 4; }
+
+    __device__ static __forceinline__ void k_fragments(u32 (&a0)[4], u32 (&a1)[4], u32 tile, int row, int kstep,
+                                                       int lane) {
+        u32 r[4];
+        ldmatrix_x4(r, Rows::chunk(tile, row + lane % 16, kstep + lane / 16));
+        e4m3x4_to_f16x2(r[0], a0[0], a0[2]);
+        e4m3x4_to_f16x2(r[1], a0[1], a0[3]);
+        e4m3x4_to_f16x2(r[2], a1[0], a1[2]);
+        e4m3x4_to_f16x2(r[3], a1[1], a1[3]);
+    }
+    __device__ static __forceinline__ void v_fragments(u32 (&a0)[4], u32 (&a1)[4], u32 tile, int row, int dt,
+                                                       int lane) {
+        u32 r[4];
+        ldmatrix_x4_trans(r, Rows::chunk(tile, row + lane % 8 + ((lane / 8) % 2) * 8, dt + lane / 16));
+        // bytes {d 2g @ 2j, d 2g+1 @ 2j, d 2g @ 2j+1, d 2g+1 @ 2j+1} -> d 2g pair, then d 2g+1 pair
+        e4m3x4_to_f16x2(prmt(r[0], 0, 0x3120), a0[0], a0[1]);
+        e4m3x4_to_f16x2(prmt(r[1], 0, 0x3120), a0[2], a0[3]);
+        e4m3x4_to_f16x2(prmt(r[2], 0, 0x3120), a1[0], a1[1]);
+        e4m3x4_to_f16x2(prmt(r[3], 0, 0x3120), a1[2], a1[3]);
+    }
+    __device__ static __forceinline__ int o_dim(int dt, int r) { return dt * 16 + 2 * (r % 8) + r / 8; }
+};
+
+// The format of a cache: e4m3 bytes (KV_FP8) or the query's 2-byte type.
+template <bool KV_FP8, int HEAD_DIM, int TILE_TOKENS, bool IS_F16>
+struct KvFormatOf {
+    using type = KvHalf<HEAD_DIM, TILE_TOKENS, IS_F16>;
+};
+template <int HEAD_DIM, int TILE_TOKENS, bool IS_F16>
+struct KvFormatOf<true, HEAD_DIM, TILE_TOKENS, IS_F16> {
+    using type = KvE4m3<HEAD_DIM, TILE_TOKENS>;
 };
 
 }  // namespace kvs

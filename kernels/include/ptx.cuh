@@ -147,6 +147,16 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
 }
 
+// 16 bytes of shared memory to or from four registers (PTX ISA 9.7.9.8 ld, 9.7.9.10 st).
+__device__ __forceinline__ void ld_shared_v4(u32* r, u32 addr) {
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void st_shared_v4(u32 addr, const u32* r) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
 // A 32-bit global load cached in L2 only: no L1 line is left that a later load of the same
 // address could hit while another kernel rewrites it.
 __device__ __forceinline__ int ld_global_l2(const int* ptr) {
@@ -333,7 +343,7 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const u32 (&a)[4], u
 }
 
 // ---------------------------------------------------------------------------------------------
-// Numbers (PTX ISA 9.7.3.22 ex2, 9.7.9.21 cvt)
+// Numbers (PTX ISA 9.7.3.22 ex2, 9.7.9.21 cvt, 9.7.8.7 prmt)
 // ---------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ float exp2_approx(float x) {
@@ -351,6 +361,32 @@ __device__ __forceinline__ u32 pack_half2(float lo, float hi) {
     } else {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     }
+    return r;
+}
+
+// The two floats of a 16-bit pair, `lo` from the low half (exact).
+template <bool IS_F16>
+__device__ __forceinline__ void unpack_half2(u32 x, float& lo, float& hi) {
+    if (IS_F16) {
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+            : "=f"(lo), "=f"(hi) : "r"(x));
+    } else {
+        lo = __uint_as_float(x << 16);
+        hi = __uint_as_float(x & 0xffff0000u);
+    }
+}
+
+// Four e4m3 bytes to two f16 pairs, exactly: bytes 0, 1 into `lo` (byte 0 in its low half),
+// bytes 2, 3 into `hi` (sm_89 and later).
+__device__ __forceinline__ void e4m3x4_to_f16x2(u32 x, u32& lo, u32& hi) {
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+        : "=r"(lo), "=r"(hi) : "r"(x));
+}
+
+// Byte i of the result is byte (sel >> 4 i) & 7 of {b, a} (PTX ISA 9.7.8.7 prmt, default mode).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
     return r;
 }
 

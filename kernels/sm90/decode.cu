@@ -39,7 +39,8 @@
 //             after it
 //
 // Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
-//   KVS_IS_F16           0: bf16, 1: f16 (Q, K, V and out share it)
+//   KVS_IS_F16           0: bf16, 1: f16 (Q and out; K and V too unless KVS_KV_FP8)
+//   KVS_KV_FP8           1: K and V are float8 e4m3 with FP32 scales (kv_format.cuh)
 //   KVS_HEAD_DIM         64 or 128
 //   KVS_N_TILES          n8 tiles of query rows per column block (1..4)
 //   KVS_TILE_TOKENS      KV positions per ring stage (multiple of 64)
@@ -75,6 +76,7 @@ enum TracePoint {
 };
 
 constexpr bool IS_F16 = KVS_IS_F16;
+constexpr bool KV_FP8 = KVS_KV_FP8;
 constexpr int HEAD_DIM = KVS_HEAD_DIM;
 constexpr int N_TILES = KVS_N_TILES;
 constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
@@ -100,9 +102,10 @@ constexpr int GROUP_PAD = N_TILES * 8;        // columns per block
 constexpr int D_TILES = HEAD_DIM / 16;
 
 // K and V tiles: the cache's element format (kv_format.cuh). They arrive as TMA boxes of one
-// 128-byte row x TILE_TOKENS positions, with the 128-byte swizzle, so the 8 rows one ldmatrix
-// phase reads hit 8 different bank groups.
-using Kv = KvHalf<HEAD_DIM, TILE_TOKENS>;
+// row (up to 128 bytes) x TILE_TOKENS positions, swizzled so that the 8 rows one ldmatrix phase
+// reads hit 8 different bank groups.
+using Kv = typename KvFormatOf<KV_FP8, HEAD_DIM, TILE_TOKENS, IS_F16>::type;
+constexpr bool MMA_F16 = Kv::MMA_F16;  // the MMAs' (and P's) 16-bit type
 constexpr int BOXES = Kv::BOXES;
 constexpr int BOX_BYTES = Kv::BOX_BYTES;
 constexpr int TILE_BYTES = Kv::TILE_BYTES;
@@ -396,7 +399,7 @@ __device__ __forceinline__ int acquire_stage(const Ring& r, int n) {
     return s;
 }
 
-// Contiguous cache (KvSource for KVS_PAGED 0), lane 0: one box per 64 head dims per tile.
+// Contiguous cache (KvSource for KVS_PAGED 0), lane 0: one box per row of head dims per tile.
 // Positions past the request's length are loaded too (zeros past max_len, whatever the cache
 // holds before it); the consumers mask them.
 __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, const Ring& r,
@@ -510,7 +513,7 @@ __device__ __forceinline__ void produce_paged(const PersistentParams& p, const R
                     const int in_page = (tile_begin + rr * run) & in_page_mask;
 #pragma unroll
                     for (int box = 0; box < BOXES; ++box)
-                        tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * Kv::DIMS_PER_BOX,
+                        tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * Kv::ROW_BYTES, map[kv], box * Kv::DIMS_PER_BOX,
                                     kv_head, in_page, ids[i], bar[kv], policy);
                 }
             }
@@ -518,7 +521,7 @@ __device__ __forceinline__ void produce_paged(const PersistentParams& p, const R
 }
 
 // Paged cache gathered (KvSource for KVS_GATHER 1), every producer warp: pages too small for
-// boxes to pay (one descriptor per page run and 64 head dims, issued by one lane) are copied in
+// boxes to pay (one descriptor per page run and row of head dims, issued by one lane) are copied in
 // 16-byte chunks by every lane, ROW_CHUNKS lanes per position so that each copy instruction
 // reads whole rows, into the same swizzled tile the boxes fill. Producer warp w copies
 // positions [w, w + 1) x GATHER_WARP_POSITIONS of every tile: one warp alone cannot issue
@@ -540,12 +543,12 @@ __device__ __forceinline__ void produce_gathered(const PersistentParams& p, cons
     const int shift = __ffs(p.page_size) - 1;
     const int in_page_mask = p.page_size - 1;
     const int row = lane / Kv::ROW_CHUNKS, c = lane % Kv::ROW_CHUNKS;  // lane's position, chunk
-    const u32 row_bytes = p.hkv * HEAD_DIM * 2;                       // one pool position
+    const u32 row_bytes = p.hkv * HEAD_DIM * Kv::ELEM_BYTES;          // one pool position
     const int first = w * GATHER_WARP_POSITIONS;                     // this warp's positions
     // copy i lands at stage + part[i % GATHER_PARTS] + (i / GATHER_PARTS) * SWIZZLE_BYTES
     u32 part[GATHER_PARTS];
 #pragma unroll
-    for (int j = 0; j < GATHER_PARTS; ++j) part[j] = first * 128 + Kv::row_part(j * GATHER_ROWS + row, c);
+    for (int j = 0; j < GATHER_PARTS; ++j) part[j] = first * Kv::ROW_BYTES + Kv::row_part(j * GATHER_ROWS + row, c);
     const int* my_rows = pool_rows + row;  // copy i reads my_rows[i * GATHER_ROWS]
     walk_paged_tiles(
         p, r, start, w == 0,
@@ -558,7 +561,7 @@ __device__ __forceinline__ void produce_gathered(const PersistentParams& p, cons
         [&](int s, int kv_head, int tile_begin, int chunk_page, const int (&)[RUNS_PER_LANE]) {
             // this warp's pool rows of the tile, once every lane is done with the previous
             // tile's; -1 (zeros) past the pages and for ids outside the pools, which the boxes
-            // would zero-fill too. A pool row fits an int: 2^31 rows of >= 128 bytes exceed
+            // would zero-fill too. A pool row fits an int: 2^31 rows of >= 64 bytes exceed
             // any GPU's memory.
             __syncwarp();
 #pragma unroll
@@ -570,7 +573,7 @@ __device__ __forceinline__ void produce_gathered(const PersistentParams& p, cons
                 pool_rows[e] = (u32)id < (u32)p.num_pages ? (id << shift) | (pos & in_page_mask) : -1;
             }
             __syncwarp();
-            const u64 head_bytes = ((u64)kv_head * HEAD_DIM + c * Kv::CHUNK_ELEMS) * 2;
+            const u64 head_bytes = ((u64)kv_head * HEAD_DIM + c * Kv::CHUNK_ELEMS) * Kv::ELEM_BYTES;
             const u64 pools[2] = {reinterpret_cast<u64>(p.k_cache) + head_bytes,
                                   reinterpret_cast<u64>(p.v_cache) + head_bytes};
             const u32 bars[2] = {r.k_full + 8 * s, r.v_full + 8 * s};
@@ -639,13 +642,44 @@ __device__ __forceinline__ void fill_columns(const PersistentParams& p, const Pi
     reinterpret_cast<int*>(smem + SharedPlan::col_visible)[c] = pc.len - p.q_len + 1 + token;
 }
 
+// ================================ dequantisation scales ====================================
+// A KV head's scale for request b: one per tensor, per KV head or per (request, KV head),
+// through the strides; no tensor means 1.
+__device__ __forceinline__ float kv_scale(const float* scale, int batch_stride, int head_stride, int b, int h) {
+    return KV_FP8 && scale ? ld_global_l2(scale + (long long)b * batch_stride + (long long)h * head_stride) : 1.f;
+}
+
+// The consumers' pass over a piece's query rows where the K fragments want them in another
+// type or order (Kv::QUERY_PERMUTED): every 16-dim k-step of every row becomes f16 pairs in
+// the order Kv::query_pair gives, in place; the caller synchronises the consumers after it.
+// Values beyond f16's range saturate to +-65504.
+__device__ __forceinline__ void permute_query_rows(u32 q_base, int count) {
+    if constexpr (Kv::QUERY_PERMUTED) {
+        constexpr int STEPS = HEAD_DIM / 16;
+        for (int i = threadIdx.x; i < count * STEPS; i += CONSUMER_THREADS) {
+            const u32 at = q_base + (i / STEPS) * SMEM_ROW + (i % STEPS) * 32;
+            u32 in[8], out[8];
+            ld_shared_v4(in, at);
+            ld_shared_v4(in + 4, at + 16);
+#pragma unroll
+            for (int pr = 0; pr < 8; ++pr) {
+                float lo, hi;
+                unpack_half2<IS_F16>(in[Kv::query_pair(pr)], lo, hi);
+                out[pr] = pack_half2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
+            }
+            st_shared_v4(at, out);
+            st_shared_v4(at + 16, out + 4);
+        }
+    }
+}
+
 // ================================ epilogue =================================================
 // The one place where a softmax state (max m in base 2, denominator l, unnormalised O) becomes
-// output: O / l in the output dtype, LSE = (m + log2 l) ln 2; l = 0 (nothing visible) gives 0
-// and -inf, never NaN.
+// output: O v_scale / l in the output dtype, LSE = (m + log2 l) ln 2; l = 0 (nothing visible)
+// gives 0 and -inf, never NaN.
 __device__ __forceinline__ void store_normalised(const PersistentParams& p, const Columns& cols, int g,
-                                                 int d, float4 o, float m, float l) {
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+                                                 int d, float4 o, float m, float l, float v_scale) {
+    const float inv = l > 0.f ? v_scale / l : 0.f;
     *reinterpret_cast<uint2*>(cols.out(p, g) + d) =
         make_uint2(pack_half2<IS_F16>(o.x * inv, o.y * inv), pack_half2<IS_F16>(o.z * inv, o.w * inv));
     if (p.lse && d == 0) p.lse[cols.row(p, g)] = l > 0.f ? (m + __log2f(l)) * 0.69314718055994531f : neg_inf();
@@ -660,7 +694,7 @@ __device__ __forceinline__ void store_normalised(const PersistentParams& p, cons
 // a fixed order: one L2 round trip per MERGE_LOADS x split pieces, bitwise reproducible.
 constexpr int MERGE_LOADS = 16;
 __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Schedule& s, const Piece& pc,
-                                           const Columns& cols, float* scratch) {
+                                           const Columns& cols, float v_scale, float* scratch) {
     const int c0 = s.cta_of(pc.start), pieces = s.cta_of(pc.start + pc.tiles - 1) - c0 + 1;
     const int first_slot = s.slot(c0, pc.start);
     auto slot_of = [&](int i) { return 2 * (c0 + i) + (i == 0 ? first_slot - 2 * c0 : 0); };
@@ -719,7 +753,7 @@ __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Sche
             o.z += __shfl_xor_sync(0xffffffffu, o.z, off);
             o.w += __shfl_xor_sync(0xffffffffu, o.w, off);
         }
-        if (valid && part == 0) store_normalised(p, cols, g, d, o, m_max, l_sum);
+        if (valid && part == 0) store_normalised(p, cols, g, d, o, m_max, l_sum, v_scale);
     }
 }
 
@@ -841,10 +875,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     const u32 ring_base = smem_addr(smem + SharedPlan::ring);
     float* merge = reinterpret_cast<float*>(smem + SharedPlan::merge);
     int* merge_flag = reinterpret_cast<int*>(smem + SharedPlan::merge_flag);
-    // ldmatrix lane addressing (see ptx.cuh): K as row-major A, V^T via .trans, Q as col B.
-    const int a_row = lane % 16, a_col = (lane / 16) * 8;                       // K
-    const int v_row = (lane / 16) * 8 + lane % 8, v_col = ((lane / 8) % 2) * 8;  // V^T
-    const int q_row = lane % 8, q_col = (lane / 8) * 8;                          // Q, 2 k-steps
+    // ldmatrix lane addressing of Q as the col B operand, two k-steps (K and V^T: kv_format.cuh)
+    const int q_row = lane % 8, q_col = (lane / 8) * 8;
 
     Walk walk(p, st);
     Piece pc;
@@ -858,10 +890,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             fill_columns(p, pc, smem);
             named_barrier_sync(1, CONSUMER_THREADS);
         }
+        // the KV head's dequantisation scales (their loads overlap the wait for the rows)
+        const int kv_head = pc.unit / p.col_blocks;
+        const float score_scale =
+            p.scale_log2 * kv_scale(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride, pc.batch, kv_head);
+        const float v_scale = kv_scale(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, pc.batch, kv_head);
         // this piece's query rows, loaded by the producer
         const int q_buf = pieces_done % Q_BUFFERS;
         const u32 q_base = q_base0 + q_buf * Q_BYTES;
         mbarrier_wait(&q_full[q_buf], (pieces_done / Q_BUFFERS) & 1);
+        if constexpr (Kv::QUERY_PERMUTED) {
+            permute_query_rows(q_base, cols.count);
+            named_barrier_sync(1, CONSUMER_THREADS);
+        }
         if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);
 
         float o_acc[D_TILES][N_TILES][4];
@@ -907,14 +948,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 #pragma unroll
                 for (int kk = 0; kk < D_TILES; kk += 2) {
                     u32 a0[4], a1[4];
-                    Kv::k_fragment(a0, k_tile, slice_row + a_row, kk, a_col);
-                    Kv::k_fragment(a1, k_tile, slice_row + a_row, kk + 1, a_col);
+                    Kv::k_fragments(a0, a1, k_tile, slice_row, kk, lane);
 #pragma unroll
                     for (int nt = 0; nt < N_TILES; ++nt) {
                         u32 b[4];
                         ldmatrix_x4(b, q_base + (nt * 8 + q_row) * SMEM_ROW + (kk * 16 + q_col) * 2);
-                        mma_m16n8k16<IS_F16>(s[nt], a0, b[0], b[1]);
-                        mma_m16n8k16<IS_F16>(s[nt], a1, b[2], b[3]);
+                        mma_m16n8k16<MMA_F16>(s[nt], a0, b[0], b[1]);
+                        mma_m16n8k16<MMA_F16>(s[nt], a1, b[2], b[3]);
                     }
                 }
 
@@ -924,10 +964,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt) {
                     float x[4];
-                    x[0] = tok_lo < limit[nt][0] ? s[nt][0] * p.scale_log2 : neg_inf();
-                    x[1] = tok_lo < limit[nt][1] ? s[nt][1] * p.scale_log2 : neg_inf();
-                    x[2] = tok_lo + 8 < limit[nt][0] ? s[nt][2] * p.scale_log2 : neg_inf();
-                    x[3] = tok_lo + 8 < limit[nt][1] ? s[nt][3] * p.scale_log2 : neg_inf();
+                    x[0] = tok_lo < limit[nt][0] ? s[nt][0] * score_scale : neg_inf();
+                    x[1] = tok_lo < limit[nt][1] ? s[nt][1] * score_scale : neg_inf();
+                    x[2] = tok_lo + 8 < limit[nt][0] ? s[nt][2] * score_scale : neg_inf();
+                    x[3] = tok_lo + 8 < limit[nt][1] ? s[nt][3] * score_scale : neg_inf();
                     float mx[2] = {fmaxf(x[0], x[2]), fmaxf(x[1], x[3])};
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
@@ -951,8 +991,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                     }
                     // P^T as the B operand: the S^T accumulator halves are 8x8 blocks with
                     // positions on rows; transposing each in registers gives the k-major fragment.
-                    p_frag[nt][0] = movmatrix_trans(pack_half2<IS_F16>(x[0], x[1]));
-                    p_frag[nt][1] = movmatrix_trans(pack_half2<IS_F16>(x[2], x[3]));
+                    p_frag[nt][0] = movmatrix_trans(pack_half2<MMA_F16>(x[0], x[1]));
+                    p_frag[nt][1] = movmatrix_trans(pack_half2<MMA_F16>(x[2], x[3]));
                 }
 
                 // ---- O^T += V^T P^T ----
@@ -967,16 +1007,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                     keep_hi = (t0 + 8 < pc.len ? 0x0000ffffu : 0u) | (t0 + 9 < pc.len ? 0xffff0000u : 0u);
                 }
 #pragma unroll
-                for (int dt = 0; dt < D_TILES; ++dt) {
-                    u32 a[4];
-                    Kv::v_fragment(a, v_tile, slice_row + v_row, dt, v_col);
-                    a[0] &= keep_lo;
-                    a[1] &= keep_lo;
-                    a[2] &= keep_hi;
-                    a[3] &= keep_hi;
+                for (int dt = 0; dt < D_TILES; dt += 2) {
+                    u32 a[2][4];
+                    Kv::v_fragments(a[0], a[1], v_tile, slice_row, dt, lane);
 #pragma unroll
-                    for (int nt = 0; nt < N_TILES; ++nt)
-                        mma_m16n8k16<IS_F16>(o_acc[dt][nt], a, p_frag[nt][0], p_frag[nt][1]);
+                    for (int h = 0; h < 2; ++h) {
+                        a[h][0] &= keep_lo;
+                        a[h][1] &= keep_lo;
+                        a[h][2] &= keep_hi;
+                        a[h][3] &= keep_hi;
+#pragma unroll
+                        for (int nt = 0; nt < N_TILES; ++nt)
+                            mma_m16n8k16<MMA_F16>(o_acc[dt + h][nt], a[h], p_frag[nt][0], p_frag[nt][1]);
+                    }
                 }
             }
             __syncwarp();
@@ -1023,8 +1066,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                 float* dst = merge + warp * MERGE_WARP_FLOATS + col * MERGE_ROW;
 #pragma unroll
                 for (int dt = 0; dt < D_TILES; ++dt) {
-                    dst[dt * 16 + lane / 4] = o_acc[dt][nt][j] * factor;
-                    dst[dt * 16 + lane / 4 + 8] = o_acc[dt][nt][j + 2] * factor;
+                    dst[Kv::o_dim(dt, lane / 4)] = o_acc[dt][nt][j] * factor;
+                    dst[Kv::o_dim(dt, lane / 4 + 8)] = o_acc[dt][nt][j + 2] * factor;
                 }
             }
         named_barrier_sync(1, CONSUMER_THREADS);
@@ -1052,7 +1095,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                 o.w += v.w;
             }
             if (whole) {
-                store_normalised(p, cols, g, d, o, m_cta, l_cta);
+                store_normalised(p, cols, g, d, o, m_cta, l_cta, v_scale);
             } else {
                 *reinterpret_cast<float4*>(p.o_partial + (slot_row + g) * HEAD_DIM + d) = o;
                 if (d == 0) {
@@ -1077,7 +1120,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             named_barrier_sync(1, CONSUMER_THREADS);
             if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
             if (*merge_flag) {
-                merge_unit(p, sched, pc, cols, merge);
+                merge_unit(p, sched, pc, cols, v_scale, merge);
                 if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);
             }
         }

@@ -1023,6 +1023,8 @@ fn measure_shape(
         lse: None,
         seqlens: lens_at.map(|a| set_at(a, p.batch * 4, s)),
         block_table: table_at.map(|a| set_at(a, table_set, s)),
+        k_scale: None,
+        v_scale: None,
     };
 
     // ---- check every implementation on set 0, capture the ones that pass ----

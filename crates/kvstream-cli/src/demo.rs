@@ -10,14 +10,15 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use kvstream::plan::{plan, split_range, tile_tokens};
 use kvstream::reference::{
-    combine_partials, decode_reference, random_bf16, random_f16, relative_error, split_partial,
-    RefShape, SplitMix64,
+    combine_partials, decode_reference, random_bf16, random_e4m3, random_f16, relative_error,
+    split_partial, RefShape, SplitMix64,
 };
 use kvstream::{
-    DType, DecodeProblem, DecodeTensors, Decoder, DeviceFacts, Element, Error, PagedKv, Runtime,
+    DType, DecodeProblem, DecodeTensors, Decoder, DeviceFacts, Element, Error, KvDType, KvScale,
+    KvScaleLayout, PagedKv, Runtime,
 };
 
 use crate::timing::{self, alloc, driver};
@@ -29,9 +30,19 @@ const TOLERANCE: f64 = 1e-2;
 pub fn run(shape: &ShapeArgs, rounds: usize) -> kvstream::Result<()> {
     let (problem, opts) = shape.problem()?;
     match Runtime::new(0) {
-        Ok(rt) => match problem.dtype {
-            DType::Bf16 => gpu_demo::<half::bf16>(&rt, problem, opts, rounds, random_bf16),
-            DType::F16 => gpu_demo::<half::f16>(&rt, problem, opts, rounds, random_f16),
+        Ok(rt) => match (problem.dtype, problem.kv_dtype) {
+            (DType::Bf16, KvDType::AsQuery) => {
+                gpu_demo(&rt, problem, opts, rounds, random_bf16, random_bf16)
+            }
+            (DType::F16, KvDType::AsQuery) => {
+                gpu_demo(&rt, problem, opts, rounds, random_f16, random_f16)
+            }
+            (DType::Bf16, KvDType::Fp8E4m3) => {
+                gpu_demo(&rt, problem, opts, rounds, random_bf16, random_e4m3)
+            }
+            (DType::F16, KvDType::Fp8E4m3) => {
+                gpu_demo(&rt, problem, opts, rounds, random_f16, random_e4m3)
+            }
         },
         Err(e @ (Error::DriverUnavailable(_) | Error::NoSuitableDevice(_))) => {
             println!("No usable GPU: {e}.");
@@ -161,12 +172,17 @@ fn page_caches<T: Copy + Default>(
     })
 }
 
-fn gpu_demo<T: Element + Copy + Default>(
+/// Dequantisation scales of the demo's fp8 caches (per tensor): the cache values times these
+/// are the K and V the reference sees.
+const FP8_SCALES: (f32, f32) = (0.25, 0.125);
+
+fn gpu_demo<T: Element + Copy + Default, K: cudarc::driver::DeviceRepr + Copy + Default>(
     rt: &Arc<Runtime>,
     problem: DecodeProblem,
     opts: kvstream::PlanOptions,
     rounds: usize,
     random: RandomFn<T>,
+    random_kv: RandomFn<K>,
 ) -> kvstream::Result<()> {
     let ctx = rt.context();
     // One stream, raw pointers inside the captured graph: cudarc's cross-stream event tracking
@@ -186,13 +202,22 @@ fn gpu_demo<T: Element + Copy + Default>(
         Some(pg) => pg.num_pages * pg.page_size * p.hkv * p.head_dim,
         None => cache_elems,
     };
-    let kv_set_bytes = 2 * kv_elems * p.dtype.size();
+    let kv_set_bytes = 2 * kv_elems * p.kv_elem_bytes();
     let sets = timing::pool_sets(kv_set_bytes);
 
     let mut rng = SplitMix64::new(2024);
     let (q_h, q_f) = random(&mut rng, q_elems, 1.0);
-    let (k_h, k_f) = random(&mut rng, cache_elems, 1.0);
-    let (v_h, v_f) = random(&mut rng, cache_elems, 1.0);
+    // fp8: values over the e4m3 range, scaled back to about 1 (what the reference sees)
+    let fp8 = p.kv_dtype == KvDType::Fp8E4m3;
+    let (kv_range, (k_scale, v_scale)) = if fp8 {
+        (4.0, FP8_SCALES)
+    } else {
+        (1.0, (1.0, 1.0))
+    };
+    let (k_h, mut k_f) = random_kv(&mut rng, cache_elems, kv_range);
+    let (v_h, mut v_f) = random_kv(&mut rng, cache_elems, kv_range);
+    k_f.iter_mut().for_each(|x| *x *= k_scale);
+    v_f.iter_mut().for_each(|x| *x *= v_scale);
     // Paged: every set's pools hold the same pages at the same places, so one table serves all.
     let paged = match p.paged {
         Some(pg) => Some(page_caches(&mut rng, p, pg, &k_h, &v_h)?),
@@ -203,8 +228,16 @@ fn gpu_demo<T: Element + Copy + Default>(
         None => (&k_h, &v_h),
     };
     let mut q = alloc::<T>(&stream, sets * q_elems, "q")?;
-    let mut k = alloc::<T>(&stream, sets * kv_elems, "k")?;
-    let mut v = alloc::<T>(&stream, sets * kv_elems, "v")?;
+    let mut k = alloc::<K>(&stream, sets * kv_elems, "k")?;
+    let mut v = alloc::<K>(&stream, sets * kv_elems, "v")?;
+    let scales = if fp8 {
+        Some(driver(
+            "uploading the scales",
+            stream.clone_htod(&[k_scale, v_scale]),
+        )?)
+    } else {
+        None
+    };
     let mut out = alloc::<T>(&stream, sets * q_elems, "out")?;
     let mut lse = alloc::<f32>(&stream, rows, "lse")?;
     let table = match &paged {
@@ -233,19 +266,29 @@ fn gpu_demo<T: Element + Copy + Default>(
         )?;
     }
     let elem = p.dtype.size() as u64;
-    let base = |s: &CudaSlice<T>| s.device_ptr(&stream).0;
-    let (qb, kb, vb) = (base(&q), base(&k), base(&v));
+    let kv_elem = p.kv_elem_bytes() as u64;
+    let qb = q.device_ptr(&stream).0;
+    let (kb, vb) = (k.device_ptr(&stream).0, v.device_ptr(&stream).0);
+    let scale_at = |i: u64| {
+        scales.as_ref().map(|sc| KvScale {
+            ptr: sc.device_ptr(&stream).0 + 4 * i,
+            layout: KvScaleLayout::PerTensor,
+        })
+    };
+    let (k_scale_t, v_scale_t) = (scale_at(0), scale_at(1));
     let ob = out.device_ptr_mut(&stream).0;
     let lse_ptr = lse.device_ptr_mut(&stream).0;
     let table_ptr = table.as_ref().map(|t| t.device_ptr(&stream).0);
     let tensors = |s: usize, with_lse: bool| DecodeTensors {
         q: qb + (s * q_elems) as u64 * elem,
-        k: kb + (s * kv_elems) as u64 * elem,
-        v: vb + (s * kv_elems) as u64 * elem,
+        k: kb + (s * kv_elems) as u64 * kv_elem,
+        v: vb + (s * kv_elems) as u64 * kv_elem,
         out: ob + (s * q_elems) as u64 * elem,
         lse: with_lse.then_some(lse_ptr),
         seqlens: None,
         block_table: table_ptr,
+        k_scale: k_scale_t,
+        v_scale: v_scale_t,
     };
 
     // ---- check set 0 against the f64 reference ----
@@ -286,8 +329,16 @@ fn gpu_demo<T: Element + Copy + Default>(
         ),
         None => String::new(),
     };
+    let kv = if fp8 {
+        format!(
+            ", {} cache (scales {k_scale}, {v_scale})",
+            p.kv_dtype.name()
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "kvstream decode on {}: batch {}, q_len {}, {}/{} heads, d {}, L {}, {}{layout}",
+        "kvstream decode on {}: batch {}, q_len {}, {}/{} heads, d {}, L {}, {}{kv}{layout}",
         ctx.name().unwrap_or_default(),
         p.batch,
         p.q_len,
@@ -338,6 +389,9 @@ fn gpu_demo<T: Element + Copy + Default>(
         }
         if let Some(pg) = p.paged {
             variant += &format!("-p{}", pg.page_size);
+        }
+        if fp8 {
+            variant += "-fp8";
         }
         if pl.split().is_some_and(|s| s.device_plan.is_some()) {
             variant += "-dp";

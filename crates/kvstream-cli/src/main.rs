@@ -45,9 +45,13 @@ pub struct ShapeArgs {
     /// Cache length per request.
     #[arg(long = "len", default_value_t = 4096)]
     pub len: usize,
-    /// bf16 or f16.
+    /// bf16 or f16 (q and out; the caches too unless --kv-dtype says otherwise).
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
+    /// Element type of the K and V caches: auto (the query's) or fp8_e4m3 (with per-tensor
+    /// scales).
+    #[arg(long, default_value = "auto")]
+    pub kv_dtype: String,
     /// Force the number of KV splits.
     #[arg(long)]
     pub splits: Option<usize>,
@@ -70,6 +74,9 @@ pub struct ShapeArgs {
     /// Force the engine: persistent or split (default: chosen by the plan).
     #[arg(long)]
     pub engine: Option<String>,
+    /// Force the persistent engine's ring, in `bench --rings` syntax (e.g. g2s4p64).
+    #[arg(long)]
+    pub ring: Option<String>,
 }
 
 impl ShapeArgs {
@@ -84,18 +91,25 @@ impl ShapeArgs {
             self.len,
             dtype,
         )?
-        .with_q_len(self.q_len)?;
+        .with_q_len(self.q_len)?
+        .with_kv_dtype(self.kv_dtype.parse()?)?;
         if let Some(page) = self.page_size {
             let pages = self.batch * self.len.div_ceil(page.max(1)) + 3;
             p = p.with_paged(page, pages, None)?;
         }
+        let ring = match &self.ring {
+            Some(r) => bench::parse_ring(r)
+                .map_err(|e| kvstream::Error::invalid("ring", r, e))?
+                .options(),
+            None => PlanOptions::default(),
+        };
         let opts = PlanOptions {
             num_splits: self.splits,
             consumer_groups: self.consumer_groups,
             reduction: self.reduction.as_deref().map(str::parse).transpose()?,
             device_plan: self.device_plan,
             engine: self.engine.as_deref().map(str::parse).transpose()?,
-            ..Default::default()
+            ..ring
         };
         Ok((p, opts))
     }

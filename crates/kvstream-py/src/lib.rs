@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys;
 use kvstream::plan::{choose, Engine, Reduction};
 use kvstream::{
-    DType, DecodeProblem, DecodeTensors, DeviceFacts, Error, KvStrides, PlanOptions, Runtime,
+    DType, DecodeProblem, DecodeTensors, DeviceFacts, Error, KvDType, KvScale, KvScaleLayout,
+    KvStrides, PlanOptions, Runtime,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -118,8 +119,10 @@ fn build_problem(
     page_size: Option<i64>,
     num_pages: Option<i64>,
     table_stride: Option<i64>,
+    kv_dtype: Option<&str>,
 ) -> PyResult<DecodeProblem> {
     let dtype: DType = dtype.parse().map_err(to_py)?;
+    let kv_dtype: KvDType = kv_dtype.unwrap_or("auto").parse().map_err(to_py)?;
     let mut p = DecodeProblem::new(
         size("batch", batch)?,
         size("hq", hq)?,
@@ -129,6 +132,9 @@ fn build_problem(
         dtype,
     )
     .map_err(to_py)?;
+    if kv_dtype != KvDType::AsQuery {
+        p = p.with_kv_dtype(kv_dtype).map_err(to_py)?;
+    }
     if let Some(s) = softmax_scale {
         p = p.with_softmax_scale(s as f32).map_err(to_py)?;
     }
@@ -194,9 +200,10 @@ fn options(
 /// split reduction mode (`"kernel"` or `"cluster"`); `None` lets the planner choose. `q_len`
 /// new tokens per request (1..=8); `page_size` and `num_pages` (and optionally `table_stride`)
 /// describe a paged cache; `device_plan` plans the split partition on the device at each call;
-/// `engine` forces `"persistent"` or `"split"` (`None`: chosen by the plan).
+/// `engine` forces `"persistent"` or `"split"` (`None`: chosen by the plan); `kv_dtype`
+/// `"fp8_e4m3"` for float8 e4m3 caches (`None`: the query's dtype).
 #[pyfunction]
-#[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false, engine=None))]
+#[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false, engine=None, kv_dtype=None))]
 #[allow(clippy::too_many_arguments)]
 fn validate(
     batch: i64,
@@ -216,6 +223,7 @@ fn validate(
     table_stride: Option<i64>,
     device_plan: bool,
     engine: Option<&str>,
+    kv_dtype: Option<&str>,
 ) -> PyResult<String> {
     let p = build_problem(
         batch,
@@ -231,6 +239,7 @@ fn validate(
         page_size,
         num_pages,
         table_stride,
+        kv_dtype,
     )?;
     let opts = options(num_splits, reduction, device_plan, engine)?;
     let plan = choose(&p, DeviceFacts::H200, opts).map_err(to_py)?;
@@ -244,7 +253,7 @@ fn validate(
 /// the given stream, so it may be captured into a CUDA graph. One decoder must not be in flight
 /// on two streams at once (it owns one workspace). `reduction` forces the split reduction mode
 /// (`"kernel"` or `"cluster"`); `None` lets the planner choose. `q_len`, `page_size`,
-/// `num_pages`, `table_stride` and `device_plan` as in `validate`.
+/// `num_pages`, `table_stride`, `device_plan` and `kv_dtype` as in `validate`.
 #[pyclass(module = "kvstream._native", frozen)]
 struct Decoder {
     inner: kvstream::Decoder,
@@ -256,7 +265,7 @@ struct Decoder {
 #[pymethods]
 impl Decoder {
     #[new]
-    #[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, device=0, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false, engine=None))]
+    #[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, device=0, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false, engine=None, kv_dtype=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -278,6 +287,7 @@ impl Decoder {
         table_stride: Option<i64>,
         device_plan: bool,
         engine: Option<&str>,
+        kv_dtype: Option<&str>,
     ) -> PyResult<Self> {
         // Everything that can be checked without a GPU is checked first.
         let problem = build_problem(
@@ -294,6 +304,7 @@ impl Decoder {
             page_size,
             num_pages,
             table_stride,
+            kv_dtype,
         )?;
         let opts = options(num_splits, reduction, device_plan, engine)?;
         choose(&problem, DeviceFacts::H200, opts).map_err(to_py)?;
@@ -317,12 +328,14 @@ impl Decoder {
     /// Enqueues one decode on `stream` (a raw `CUstream` as an int, e.g.
     /// `torch.cuda.current_stream().cuda_stream`). Pointers are device addresses as ints;
     /// `block_table_ptr` is the int32 `[batch, table_stride]` block table of a paged decoder
-    /// (required exactly when the decoder is paged).
+    /// (required exactly when the decoder is paged); `k_scale` and `v_scale` an fp8 decoder's
+    /// f32 scale tensors as `(pointer, element count)`: 1 (per tensor), hkv (per KV head) or
+    /// batch x hkv (per request and KV head); `None`: 1.
     ///
     /// Unsafe in spirit: the caller (the `kvstream` package) guarantees that the pointers
     /// reference tensors of the decoder's shapes on its device that stay alive until the work
     /// completes.
-    #[pyo3(signature = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr=None, seqlens_ptr=None, stream=0, block_table_ptr=None))]
+    #[pyo3(signature = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr=None, seqlens_ptr=None, stream=0, block_table_ptr=None, k_scale=None, v_scale=None))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -335,8 +348,31 @@ impl Decoder {
         seqlens_ptr: Option<u64>,
         stream: usize,
         block_table_ptr: Option<u64>,
+        k_scale: Option<(u64, usize)>,
+        v_scale: Option<(u64, usize)>,
     ) -> PyResult<()> {
+        let p = self.inner.problem();
+        let scale = |arg: &'static str, given: Option<(u64, usize)>| -> PyResult<Option<KvScale>> {
+            let Some((ptr, len)) = given else {
+                return Ok(None);
+            };
+            let layout = KvScaleLayout::from_len(len, p.batch, p.hkv).ok_or_else(|| {
+                to_py(Error::invalid(
+                    arg,
+                    format!("{len} elements"),
+                    format!(
+                        "1 (per tensor), hkv = {} (per KV head) or batch x hkv = {} (per \
+                         request and KV head)",
+                        p.hkv,
+                        p.batch * p.hkv
+                    ),
+                ))
+            })?;
+            Ok(Some(KvScale { ptr, layout }))
+        };
         let tensors = DecodeTensors {
+            k_scale: scale("k_scale", k_scale)?,
+            v_scale: scale("v_scale", v_scale)?,
             q: q_ptr,
             k: k_ptr,
             v: v_ptr,
@@ -405,6 +441,12 @@ impl Decoder {
         self.device_plan
     }
 
+    /// Element type of the caches: `"as_query"` or `"fp8_e4m3"`.
+    #[getter]
+    fn kv_dtype(&self) -> &'static str {
+        self.inner.problem().kv_dtype.name()
+    }
+
     fn __repr__(&self) -> String {
         let p = self.inner.problem();
         let plan = self.inner.plan();
@@ -420,6 +462,9 @@ impl Decoder {
         }
         if self.device_plan {
             extra += ", device_plan=True";
+        }
+        if p.kv_dtype != KvDType::AsQuery {
+            extra += &format!(", kv_dtype='{}'", p.kv_dtype.name());
         }
         format!(
             "Decoder(batch={}, hq={}, hkv={}, head_dim={}, max_len={}, dtype='{}'{extra}, \

@@ -10,13 +10,15 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::error::{Error, Result};
+use crate::fp8::E4m3;
 use crate::kernels::{AnyVariant, PlanWorkVariant, COMBINE_THREADS};
 use crate::launch::{
-    joined_page_map, kv_tensor_map, launch, max_active_clusters, LaunchConfig, TmaPromotion,
+    joined_page_map, kv_tensor_map, launch, max_active_clusters, LaunchConfig, TmaElement,
+    TmaPromotion,
 };
 use crate::params::{DecodeParams, PersistentParams, SCHEDULE_LOG_PIECES};
 use crate::plan::{choose, DecodePlan, PersistentPlan, Plan, PlanOptions, Reduction};
-use crate::problem::{DType, DecodeProblem, KvStrides};
+use crate::problem::{DType, DecodeProblem, KvDType, KvScaleLayout, KvStrides};
 use crate::runtime::{LoadedKernel, Runtime};
 use crate::schedule::Piece;
 
@@ -41,6 +43,20 @@ pub struct DecodeTensors {
     pub seqlens: Option<u64>,
     /// Paged caches: each request's page ids (required exactly when the problem is paged).
     pub block_table: Option<u64>,
+    /// fp8 caches: K's dequantisation scales (`None`: 1).
+    pub k_scale: Option<KvScale>,
+    /// fp8 caches: V's dequantisation scales (`None`: 1).
+    pub v_scale: Option<KvScale>,
+}
+
+/// The FP32 dequantisation scales of an fp8 cache on the device, read at every call (a graph
+/// replay sees new values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvScale {
+    /// Device address of `layout.len(batch, hkv)` f32 values.
+    pub ptr: u64,
+    /// How they are indexed.
+    pub layout: KvScaleLayout,
 }
 
 /// Element types the safe slice API accepts.
@@ -61,6 +77,32 @@ impl Element for half::f16 {
     fn to_f64(self) -> f64 {
         half::f16::to_f64(self)
     }
+}
+
+/// Element types of K and V the safe slice API accepts: the query's type, or [`E4m3`].
+pub trait KvElement: cudarc::driver::DeviceRepr + Copy {
+    /// The cache dtype this element makes with a query of `q`, if they pair.
+    fn kv_dtype_with(q: DType) -> Option<KvDType>;
+}
+impl<T: Element> KvElement for T {
+    fn kv_dtype_with(q: DType) -> Option<KvDType> {
+        (T::DTYPE == q).then_some(KvDType::AsQuery)
+    }
+}
+impl KvElement for E4m3 {
+    fn kv_dtype_with(_: DType) -> Option<KvDType> {
+        Some(KvDType::Fp8E4m3)
+    }
+}
+
+/// The dequantisation scales of an fp8 cache for the safe slice API: f32 slices of 1, `hkv` or
+/// `batch * hkv` elements ([`KvScaleLayout`], told apart by their length).
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Scales<'a> {
+    /// K's scales.
+    pub k: &'a CudaSlice<f32>,
+    /// V's scales.
+    pub v: &'a CudaSlice<f32>,
 }
 
 /// A decode problem planned and loaded on one GPU.
@@ -296,6 +338,20 @@ impl Decoder {
             }
             (None, None) => {}
         }
+        for (arg, scale) in [("k_scale", t.k_scale), ("v_scale", t.v_scale)] {
+            let Some(scale) = scale else { continue };
+            if self.problem.kv_dtype == KvDType::AsQuery {
+                return Err(Error::invalid(
+                    arg,
+                    "a scale tensor",
+                    format!(
+                        "none: the caches are {} (scales belong to fp8 caches)",
+                        self.problem.dtype.name()
+                    ),
+                ));
+            }
+            rt.check_pointer(arg, scale.ptr, 4)?;
+        }
         rt.bind()?;
         match &self.engine {
             Engine::Persistent(e) => e.run(&self.problem, t, stream),
@@ -306,28 +362,46 @@ impl Decoder {
     /// Safe form of [`Decoder::run`] on cudarc slices: checks dtype and lengths, then enqueues
     /// on `stream`.
     #[allow(clippy::too_many_arguments)]
-    pub fn run_slices<T: Element>(
+    pub fn run_slices<T: Element, K: KvElement>(
         &self,
         stream: &Arc<CudaStream>,
         q: &CudaSlice<T>,
-        k: &CudaSlice<T>,
-        v: &CudaSlice<T>,
+        k: &CudaSlice<K>,
+        v: &CudaSlice<K>,
         out: &mut CudaSlice<T>,
         lse: Option<&mut CudaSlice<f32>>,
         seqlens: Option<&CudaSlice<i32>>,
     ) -> Result<()> {
-        self.run_slices_with_table(stream, q, k, v, out, lse, seqlens, None)
+        self.run_slices_with_table(stream, q, k, v, out, lse, seqlens, None, None)
+    }
+
+    /// [`Decoder::run_slices`] / [`Decoder::run_paged_slices`] (`block_table` given) on an fp8
+    /// cache with its scales (`None`: 1).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_fp8_slices<T: Element>(
+        &self,
+        stream: &Arc<CudaStream>,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<E4m3>,
+        v: &CudaSlice<E4m3>,
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+        seqlens: Option<&CudaSlice<i32>>,
+        block_table: Option<&CudaSlice<i32>>,
+        scales: Option<Fp8Scales<'_>>,
+    ) -> Result<()> {
+        self.run_slices_with_table(stream, q, k, v, out, lse, seqlens, block_table, scales)
     }
 
     /// [`Decoder::run_slices`] for a paged problem: `k_pages` and `v_pages` are the pools
     /// `[num_pages, page_size, hkv, d]`, `block_table` the int32 `[batch, table_stride]` page ids.
     #[allow(clippy::too_many_arguments)]
-    pub fn run_paged_slices<T: Element>(
+    pub fn run_paged_slices<T: Element, K: KvElement>(
         &self,
         stream: &Arc<CudaStream>,
         q: &CudaSlice<T>,
-        k_pages: &CudaSlice<T>,
-        v_pages: &CudaSlice<T>,
+        k_pages: &CudaSlice<K>,
+        v_pages: &CudaSlice<K>,
         out: &mut CudaSlice<T>,
         lse: Option<&mut CudaSlice<f32>>,
         seqlens: Option<&CudaSlice<i32>>,
@@ -342,29 +416,67 @@ impl Decoder {
             lse,
             seqlens,
             Some(block_table),
+            None,
         )
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn run_slices_with_table<T: Element>(
+    fn run_slices_with_table<T: Element, K: KvElement>(
         &self,
         stream: &Arc<CudaStream>,
         q: &CudaSlice<T>,
-        k: &CudaSlice<T>,
-        v: &CudaSlice<T>,
+        k: &CudaSlice<K>,
+        v: &CudaSlice<K>,
         out: &mut CudaSlice<T>,
         lse: Option<&mut CudaSlice<f32>>,
         seqlens: Option<&CudaSlice<i32>>,
         block_table: Option<&CudaSlice<i32>>,
+        scales: Option<Fp8Scales<'_>>,
     ) -> Result<()> {
         let p = &self.problem;
         if T::DTYPE != p.dtype {
             return Err(Error::invalid(
-                "q, k_cache, v_cache, out",
+                "q, out",
                 T::DTYPE.name(),
                 format!("{} (the problem's dtype)", p.dtype.name()),
             ));
         }
+        if K::kv_dtype_with(T::DTYPE) != Some(p.kv_dtype) {
+            return Err(Error::invalid(
+                "k_cache, v_cache",
+                std::any::type_name::<K>(),
+                format!(
+                    "elements of the problem's kv_dtype ({}, with q {})",
+                    p.kv_dtype.name(),
+                    p.dtype.name()
+                ),
+            ));
+        }
+        let scale_of = |arg: &'static str, s: &CudaSlice<f32>| -> Result<KvScale> {
+            let layout = KvScaleLayout::from_len(s.len(), p.batch, p.hkv).ok_or_else(|| {
+                Error::invalid(
+                    arg,
+                    format!("{} elements", s.len()),
+                    format!(
+                        "1 (per tensor), hkv = {} (per KV head) or batch x hkv = {} (per \
+                         request and KV head)",
+                        p.hkv,
+                        p.batch * p.hkv
+                    ),
+                )
+            })?;
+            Ok(KvScale {
+                ptr: s.device_ptr(stream).0,
+                layout,
+            })
+        };
+        let (k_scale, v_scale) = match scales {
+            Some(sc) => (
+                Some(scale_of("k_scale", sc.k)?),
+                Some(scale_of("v_scale", sc.v)?),
+            ),
+            None => (None, None),
+        };
         let rows = p.batch * p.q_len * p.hq;
         let need_q = rows * p.head_dim;
         let kv_need = |s: KvStrides| match p.paged {
@@ -437,6 +549,8 @@ impl Decoder {
             lse: lse_ptr.as_ref().map(|(p, _)| *p),
             seqlens: seq_ptr.as_ref().map(|(p, _)| *p),
             block_table: table_ptr.as_ref().map(|(p, _)| *p),
+            k_scale,
+            v_scale,
         };
         // SAFETY: lengths checked above; the slices outlive the enqueue and cudarc's guards
         // record the stream use.
@@ -626,6 +740,12 @@ impl SplitEngine {
     }
 }
 
+/// (request, KV head) strides of a scale tensor's index.
+fn scale_strides(scale: Option<KvScale>, hkv: usize) -> (i32, i32) {
+    let (b, h) = scale.map_or((0, 0), |s| s.layout.strides(hkv));
+    (b as i32, h as i32)
+}
+
 /// Element strides of q and out, both `[batch, q_len, hq, d]` contiguous.
 fn row_strides(p: &DecodeProblem) -> KvStrides {
     let token = (p.hq * p.head_dim) as i64;
@@ -651,7 +771,7 @@ fn cache_map(
         Some(pg) => kv_tensor_map(
             arg,
             ptr,
-            p.dtype,
+            TmaElement::of(p.dtype, p.kv_dtype),
             p.head_dim,
             p.hkv,
             pg.page_size,
@@ -661,7 +781,16 @@ fn cache_map(
             promotion,
         ),
         None => kv_tensor_map(
-            arg, ptr, p.dtype, p.head_dim, p.hkv, p.max_len, p.batch, strides, tile, promotion,
+            arg,
+            ptr,
+            TmaElement::of(p.dtype, p.kv_dtype),
+            p.head_dim,
+            p.hkv,
+            p.max_len,
+            p.batch,
+            strides,
+            tile,
+            promotion,
         ),
     }
 }
@@ -713,6 +842,12 @@ impl PersistentEngine {
             table_stride: p.paged.map_or(0, |pg| pg.table_stride as i32),
             num_pages: p.paged.map_or(0, |pg| pg.num_pages as i32),
             min_tiles_per_cta: pp.min_tiles_per_cta as i32,
+            k_scale: t.k_scale.map_or(0, |s| s.ptr),
+            v_scale: t.v_scale.map_or(0, |s| s.ptr),
+            k_scale_batch_stride: scale_strides(t.k_scale, p.hkv).0,
+            k_scale_head_stride: scale_strides(t.k_scale, p.hkv).1,
+            v_scale_batch_stride: scale_strides(t.v_scale, p.hkv).0,
+            v_scale_head_stride: scale_strides(t.v_scale, p.hkv).1,
         };
         let cfg = LaunchConfig {
             grid: [pp.grid as u32, 1, 1],

@@ -5,7 +5,7 @@
 //! library can launch, so tests and `kvstream kernels` can compile each one.
 
 use crate::plan;
-use crate::problem::{DType, DecodeProblem, MAX_GROUP, SUPPORTED_HEAD_DIMS};
+use crate::problem::{DType, DecodeProblem, KvDType, MAX_GROUP, SUPPORTED_HEAD_DIMS};
 
 /// Headers the kernels include, by the name they use in `#include "..."`.
 pub const HEADERS: [(&str, &str); 6] = [
@@ -260,8 +260,10 @@ const PERSISTENT_Q_BUFFERS: usize = 3;
 /// One specialisation of the persistent decode, `decode.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PersistentVariant {
-    /// Element type of q, K, V and out.
+    /// Element type of q and out.
     pub dtype: DType,
+    /// Element type of K and V.
+    pub kv_dtype: KvDType,
     /// 64 or 128.
     pub head_dim: usize,
     /// n8 tiles of query rows per column block (1..=[`MAX_N_TILES`]).
@@ -319,7 +321,7 @@ impl PersistentVariant {
     pub fn shared_bytes_with(&self, stages: usize) -> usize {
         let columns = self.n_tiles * 8;
         let warps = self.consumer_groups * 4;
-        let ring = stages * 2 * self.tile_tokens * self.head_dim * 2;
+        let ring = stages * 2 * self.tile_tokens * self.head_dim * self.kv_dtype.size(self.dtype);
         let q = PERSISTENT_Q_BUFFERS * columns * (self.head_dim * 2 + 16);
         let merge = warps * columns * (self.head_dim + 4) * 4;
         let barriers = 3 * 8 * stages + 2 * 8 * PERSISTENT_Q_BUFFERS;
@@ -344,8 +346,12 @@ impl PersistentVariant {
 impl Variant for PersistentVariant {
     fn name(&self) -> String {
         format!(
-            "decode.{}.d{}.n{}.t{}.s{}.g{}{}{}{}",
+            "decode.{}{}.d{}.n{}.t{}.s{}.g{}{}{}{}",
             self.dtype.name(),
+            match self.kv_dtype {
+                KvDType::AsQuery => "",
+                KvDType::Fp8E4m3 => ".kv_e4m3",
+            },
             self.head_dim,
             self.n_tiles,
             self.tile_tokens,
@@ -384,6 +390,10 @@ impl Variant for PersistentVariant {
             self.consumer_groups,
             self.kv_source.paged(),
         );
+        d.push((
+            "KVS_KV_FP8".into(),
+            u8::from(self.kv_dtype == KvDType::Fp8E4m3).to_string(),
+        ));
         d.push(("KVS_KV_L2".into(), self.kv_l2.code().to_string()));
         d.push((
             "KVS_GATHER".into(),
@@ -535,9 +545,11 @@ pub fn all_variants() -> Vec<AnyVariant> {
         for head_dim in SUPPORTED_HEAD_DIMS {
             for n_tiles in 1..=MAX_N_TILES {
                 for source in KvSource::ALL {
-                    out.push(AnyVariant::Persistent(plan::persistent_variant(
-                        dtype, head_dim, n_tiles, source,
-                    )));
+                    for kv_dtype in [KvDType::AsQuery, KvDType::Fp8E4m3] {
+                        out.push(AnyVariant::Persistent(plan::persistent_variant(
+                            dtype, kv_dtype, head_dim, n_tiles, source,
+                        )));
+                    }
                 }
             }
             for n_tiles in 1..=MAX_GROUP / 8 {

@@ -7,7 +7,7 @@
 use cudarc::driver::sys;
 
 use crate::error::{Error, Result};
-use crate::problem::{DType, KvStrides};
+use crate::problem::{DType, KvDType, KvStrides};
 
 /// Geometry and attributes of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,15 +135,39 @@ impl TmaPromotion {
     }
 }
 
+/// How the TMA unit sees a cache element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TmaElement {
+    data_type: sys::CUtensorMapDataType,
+    bytes: u64,
+}
+
+impl TmaElement {
+    /// The cache elements of a query of `dtype` and caches of `kv_dtype`.
+    pub fn of(dtype: DType, kv_dtype: KvDType) -> Self {
+        use sys::CUtensorMapDataType as T;
+        let data_type = match (kv_dtype, dtype) {
+            (KvDType::Fp8E4m3, _) => T::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            (KvDType::AsQuery, DType::Bf16) => T::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            (KvDType::AsQuery, DType::F16) => T::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        };
+        TmaElement {
+            data_type,
+            bytes: kv_dtype.size(dtype) as u64,
+        }
+    }
+}
+
 /// Encodes the TMA tensor map of one KV cache tensor for the decode kernel: a 4-D tensor
 /// `{d, hkv, max_len, batch}` (innermost first) with the given element strides, read in boxes of
-/// 64 head dims x `box_tokens` positions of one head, 128-byte swizzled in shared memory.
+/// one row of head dims (128 bytes, or the whole position where it is shorter) x `box_tokens`
+/// positions of one head, swizzled in shared memory at the row's width (kv_format.cuh).
 /// Positions past `max_len` read as zeros. Pure host work: no device call, legal during capture.
 #[allow(clippy::too_many_arguments)]
 pub fn kv_tensor_map(
     arg: &'static str,
     ptr: u64,
-    dtype: DType,
+    elem: TmaElement,
     head_dim: usize,
     hkv: usize,
     max_len: usize,
@@ -152,20 +176,28 @@ pub fn kv_tensor_map(
     box_tokens: usize,
     promotion: TmaPromotion,
 ) -> Result<sys::CUtensorMap> {
-    let elem = dtype.size() as u64;
+    let row_bytes = (head_dim as u64 * elem.bytes).min(128);
+    let swizzle = if row_bytes == 128 {
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
+    } else {
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B
+    };
+    let box_dims = [(row_bytes / elem.bytes) as u32, 1, box_tokens as u32, 1];
+    let elem_bytes = elem.bytes;
+    let elem = (elem, swizzle);
     encode_tiled(
         arg,
         ptr,
-        dtype,
+        elem,
         promotion,
         [head_dim as u64, hkv as u64, max_len as u64, batch as u64],
         // byte strides of dims 1.. (dim 0 is contiguous)
         &[
-            strides.head as u64 * elem,
-            strides.token as u64 * elem,
-            strides.batch as u64 * elem,
+            strides.head as u64 * elem_bytes,
+            strides.token as u64 * elem_bytes,
+            strides.batch as u64 * elem_bytes,
         ],
-        [64, 1, box_tokens as u32, 1],
+        box_dims,
     )
 }
 
@@ -183,12 +215,13 @@ pub fn joined_page_map(
     num_pages: usize,
     promotion: TmaPromotion,
 ) -> Result<sys::CUtensorMap> {
-    let elem = dtype.size() as u64;
+    let tma = TmaElement::of(dtype, KvDType::AsQuery);
+    let elem = tma.bytes;
     let position = hkv as u64 * 128 * elem;
     encode_tiled(
         arg,
         ptr,
-        dtype,
+        (tma, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B),
         promotion,
         [64, page_size as u64, 2, hkv as u64, num_pages as u64],
         &[position, 64 * elem, 128 * elem, page_size as u64 * position],
@@ -196,12 +229,12 @@ pub fn joined_page_map(
     )
 }
 
-/// cuTensorMapEncodeTiled with the decode kernel's settings: 128-byte swizzle, the given L2
-/// promotion, zeros outside the tensor.
+/// cuTensorMapEncodeTiled with the decode kernel's settings: the element and swizzle given, the
+/// given L2 promotion, zeros outside the tensor.
 fn encode_tiled<const RANK: usize>(
     arg: &'static str,
     ptr: u64,
-    dtype: DType,
+    (elem, swizzle): (TmaElement, sys::CUtensorMapSwizzle),
     promotion: TmaPromotion,
     dims: [u64; RANK],
     byte_strides: &[u64],
@@ -210,10 +243,6 @@ fn encode_tiled<const RANK: usize>(
     // (the driver reads RANK - 1 of them: checked in release builds too, it guards the FFI call)
     assert_eq!(byte_strides.len() + 1, RANK, "tensor map strides");
     let element_strides = [1u32; RANK];
-    let data_type = match dtype {
-        DType::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-    };
     // SAFETY: all-zero bytes are a valid (if meaningless) tensor map; it is fully written below.
     let mut map: sys::CUtensorMap = unsafe { std::mem::zeroed() };
     // SAFETY: dims, box_dims and element_strides have RANK entries and byte_strides RANK - 1
@@ -221,7 +250,7 @@ fn encode_tiled<const RANK: usize>(
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
-            data_type,
+            elem.data_type,
             RANK as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
@@ -229,7 +258,7 @@ fn encode_tiled<const RANK: usize>(
             box_dims.as_ptr(),
             element_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             promotion.raw(),
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )

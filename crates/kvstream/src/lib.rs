@@ -34,6 +34,7 @@
 
 pub mod decode;
 pub mod error;
+pub mod fp8;
 pub mod jit;
 pub mod kernels;
 pub mod launch;
@@ -44,8 +45,9 @@ pub mod reference;
 pub mod runtime;
 pub mod schedule;
 
-pub use decode::{DecodeTensors, Decoder, Element};
+pub use decode::{DecodeTensors, Decoder, Element, Fp8Scales, KvElement, KvScale};
 pub use error::{Error, Result};
+pub use fp8::E4m3;
 pub use plan::{DecodePlan, DeviceFacts, Engine, PlanOptions, Reduction};
-pub use problem::{DType, DecodeProblem, KvStrides, PagedKv};
+pub use problem::{DType, DecodeProblem, KvDType, KvScaleLayout, KvStrides, PagedKv};
 pub use runtime::Runtime;

@@ -41,7 +41,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernels::{CombineVariant, DecodeVariant, KvSource, PersistentVariant, MAX_N_TILES};
-use crate::problem::{DType, DecodeProblem};
+use crate::problem::{DType, DecodeProblem, KvDType};
 
 /// Most CTAs of a persistent grid: the SMs of an H100/H200 (the kernel's merge scratch is sized
 /// for a unit cut into at most this many pieces, `MAX_GRID` in decode.cu).
@@ -64,13 +64,15 @@ pub const PERSISTENT_D128_RING: (usize, usize) = (1, 2);
 /// measured 1-2.5% slower there).
 pub fn persistent_variant(
     dtype: DType,
+    kv_dtype: KvDType,
     head_dim: usize,
     n_tiles: usize,
     kv_source: KvSource,
 ) -> PersistentVariant {
-    let (consumer_groups, max_stages) = default_ring(head_dim, n_tiles);
+    let (consumer_groups, max_stages) = default_ring(kv_dtype, head_dim, n_tiles);
     let v = PersistentVariant {
         dtype,
+        kv_dtype,
         head_dim,
         n_tiles,
         tile_tokens: tile_tokens(head_dim),
@@ -85,16 +87,18 @@ pub fn persistent_variant(
 
 /// Pages smaller than this many positions are gathered by the persistent producer
 /// ([`KvSource::PagedGather`], [`PERSISTENT_GATHER_WARPS`] warps of 16-byte copies); larger ones
-/// arrive as one TMA box per page run and 64 head dims ([`KvSource::PagedBoxes`]). d 64: a box
-/// of a page of 16 carries 2 KB, and the boxes streamed 1.08-1.14x slower than the gather
-/// there at batch >= 8; d 128: the boxes of pages of 16 ran 1.0-1.9% faster than the gather.
-/// Pages of 1 by boxes (a descriptor per position and 64 dims) ran 5-7x slower than gathered.
-/// Tables: docs/tuning.md, "Gathered pages".
-pub fn persistent_gather_below_page(head_dim: usize) -> usize {
-    if head_dim == 64 {
-        PERSISTENT_GATHER_BELOW_PAGE_D64
-    } else {
-        PERSISTENT_GATHER_BELOW_PAGE_D128
+/// arrive as one TMA box per page run and row of head dims ([`KvSource::PagedBoxes`]), for
+/// positions of `row_bytes` (head dim x element bytes). 128-byte rows (d 64 bf16): a box of a
+/// page of 16 carries 2 KB, and the boxes streamed 1.08-1.14x slower than the gather there at
+/// batch >= 8; 256-byte rows (d 128 bf16): the boxes of pages of 16 ran 1.0-1.9% faster than
+/// the gather. Pages of 1 by boxes (a descriptor per position and row) ran 5-7x slower than
+/// gathered. 64-byte rows (d 64 fp8) follow the box size: below 64. Tables: docs/tuning.md,
+/// "Gathered pages".
+pub fn persistent_gather_below_page(row_bytes: usize) -> usize {
+    match row_bytes {
+        ..=64 => 2 * PERSISTENT_GATHER_BELOW_PAGE_D64,
+        65..=128 => PERSISTENT_GATHER_BELOW_PAGE_D64,
+        _ => PERSISTENT_GATHER_BELOW_PAGE_D128,
     }
 }
 /// (see [`persistent_gather_below_page`])
@@ -112,7 +116,10 @@ pub const PERSISTENT_GATHER_WARPS: usize = 4;
 pub fn persistent_kv_source(problem: &DecodeProblem) -> KvSource {
     match problem.paged {
         None => KvSource::Contiguous,
-        Some(pg) if pg.page_size < persistent_gather_below_page(problem.head_dim) => {
+        Some(pg)
+            if pg.page_size
+                < persistent_gather_below_page(problem.head_dim * problem.kv_elem_bytes()) =>
+        {
             KvSource::PagedGather
         }
         Some(_) => KvSource::PagedBoxes,
@@ -171,7 +178,20 @@ pub fn persistent_variant_forced(
 }
 
 /// (consumer groups, deepest ring) of the persistent variant (see [`persistent_variant`]).
-fn default_ring(head_dim: usize, n_tiles: usize) -> (usize, usize) {
+/// fp8 caches: the same tiles (a larger one spills at four column tiles), two consumer groups
+/// where they fit (twice the elements per byte to compute: one group streamed 6% slower at
+/// d 128), and twice the stages, so that the ring holds the bytes measured best for 2-byte
+/// caches (docs/tuning.md, "FP8 caches").
+fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, usize) {
+    if kv_dtype == KvDType::Fp8E4m3 {
+        let groups = if DecodeVariant::groups_fit(n_tiles, 2) {
+            2
+        } else {
+            1
+        };
+        let (_, stages) = default_ring(KvDType::AsQuery, head_dim, n_tiles);
+        return (groups, 2 * stages.max(groups));
+    }
     if head_dim == 128 {
         PERSISTENT_D128_RING
     } else if DecodeVariant::groups_fit(n_tiles, 2) {
@@ -235,7 +255,10 @@ pub fn persistent_variant_with_ring(
         v.consumer_groups = g;
     }
     match stages {
-        None => Ok(with_deepest_ring(v, default_ring(v.head_dim, v.n_tiles).1)),
+        None => Ok(with_deepest_ring(
+            v,
+            default_ring(v.kv_dtype, v.head_dim, v.n_tiles).1,
+        )),
         Some(s) => {
             let g = v.consumer_groups;
             v.stages = s;
@@ -305,12 +328,28 @@ pub fn plan_persistent(
     let variant = persistent_variant_forced(
         persistent_variant(
             problem.dtype,
+            problem.kv_dtype,
             problem.head_dim,
             n_tiles,
             persistent_kv_source(problem),
         ),
         &options,
     )?;
+    if let (KvSource::PagedBoxes, Some(pg)) = (variant.kv_source, problem.paged) {
+        // a box lands on a 128-byte aligned address: a page run must fill 128 bytes at least
+        let run_bytes = pg.page_size * problem.head_dim * problem.kv_elem_bytes();
+        if run_bytes < 128 {
+            return Err(Error::invalid(
+                "persistent_paged_gather",
+                "false (TMA boxes)",
+                format!(
+                    "true or none for pages of {} positions of {} bytes: a box needs 128 bytes",
+                    pg.page_size,
+                    problem.head_dim * problem.kv_elem_bytes()
+                ),
+            ));
+        }
+    }
     let grid = match options.persistent_ctas {
         None => device.sm_count.clamp(1, PERSISTENT_MAX_GRID),
         Some(c) if (1..=PERSISTENT_MAX_GRID).contains(&c) => c,
@@ -383,11 +422,16 @@ impl std::str::FromStr for Engine {
 ///
 /// Pages smaller than [`PERSISTENT_GATHER_ALWAYS_BELOW_PAGE`] take the persistent engine at
 /// any batch: its gathering producer streams them several times faster than the split engine's
-/// boxes (pages of 1 at batch 1: 49 against 133 us at d 128, L 32768).
+/// boxes (pages of 1 at batch 1: 49 against 133 us at d 128, L 32768). fp8 caches
+/// ([`KvDType::Fp8E4m3`]) run on the persistent engine only.
 ///
 /// Worked example: 16 requests of 32/8 heads, d 128: 128 units, 128 x 4 >= 132: persistent;
 /// 4 such requests: 32 units, 128 < 132: split; with pages of 8: persistent.
 pub fn persistent_by_default(problem: &DecodeProblem, device: DeviceFacts) -> bool {
+    // fp8 caches have one engine
+    if problem.kv_dtype != KvDType::AsQuery {
+        return true;
+    }
     if problem
         .paged
         .is_some_and(|pg| pg.page_size < PERSISTENT_GATHER_ALWAYS_BELOW_PAGE)
@@ -481,6 +525,16 @@ pub fn choose(problem: &DecodeProblem, device: DeviceFacts, options: PlanOptions
         (None, None, None) if persistent_by_default(problem, device) => Engine::Persistent,
         (None, None, None) => Engine::Split,
     };
+    if engine == Engine::Split && problem.kv_dtype != KvDType::AsQuery {
+        return Err(Error::invalid(
+            split_knob.unwrap_or("engine"),
+            "the split engine",
+            format!(
+                "the persistent engine for a {} cache (drop the split engine's knobs)",
+                problem.kv_dtype.name()
+            ),
+        ));
+    }
     match engine {
         Engine::Persistent => plan_persistent(problem, device, options).map(Plan::Persistent),
         Engine::Split => plan(problem, device, options).map(Plan::Split),
@@ -1731,6 +1785,81 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(auto(&paged(8, 8), forced).num_splits, 4);
+    }
+
+    #[test]
+    fn fp8_caches_take_the_persistent_engine_with_two_groups_and_twice_the_stages() {
+        use crate::problem::KvDType;
+        let fp8 = |batch, d, hq| {
+            DecodeProblem::new(batch, hq, 8, d, 4096, DType::Bf16)
+                .unwrap()
+                .with_kv_dtype(KvDType::Fp8E4m3)
+                .unwrap()
+        };
+        // batch 1 would take the split engine with a 2-byte cache
+        let p = fp8(1, 128, 32);
+        let v = persistent(&p, PlanOptions::default()).unwrap().variant;
+        assert_eq!(
+            (v.kv_dtype, v.consumer_groups, v.stages, v.tile_tokens),
+            (KvDType::Fp8E4m3, 2, 4, 64)
+        );
+        let d64 = persistent(&fp8(16, 64, 32), PlanOptions::default())
+            .unwrap()
+            .variant;
+        assert_eq!(
+            (d64.consumer_groups, d64.stages, d64.tile_tokens),
+            (2, 8, 128)
+        );
+        // 32 query rows per KV head: one group, four stages
+        let wide = persistent(&fp8(16, 128, 256), PlanOptions::default())
+            .unwrap()
+            .variant;
+        assert_eq!((wide.consumer_groups, wide.stages), (1, 4));
+        // a forced tile keeps the fp8 ring
+        let forced = PlanOptions {
+            persistent_tile_tokens: Some(128),
+            ..Default::default()
+        };
+        assert_eq!(persistent(&p, forced).unwrap().variant.consumer_groups, 2);
+        for o in [
+            PlanOptions {
+                num_splits: Some(2),
+                ..Default::default()
+            },
+            PlanOptions {
+                engine: Some(Engine::Split),
+                ..Default::default()
+            },
+        ] {
+            let msg = choose(&p, DeviceFacts::H200, o).unwrap_err().to_string();
+            assert!(msg.contains("persistent engine"), "{msg}");
+        }
+        // boxes need 128-byte page runs: pages of 1 at d 64 fp8 are gathered only
+        let paged = fp8(2, 64, 32).with_paged(1, 8192 + 3, None).unwrap();
+        let boxes = PlanOptions {
+            persistent_paged_gather: Some(false),
+            ..Default::default()
+        };
+        let msg = choose(&paged, DeviceFacts::H200, boxes)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("persistent_paged_gather"), "{msg}");
+        assert_eq!(
+            persistent(&paged, PlanOptions::default())
+                .unwrap()
+                .variant
+                .kv_source,
+            KvSource::PagedGather
+        );
+        // 64-byte rows gather pages below 64
+        let p32 = fp8(2, 64, 32).with_paged(32, 256 + 3, None).unwrap();
+        assert_eq!(
+            persistent(&p32, PlanOptions::default())
+                .unwrap()
+                .variant
+                .kv_source,
+            KvSource::PagedGather
+        );
     }
 
     #[test]

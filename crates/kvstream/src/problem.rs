@@ -40,6 +40,88 @@ impl std::str::FromStr for DType {
     }
 }
 
+/// Element type of the K and V caches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KvDType {
+    /// The query's dtype (bf16 or f16).
+    #[default]
+    AsQuery,
+    /// float8 e4m3 (`torch.float8_e4m3fn`: no infinities, largest 448) with FP32
+    /// dequantisation scales ([`KvScale`]): position t's K is `k_scale * k[t]`.
+    Fp8E4m3,
+}
+
+impl KvDType {
+    /// Short lowercase name (`"as_query"`, `"fp8_e4m3"`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            KvDType::AsQuery => "as_query",
+            KvDType::Fp8E4m3 => "fp8_e4m3",
+        }
+    }
+
+    /// Bytes per cache element when the query is `dtype`.
+    pub const fn size(self, dtype: DType) -> usize {
+        match self {
+            KvDType::AsQuery => dtype.size(),
+            KvDType::Fp8E4m3 => 1,
+        }
+    }
+}
+
+impl std::str::FromStr for KvDType {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" | "as_query" | "bf16" | "f16" | "fp16" => Ok(KvDType::AsQuery),
+            "fp8" | "fp8_e4m3" | "e4m3" | "float8_e4m3fn" => Ok(KvDType::Fp8E4m3),
+            other => Err(Error::invalid(
+                "kv_dtype",
+                other,
+                "fp8_e4m3 or the query's dtype (e5m2 caches are not supported)",
+            )),
+        }
+    }
+}
+
+/// How the dequantisation scales of an fp8 cache are laid out: FP32, on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvScaleLayout {
+    /// One scale for the whole cache (vLLM's `k_scale` / `v_scale`).
+    PerTensor,
+    /// One per KV head, `[hkv]`.
+    PerKvHead,
+    /// One per request and KV head, `[batch, hkv]` (FA3's `descale_k` / `descale_v`).
+    PerRequestHead,
+}
+
+impl KvScaleLayout {
+    /// Scales the layout holds for `batch` requests of `hkv` KV heads.
+    pub fn len(self, batch: usize, hkv: usize) -> usize {
+        match self {
+            KvScaleLayout::PerTensor => 1,
+            KvScaleLayout::PerKvHead => hkv,
+            KvScaleLayout::PerRequestHead => batch * hkv,
+        }
+    }
+
+    /// (request, KV head) strides of the scale index.
+    pub fn strides(self, hkv: usize) -> (usize, usize) {
+        match self {
+            KvScaleLayout::PerTensor => (0, 0),
+            KvScaleLayout::PerKvHead => (0, 1),
+            KvScaleLayout::PerRequestHead => (hkv, 1),
+        }
+    }
+
+    /// The layout of a scale tensor of `len` elements, if it is one.
+    pub fn from_len(len: usize, batch: usize, hkv: usize) -> Option<Self> {
+        [Self::PerTensor, Self::PerKvHead, Self::PerRequestHead]
+            .into_iter()
+            .find(|l| l.len(batch, hkv) == len)
+    }
+}
+
 /// Head dimensions the kernels are built for.
 pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Largest query-head group (hq / hkv) one CTA handles: four n8 MMA tiles.
@@ -106,8 +188,10 @@ pub struct DecodeProblem {
     pub head_dim: usize,
     /// Cache capacity per request (L); per-request lengths, when given, are at most this.
     pub max_len: usize,
-    /// Element type of every tensor.
+    /// Element type of q and out (and of K and V unless `kv_dtype` says otherwise).
     pub dtype: DType,
+    /// Element type of the K and V caches.
+    pub kv_dtype: KvDType,
     /// Softmax scale; `None` means 1/sqrt(head_dim).
     pub softmax_scale: Option<f32>,
     /// Strides of the K cache.
@@ -139,6 +223,7 @@ impl DecodeProblem {
             head_dim,
             max_len,
             dtype,
+            kv_dtype: KvDType::AsQuery,
             softmax_scale: None,
             k_strides: strides,
             v_strides: strides,
@@ -147,6 +232,25 @@ impl DecodeProblem {
         };
         p.validate()?;
         Ok(p)
+    }
+
+    /// Same problem with caches of another element type.
+    ///
+    /// ```
+    /// use kvstream::{DecodeProblem, DType, KvDType};
+    /// let p = DecodeProblem::new(8, 32, 8, 128, 32_768, DType::Bf16)?.with_kv_dtype(KvDType::Fp8E4m3)?;
+    /// assert_eq!(p.kv_elem_bytes(), 1);
+    /// # Ok::<(), kvstream::Error>(())
+    /// ```
+    pub fn with_kv_dtype(mut self, kv_dtype: KvDType) -> Result<Self> {
+        self.kv_dtype = kv_dtype;
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Bytes per K or V element.
+    pub fn kv_elem_bytes(&self) -> usize {
+        self.kv_dtype.size(self.dtype)
     }
 
     /// Same problem with an explicit softmax scale.
@@ -224,7 +328,7 @@ impl DecodeProblem {
     pub fn io_bytes(&self, total_tokens: usize) -> usize {
         let e = self.dtype.size();
         let qo = 2 * self.batch * self.q_len * self.hq * self.head_dim * e;
-        qo + 2 * total_tokens * self.hkv * self.head_dim * e
+        qo + 2 * total_tokens * self.hkv * self.head_dim * self.kv_elem_bytes()
     }
 
     /// Checks every field; called by the constructors.
@@ -295,16 +399,17 @@ impl DecodeProblem {
                 ));
             }
         }
+        // Rows are moved by bulk copies: 16-byte aligned starts.
+        let align = 16 / self.kv_elem_bytes() as i64;
         for (arg, st) in [("k strides", self.k_strides), ("v strides", self.v_strides)] {
-            // Rows are moved by bulk copies: 16-byte aligned starts.
             let ok = [st.batch, st.token, st.head]
                 .iter()
-                .all(|&x| x > 0 && x % 8 == 0);
+                .all(|&x| x > 0 && x % align == 0);
             if !ok {
                 return Err(Error::invalid(
                     arg,
                     format!("{st:?}"),
-                    "positive multiples of 8 elements (16 bytes)",
+                    format!("positive multiples of {align} elements (16 bytes)"),
                 ));
             }
         }
@@ -391,6 +496,43 @@ mod tests {
         let good = KvStrides::contiguous(64, 2, 128);
         assert_eq!(e(p.clone().with_kv_strides(good, odd)), "v strides");
         assert_eq!(arg_of("fp8".parse::<DType>().unwrap_err()), "dtype");
+    }
+
+    #[test]
+    fn fp8_caches_parse_validate_and_lay_out_their_scales() {
+        for name in ["fp8", "fp8_e4m3", "float8_e4m3fn"] {
+            assert_eq!(name.parse::<KvDType>().unwrap(), KvDType::Fp8E4m3);
+        }
+        assert_eq!("auto".parse::<KvDType>().unwrap(), KvDType::AsQuery);
+        let msg = "fp8_e5m2".parse::<KvDType>().unwrap_err().to_string();
+        assert!(msg.contains("kv_dtype") && msg.contains("e5m2"), "{msg}");
+        let p = DecodeProblem::new(4, 32, 8, 128, 1024, DType::Bf16)
+            .unwrap()
+            .with_kv_dtype(KvDType::Fp8E4m3)
+            .unwrap();
+        assert_eq!(p.kv_elem_bytes(), 1);
+        // Q and out stay bf16, K and V one byte
+        assert_eq!(p.io_bytes(1024), 2 * 4 * 32 * 128 * 2 + 2 * 1024 * 8 * 128);
+        // fp8 strides must be 16 bytes: 8 elements are not
+        let s8 = KvStrides {
+            batch: 1024 * 8 * 136,
+            token: 8 * 136,
+            head: 136,
+        };
+        assert_eq!(
+            arg_of(p.clone().with_kv_strides(s8, s8).unwrap_err()),
+            "k strides"
+        );
+        let bf16 = DecodeProblem::new(4, 32, 8, 128, 1024, DType::Bf16).unwrap();
+        assert!(bf16.with_kv_strides(s8, s8).is_ok());
+        use KvScaleLayout::*;
+        assert_eq!(KvScaleLayout::from_len(1, 4, 8), Some(PerTensor));
+        assert_eq!(KvScaleLayout::from_len(8, 4, 8), Some(PerKvHead));
+        assert_eq!(KvScaleLayout::from_len(32, 4, 8), Some(PerRequestHead));
+        assert_eq!(KvScaleLayout::from_len(5, 4, 8), None);
+        assert_eq!(PerRequestHead.strides(8), (8, 1));
+        assert_eq!(PerKvHead.strides(8), (0, 1));
+        assert_eq!(PerTensor.strides(8), (0, 0));
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! helpers that every test and demo needs: a relative-error metric that cannot be fooled by NaN,
 //! and a small deterministic generator for bf16/f16 test data.
 
+use crate::fp8::E4m3;
 use half::{bf16, f16};
 use std::ops::Range;
 
@@ -369,6 +370,16 @@ pub fn random_bf16(rng: &mut SplitMix64, n: usize, scale: f32) -> (Vec<bf16>, Ve
 pub fn random_f16(rng: &mut SplitMix64, n: usize, scale: f32) -> (Vec<f16>, Vec<f32>) {
     let bits: Vec<f16> = (0..n)
         .map(|_| f16::from_f32(rng.symmetric() * scale))
+        .collect();
+    let wide = bits.iter().map(|x| x.to_f32()).collect();
+    (bits, wide)
+}
+
+/// Random e4m3 tensor of `n` values uniform in `[-scale, scale)` (rounded to nearest e4m3,
+/// saturating): returns (bits for upload, the same values widened to f32 for the reference).
+pub fn random_e4m3(rng: &mut SplitMix64, n: usize, scale: f32) -> (Vec<E4m3>, Vec<f32>) {
+    let bits: Vec<E4m3> = (0..n)
+        .map(|_| E4m3::from_f32(rng.symmetric() * scale))
         .collect();
     let wide = bits.iter().map(|x| x.to_f32()).collect();
     (bits, wide)

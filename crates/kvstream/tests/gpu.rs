@@ -15,6 +15,11 @@
 //! - `zero_length_batch_gives_zeros_and_neg_inf`: all requests empty, with and without splits.
 //! - `stale_hints_before_the_pdl_wait_are_not_used`: a kernel that lets the decode launch and
 //!   then rewrites its block table and lengths; the decode uses the new ones.
+//! - `fp8_cases_match_reference`: e4m3 caches with scales of every layout, contiguous and
+//!   paged (every page size, both producers), ragged and zero lengths, multi-token, LSE, q in
+//!   bf16 and f16, against the reference on the dequantised values; each case twice, bitwise.
+//! - `fp8_graph_replays_with_new_scales_and_lengths`: one captured graph, new scale values and
+//!   lengths written between replays, equal to eager runs and to the reference.
 //!
 //! Every test is ignored, so `cargo test` on a machine without a GPU lists them and moves on. On
 //! an H100/H200 (NVRTC 13 on the library path, see `scripts/test.sh`):
@@ -47,7 +52,8 @@ use kvstream::reference::{
     decode_reference, random_bf16, random_f16, relative_error, RefOutput, RefShape, SplitMix64,
 };
 use kvstream::{
-    DType, DecodeProblem, DecodeTensors, Decoder, Element, Error, PlanOptions, Reduction, Runtime,
+    DType, DecodeProblem, DecodeTensors, Decoder, E4m3, Element, Error, KvDType, KvScale,
+    KvScaleLayout, PlanOptions, Reduction, Runtime,
 };
 
 /// Largest accepted `||out - ref|| / ||ref||` of one (request, head) row. bf16 rounding of the
@@ -331,6 +337,8 @@ fn raw_tensors<T: Half>(
         lse: o.lse.as_mut().map(|l| l.device_ptr_mut(stream).0),
         seqlens: x.seqlens.as_ref().map(|s| s.device_ptr(stream).0),
         block_table: x.table.as_ref().map(|t| t.device_ptr(stream).0),
+        k_scale: None,
+        v_scale: None,
     }
 }
 
@@ -1860,6 +1868,8 @@ fn stale_hints_before_the_pdl_wait_are_not_used() {
                 lse: o.lse.as_mut().map(|l| l.device_ptr_mut(&stream).0),
                 seqlens: Some(live_ptr + 4 * table_words as u64),
                 block_table: Some(live_ptr),
+                k_scale: None,
+                v_scale: None,
             };
             // SAFETY: every pointer is live device memory of the sizes the problem implies.
             unsafe { dec.run(&tensors, stream.cu_stream()) }
@@ -1895,5 +1905,393 @@ fn late_writer_kernels_compile() {
         let compiled = kvstream::jit::compile::compile(&LateWriterKernel(entry))
             .unwrap_or_else(|e| panic!("compiling {entry}: {e}"));
         assert!(!compiled.cubin.is_empty(), "{entry}: empty CUBIN");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fp8 caches
+// ---------------------------------------------------------------------------------------------
+
+/// Bytes of an e4m3 NaN, written past each request's length.
+const E4M3_POISON: E4m3 = E4m3(0x7f);
+
+/// One fp8 problem's host data: q, the e4m3 caches (NaN past each length), their scales, and
+/// the dequantised values the reference sees.
+struct Fp8Inputs<T> {
+    q: Vec<T>,
+    k: Vec<E4m3>,
+    v: Vec<E4m3>,
+    k_scale: Vec<f32>,
+    v_scale: Vec<f32>,
+    q32: Vec<f32>,
+    k32: Vec<f32>,
+    v32: Vec<f32>,
+}
+
+/// The caches over e4m3's whole range (values up to 448, subnormals too) and scales in
+/// [1/32, 1/4): the dequantised K and V are of order 1.
+fn fp8_inputs<T: Half>(
+    rng: &mut SplitMix64,
+    p: &DecodeProblem,
+    lens: &[usize],
+    layout: KvScaleLayout,
+) -> Fp8Inputs<T> {
+    let (q, q32) = T::random(rng, p.batch * p.q_len * p.hq * p.head_dim);
+    let cache = |rng: &mut SplitMix64| {
+        let per_token = p.hkv * p.head_dim;
+        let mut bits = Vec::with_capacity(p.batch * p.max_len * per_token);
+        for &len in lens {
+            for _ in 0..len * per_token {
+                // log-uniform magnitudes reach the subnormals and 448
+                let mag = 2f32.powf(rng.symmetric() * 9.0 - 0.5).min(448.0);
+                bits.push(E4m3::from_f32(if rng.below(2) == 0 { mag } else { -mag }));
+            }
+            bits.extend(std::iter::repeat(E4M3_POISON).take((p.max_len - len) * per_token));
+        }
+        bits
+    };
+    let (k, v) = (cache(rng), cache(rng));
+    let n = layout.len(p.batch, p.hkv);
+    let scales = |rng: &mut SplitMix64| -> Vec<f32> {
+        (0..n)
+            .map(|_| (1.0 + rng.symmetric().abs() * 7.0) / 32.0)
+            .collect()
+    };
+    let (k_scale, v_scale) = (scales(rng), scales(rng));
+    let (sb, sh) = layout.strides(p.hkv);
+    let dequant = |bits: &[E4m3], scale: &[f32]| -> Vec<f32> {
+        bits.iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let h = i / p.head_dim % p.hkv;
+                let b = i / (p.head_dim * p.hkv * p.max_len);
+                e.to_f32() * scale[b * sb + h * sh]
+            })
+            .collect()
+    };
+    let (k32, v32) = (dequant(&k, &k_scale), dequant(&v, &v_scale));
+    Fp8Inputs {
+        q,
+        k,
+        v,
+        k_scale,
+        v_scale,
+        q32,
+        k32,
+        v32,
+    }
+}
+
+/// Contiguous `[batch, max_len, hkv, d]` caches scattered into shuffled pools of `p`'s pages
+/// (as `page_inputs`), any element type.
+fn scatter_pages<K: Copy>(
+    rng: &mut SplitMix64,
+    p: &DecodeProblem,
+    k: &[K],
+    v: &[K],
+    poison: K,
+) -> (Vec<K>, Vec<K>, Vec<i32>) {
+    let pg = p.paged.expect("a paged problem");
+    let per_token = p.hkv * p.head_dim;
+    let per_page = pg.page_size * per_token;
+    let pages_per_request = p.max_len.div_ceil(pg.page_size);
+    let mut order: Vec<usize> = (0..pg.num_pages).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let mut kp = vec![poison; pg.num_pages * per_page];
+    let mut vp = kp.clone();
+    let mut table = vec![0i32; p.batch * pg.table_stride];
+    for b in 0..p.batch {
+        for j in 0..pg.table_stride {
+            let slot = b * pg.table_stride + j;
+            if j < pages_per_request {
+                let page = order[b * pages_per_request + j];
+                table[slot] = page as i32;
+                let first = j * pg.page_size;
+                let rows = pg.page_size.min(p.max_len - first);
+                let src = (b * p.max_len + first) * per_token;
+                let n = rows * per_token;
+                kp[page * per_page..page * per_page + n].copy_from_slice(&k[src..src + n]);
+                vp[page * per_page..page * per_page + n].copy_from_slice(&v[src..src + n]);
+            } else {
+                table[slot] = order[rng.below(p.batch * pages_per_request)] as i32;
+            }
+        }
+    }
+    (kp, vp, table)
+}
+
+/// One fp8 problem's device buffers.
+struct Fp8Device<T> {
+    q: CudaSlice<T>,
+    k: CudaSlice<E4m3>,
+    v: CudaSlice<E4m3>,
+    k_scale: CudaSlice<f32>,
+    v_scale: CudaSlice<f32>,
+    seqlens: CudaSlice<i32>,
+    table: Option<CudaSlice<i32>>,
+    layout: KvScaleLayout,
+}
+
+impl<T: Half> Fp8Device<T> {
+    fn upload(
+        stream: &Arc<CudaStream>,
+        rng: &mut SplitMix64,
+        p: &DecodeProblem,
+        x: &Fp8Inputs<T>,
+        lens: &[usize],
+        layout: KvScaleLayout,
+    ) -> Self {
+        let (k, v, table) = match p.paged {
+            Some(_) => {
+                let (k, v, t) = scatter_pages(rng, p, &x.k, &x.v, E4M3_POISON);
+                (
+                    upload(stream, &k),
+                    upload(stream, &v),
+                    Some(upload(stream, &t)),
+                )
+            }
+            None => (upload(stream, &x.k), upload(stream, &x.v), None),
+        };
+        Fp8Device {
+            q: upload(stream, &x.q),
+            k,
+            v,
+            k_scale: upload(stream, &x.k_scale),
+            v_scale: upload(stream, &x.v_scale),
+            seqlens: upload(stream, &lens_i32(lens)),
+            table,
+            layout,
+        }
+    }
+
+    fn tensors(&self, stream: &Arc<CudaStream>, o: &mut Outputs<T>) -> DecodeTensors {
+        let scale = |s: &CudaSlice<f32>| KvScale {
+            ptr: s.device_ptr(stream).0,
+            layout: self.layout,
+        };
+        DecodeTensors {
+            q: self.q.device_ptr(stream).0,
+            k: self.k.device_ptr(stream).0,
+            v: self.v.device_ptr(stream).0,
+            out: o.out.device_ptr_mut(stream).0,
+            lse: o.lse.as_mut().map(|l| l.device_ptr_mut(stream).0),
+            seqlens: Some(self.seqlens.device_ptr(stream).0),
+            block_table: self.table.as_ref().map(|t| t.device_ptr(stream).0),
+            k_scale: Some(scale(&self.k_scale)),
+            v_scale: Some(scale(&self.v_scale)),
+        }
+    }
+}
+
+/// Poisons, runs through the raw API, waits, reads back.
+fn run_fp8<T: Half>(
+    stream: &Arc<CudaStream>,
+    dec: &Decoder,
+    x: &Fp8Device<T>,
+    o: &mut Outputs<T>,
+) -> Result<Output<T>, String> {
+    o.poison(stream);
+    let t = x.tensors(stream, o);
+    // SAFETY: every pointer is a live allocation of the sizes the problem implies.
+    unsafe { dec.run(&t, stream.cu_stream()) }.map_err(|e| format!("run refused: {e}"))?;
+    stream
+        .synchronize()
+        .map_err(|e| format!("the decode failed on the GPU: {e}"))?;
+    Ok(o.read(stream))
+}
+
+fn fp8_case<T: Half>(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    rng: &mut SplitMix64,
+    p: &DecodeProblem,
+    lens: &[usize],
+    layout: KvScaleLayout,
+    opts: PlanOptions,
+) -> Result<Errors, String> {
+    let x = fp8_inputs::<T>(rng, p, lens, layout);
+    let want = decode_reference(&RefShape::from(p), &x.q32, &x.k32, &x.v32, lens);
+    let dev = Fp8Device::upload(stream, rng, p, &x, lens, layout);
+    let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
+    let mut o = Outputs::<T>::new(stream, p, true);
+    let first = run_fp8(stream, &dec, &dev, &mut o)?;
+    let errors = check_output(p, &first, &want)?;
+    let second = run_fp8(stream, &dec, &dev, &mut o)?;
+    same_bits(&first, &second, "two runs")?;
+    Ok(errors)
+}
+
+/// Expected run time: about a minute.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn fp8_cases_match_reference() {
+    let (rt, stream) = open_gpu();
+    let layouts = [
+        KvScaleLayout::PerTensor,
+        KvScaleLayout::PerKvHead,
+        KvScaleLayout::PerRequestHead,
+    ];
+    let mut rng = SplitMix64::new(0xF8);
+    let mut worst = Errors::default();
+    let mut cases = 0;
+    // (batch, hq, hkv, d, max_len, q_len): every column-tile count, both head dims
+    let shapes = [
+        (3, 16, 2, 128, 1500, 1),
+        (2, 32, 4, 64, 2100, 1),
+        (4, 8, 8, 128, 700, 1),
+        (2, 64, 2, 128, 900, 1),
+        (3, 32, 8, 64, 1200, 4),
+        (2, 32, 2, 128, 513, 3),
+        (1, 128, 8, 64, 4096, 2),
+        (16, 32, 8, 128, 300, 1),
+    ];
+    for (i, &(batch, hq, hkv, d, len, q_len)) in shapes.iter().enumerate() {
+        let base = DecodeProblem::new(batch, hq, hkv, d, len, DType::Bf16)
+            .and_then(|p| p.with_q_len(q_len))
+            .and_then(|p| p.with_kv_dtype(KvDType::Fp8E4m3))
+            .expect("a valid problem");
+        let mut lens: Vec<usize> = (0..batch).map(|_| rng.below(len + 1)).collect();
+        lens[0] = len;
+        if batch > 1 {
+            lens[batch - 1] = 0;
+        }
+        let layout = layouts[i % 3];
+        let mut problems = vec![(base.clone(), PlanOptions::default())];
+        for page in [1, 16, 64] {
+            let paged = base
+                .clone()
+                .with_paged(page, pool_pages(batch, len, page), None)
+                .expect("a valid paged problem");
+            for gather in [None, Some(true), Some(false)] {
+                let opts = PlanOptions {
+                    persistent_paged_gather: gather,
+                    ..Default::default()
+                };
+                problems.push((paged.clone(), opts));
+            }
+        }
+        for (p, opts) in problems {
+            for q_dtype in [DType::Bf16, DType::F16] {
+                let p = DecodeProblem {
+                    dtype: q_dtype,
+                    ..p.clone()
+                };
+                let what = format!("{p:?}, lens {lens:?}, {layout:?} scales, {opts:?}");
+                let run_bytes = p.paged.map_or(128, |pg| pg.page_size * p.head_dim);
+                if opts.persistent_paged_gather == Some(false) && run_bytes < 128 {
+                    // boxes need 128-byte page runs: the plan refuses, naming the knob
+                    let e = Decoder::new(&rt, p.clone(), opts)
+                        .err()
+                        .map(|e| e.to_string());
+                    assert!(
+                        e.as_deref()
+                            .is_some_and(|m| m.contains("persistent_paged_gather")),
+                        "{what}: {e:?}"
+                    );
+                    continue;
+                }
+                let r = match q_dtype {
+                    DType::Bf16 => {
+                        fp8_case::<bf16>(&rt, &stream, &mut rng, &p, &lens, layout, opts)
+                    }
+                    DType::F16 => fp8_case::<f16>(&rt, &stream, &mut rng, &p, &lens, layout, opts),
+                };
+                let e = r.unwrap_or_else(|e| panic!("{what}: {e}"));
+                worst.rel = worst.rel.max(e.rel);
+                worst.lse = worst.lse.max(e.lse);
+                cases += 1;
+            }
+        }
+    }
+    println!(
+        "fp8: {cases} cases pass; max rel err {:.3e}, max lse err {:.3e}",
+        worst.rel, worst.lse
+    );
+}
+
+/// Expected run time: a few seconds.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn fp8_graph_replays_with_new_scales_and_lengths() {
+    let (rt, _) = open_gpu();
+    let ctx = rt.context().clone();
+    // SAFETY: everything below runs on `stream`, synchronised explicitly (see graph_replay_case).
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().expect("creating a stream");
+    let layout = KvScaleLayout::PerRequestHead;
+    for page in [None, Some(16)] {
+        let mut p = DecodeProblem::new(16, 32, 8, 128, 4096, DType::Bf16)
+            .and_then(|p| p.with_kv_dtype(KvDType::Fp8E4m3))
+            .expect("a valid problem");
+        if let Some(page) = page {
+            p = p
+                .with_paged(page, pool_pages(16, 4096, page), None)
+                .expect("a valid paged problem");
+        }
+        let dec = make_decoder(&rt, &p, PlanOptions::default());
+        ctx.synchronize().expect("synchronising after Decoder::new");
+        let full = vec![p.max_len; p.batch];
+        let mut rng = SplitMix64::new(0xF8A);
+        let mut x = fp8_inputs::<bf16>(&mut rng, &p, &full, layout);
+        let mut dev = Fp8Device::upload(&stream, &mut rng, &p, &x, &full, layout);
+        let mut graph_out = Outputs::<bf16>::new(&stream, &p, true);
+        stream.synchronize().expect("uploads");
+        let tensors = dev.tensors(&stream, &mut graph_out);
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("beginning the capture");
+        // SAFETY: every pointer is a live allocation of the sizes the problem implies.
+        let captured = unsafe { dec.run(&tensors, stream.cu_stream()) };
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        captured.unwrap_or_else(|e| panic!("Decoder::run during stream capture: {e}"));
+        let graph = graph
+            .expect("instantiating the graph")
+            .expect("the capture recorded no work");
+        let mut skew = vec![40; p.batch];
+        skew[3] = 4096;
+        let ragged: Vec<usize> = (0..p.batch).map(|_| rng.below(4097)).collect();
+        for (round, lens) in [full.clone(), skew, ragged, vec![0; p.batch]]
+            .iter()
+            .enumerate()
+        {
+            // new scales (and so new dequantised values) and lengths in the graph's buffers
+            for s in x.k_scale.iter_mut().chain(x.v_scale.iter_mut()) {
+                *s *= 1.0 + 0.25 * (round as f32 + 1.0);
+            }
+            let (sb, sh) = layout.strides(p.hkv);
+            let dequant = |bits: &[E4m3], scale: &[f32]| -> Vec<f32> {
+                bits.iter()
+                    .enumerate()
+                    .map(|(i, e)| {
+                        let h = i / p.head_dim % p.hkv;
+                        let b = i / (p.head_dim * p.hkv * p.max_len);
+                        e.to_f32() * scale[b * sb + h * sh]
+                    })
+                    .collect()
+            };
+            x.k32 = dequant(&x.k, &x.k_scale);
+            x.v32 = dequant(&x.v, &x.v_scale);
+            overwrite(&stream, &x.k_scale, &mut dev.k_scale);
+            overwrite(&stream, &x.v_scale, &mut dev.v_scale);
+            overwrite(&stream, &lens_i32(lens), &mut dev.seqlens);
+            graph_out.poison(&stream);
+            graph.launch().expect("launching the graph");
+            stream
+                .synchronize()
+                .expect("graph replay failed on the GPU");
+            let replayed = graph_out.read(&stream);
+            let mut fresh = Outputs::<bf16>::new(&stream, &p, true);
+            let eager = run_fp8(&stream, &dec, &dev, &mut fresh).unwrap_or_else(|e| panic!("{e}"));
+            let what = format!("fp8 graph, page {page:?}, round {round}");
+            same_bits(&replayed, &eager, &what).unwrap_or_else(|e| panic!("{e}"));
+            let want = decode_reference(&RefShape::from(&p), &x.q32, &x.k32, &x.v32, lens);
+            let e = check_output(&p, &replayed, &want).unwrap_or_else(|e| panic!("{what}: {e}"));
+            println!(
+                "{what}: max rel err {:.3e}, max lse err {:.3e}",
+                e.rel, e.lse
+            );
+        }
     }
 }

@@ -30,6 +30,16 @@ and position ``t`` of request ``r`` lives in page ``block_table[r, t // page_siz
     table = torch.randperm(4096, device="cuda", dtype=torch.int32)[: b * 512].view(b, 512)
     out = kvstream.decode(q, k_pool, v_pool, cache_seqlens=lens, block_table=table)
 
+FP8 caches: ``k_cache`` and ``v_cache`` may be ``torch.float8_e4m3fn`` (contiguous or paged)
+with ``q`` in bf16 or fp16; ``k_scale`` / ``v_scale`` are float32 dequantisation scales on the
+device, one per cache (``[1]``), per KV head (``[hkv]``) or per request and KV head
+(``[batch, hkv]``), read at every call (a graph replay sees new values)::
+
+    k8 = (k_cache / 0.05).to(torch.float8_e4m3fn)
+    v8 = (v_cache / 0.05).to(torch.float8_e4m3fn)
+    scale = torch.tensor([0.05], device="cuda")
+    out = kvstream.decode(q, k8, v8, cache_seqlens=lens, k_scale=scale, v_scale=scale)
+
 There is one entry point, :func:`decode`. It launches on PyTorch's current stream and never
 synchronises with the host. The first call for a shape creates a decoder (plans, compiles or
 loads the kernels, allocates the split workspace; this may take seconds on a cold kernel cache
@@ -71,6 +81,7 @@ from . import _native
 __all__ = [
     "decode",
     "SUPPORTED_DTYPES",
+    "FP8_KV_DTYPES",
     "SUPPORTED_HEAD_DIMS",
     "MAX_GROUP",
     "MAX_SPLITS",
@@ -83,6 +94,8 @@ __version__ = _native.__version__
 
 #: ``str(tensor.dtype)`` of the element types the kernels take, and their native names.
 SUPPORTED_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "f16"}
+#: ``str(tensor.dtype)`` of the fp8 cache element type, and its native name.
+FP8_KV_DTYPES = {"torch.float8_e4m3fn": "fp8_e4m3"}
 #: Head dimensions the kernels are built for.
 SUPPORTED_HEAD_DIMS = (64, 128)
 #: Largest number of query heads per KV head.
@@ -169,8 +182,11 @@ def _contiguous(name: str, x: Any, shape: Tuple[int, ...]) -> None:
         )
 
 
-def _cache_strides(name: str, x: Any, shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
-    """None for a contiguous cache; else its (batch, token, head) element strides, checked."""
+def _cache_strides(
+    name: str, x: Any, shape: Tuple[int, ...], align: int = 8
+) -> Optional[Tuple[int, int, int]]:
+    """None for a contiguous cache; else its (batch, token, head) element strides, checked
+    (multiples of ``align`` elements: 16 bytes)."""
     if x.is_contiguous():
         return None
     b, L, hkv, d = shape
@@ -178,12 +194,12 @@ def _cache_strides(name: str, x: Any, shape: Tuple[int, ...]) -> Optional[Tuple[
     natural = [L * hkv * d, hkv * d, d, 1]
     # Strides of size-1 dimensions are meaningless: use the contiguous ones.
     st = [n if size == 1 else s for s, n, size in zip(st, natural, shape)]
-    ok = st[3] == 1 and all(s > 0 and s % 8 == 0 for s in st[:3])
+    ok = st[3] == 1 and all(s > 0 and s % align == 0 for s in st[:3])
     if not ok:
         raise ValueError(
             f"kvstream.decode: {name} has strides {list(x.stride())} for shape {list(shape)}, "
             f"allowed: a contiguous last dimension and positive batch, token and head strides "
-            f"that are multiples of 8 elements (16 bytes) (call .contiguous() first)"
+            f"that are multiples of {align} elements (16 bytes) (call .contiguous() first)"
         )
     return (st[0], st[1], st[2])
 
@@ -242,6 +258,8 @@ def decode(
     reduction: Optional[str] = None,
     device_plan: bool = False,
     engine: Optional[str] = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
     return_lse: bool = False,
     out: Any = None,
 ) -> Any:
@@ -254,9 +272,10 @@ def decode(
             ``0 .. len_r - q_len + i`` (the new tokens are the last ``q_len`` positions of the
             cache, causal among themselves); a token that sees no position gets an output of
             zeros and an LSE of ``-inf``.
-        k_cache, v_cache: without ``block_table``: ``[batch, L, hkv, d]`` tensors of q's dtype
-            on q's device; the last dimension contiguous, other strides multiples of 8 elements
-            (a slice of a larger cache along ``batch`` or ``L`` is fine). With ``block_table``:
+        k_cache, v_cache: without ``block_table``: ``[batch, L, hkv, d]`` tensors of q's dtype,
+            or both ``torch.float8_e4m3fn`` (see ``k_scale``), on q's device; the last
+            dimension contiguous, other strides multiples of 16 bytes (a slice of a larger
+            cache along ``batch`` or ``L`` is fine). With ``block_table``:
             contiguous page pools ``[num_pages, page_size, hkv, d]``, ``page_size`` one of
             ``SUPPORTED_PAGE_SIZES`` (1, 2, 4, ..., 512). ``hq`` must be a multiple of ``hkv``
             with at most 32 query heads per KV head; ``d`` is 64 or 128.
@@ -295,6 +314,11 @@ def decode(
             new lengths stay balanced; ``num_splits`` must be ``None``. With
             ``reduction="cluster"`` a request longer than its fair share runs one cluster per KV
             head (a fixed size, up to 16 CTAs) and the others one CTA per KV head.
+        k_scale, v_scale: fp8 caches only: float32 CUDA tensors of dequantisation scales (the
+            cache's values times its scale are the K and V attended to): shape ``[1]`` (or
+            ``[]``) for the whole cache (vLLM's), ``[hkv]`` per KV head, or ``[batch, hkv]``
+            per request and KV head (FA3's ``descale_k`` / ``descale_v``). ``None``: 1. Read
+            on the device at every call.
         return_lse: also return the log-sum-exp (natural log) of the scaled scores, float32:
             ``[batch, q_len, hq]`` for a 4-D ``q``, ``[batch, hq]`` for a 3-D one.
         out: optional contiguous output tensor of q's shape and dtype.
@@ -343,11 +367,26 @@ def decode(
     _rank("v_cache", vs, 4, cache_layout)
     allowed = tuple(SUPPORTED_DTYPES)
     qd = _dtype("q", q, allowed)
+    kvd = str(k_cache.dtype)
+    fp8 = kvd in FP8_KV_DTYPES
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if str(t.dtype) != qd:
+        if str(t.dtype) not in (qd, *FP8_KV_DTYPES) or str(t.dtype) != kvd:
             raise TypeError(
-                f"kvstream.decode: {name} has dtype {t.dtype}, allowed: {qd} (the dtype of q)"
+                f"kvstream.decode: {name} has dtype {t.dtype} (k_cache: {kvd}), allowed: {qd} "
+                f"(the dtype of q) or {', '.join(FP8_KV_DTYPES)}, the same for both caches "
+                f"(e5m2 caches are not supported)"
             )
+    scales = []
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is None:
+            scales.append(None)
+            continue
+        if not fp8:
+            raise ValueError(
+                f"kvstream.decode: {name} is given for {kvd} caches, allowed: None (scales "
+                f"belong to {', '.join(FP8_KV_DTYPES)} caches)"
+            )
+        scales.append(sc)
     if len(qs) == 4:
         b, q_len, hq, d = qs
         if not 1 <= q_len <= MAX_Q_LEN:
@@ -414,8 +453,9 @@ def decode(
         _contiguous("v_cache", v_cache, vs)
         k_strides = v_strides = None
     else:
-        k_strides = _cache_strides("k_cache", k_cache, ks)
-        v_strides = _cache_strides("v_cache", v_cache, vs)
+        align = 16 if fp8 else 8
+        k_strides = _cache_strides("k_cache", k_cache, ks, align)
+        v_strides = _cache_strides("v_cache", v_cache, vs, align)
     _aligned("k_cache", k_cache)
     _aligned("v_cache", v_cache)
     paging: Optional[Tuple[int, int, int]] = None
@@ -510,6 +550,24 @@ def decode(
                 "device_plan given, allowed: those only with engine='split' or None (they "
                 "configure the split engine)"
             )
+    scale_args = []
+    for name, sc in zip(("k_scale", "v_scale"), scales):
+        if sc is None:
+            scale_args.append(None)
+            continue
+        ss = _tensor(name, sc)
+        _dtype(name, sc, ("torch.float32",))
+        if ss not in ((), (1,), (hkv,), (b, hkv)):
+            raise ValueError(
+                f"kvstream.decode: {name} has shape {list(ss)}, allowed: [1] (per cache), "
+                f"[{hkv}] (per KV head) or [{b}, {hkv}] (per request and KV head)"
+            )
+        _same_device(name, sc, dev, q)
+        _contiguous(name, sc, ss)
+        numel = 1
+        for n in ss:
+            numel *= n
+        scale_args.append((int(sc.data_ptr()), numel))
     if not isinstance(return_lse, bool):
         raise TypeError(
             f"kvstream.decode: return_lse must be a bool, got {type(return_lse).__name__}"
@@ -524,7 +582,7 @@ def decode(
     dtype_name = SUPPORTED_DTYPES[qd]
     key = (
         b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits, reduction, index,
-        k_strides, v_strides, q_len, paging, device_plan, engine,
+        k_strides, v_strides, q_len, paging, device_plan, engine, fp8,
     )
 
     def make() -> Any:
@@ -534,6 +592,7 @@ def decode(
             reduction=reduction, device=index, k_strides=k_strides, v_strides=v_strides,
             q_len=q_len, page_size=page_size_, num_pages=num_pages_,
             table_stride=table_stride_, device_plan=device_plan, engine=engine,
+            kv_dtype=FP8_KV_DTYPES[kvd] if fp8 else None,
         )
 
     cached = _decoder_for(key, make, capturing)
@@ -558,5 +617,7 @@ def decode(
         None if cache_seqlens is None else int(cache_seqlens.data_ptr()),
         int(stream.cuda_stream),
         block_table_ptr=None if block_table is None else int(block_table.data_ptr()),
+        k_scale=scale_args[0],
+        v_scale=scale_args[1],
     )
     return (out, lse) if return_lse else out

@@ -2,6 +2,7 @@ from typing import Any, Dict, Literal, Optional, Tuple, overload
 
 __version__: str
 SUPPORTED_DTYPES: Dict[str, str]
+FP8_KV_DTYPES: Dict[str, str]
 SUPPORTED_HEAD_DIMS: Tuple[int, ...]
 MAX_GROUP: int
 MAX_SPLITS: int
@@ -22,6 +23,9 @@ def decode(
     num_splits: Optional[int] = ...,
     reduction: Optional[str] = ...,
     device_plan: bool = ...,
+    engine: Optional[str] = ...,
+    k_scale: Optional[Any] = ...,
+    v_scale: Optional[Any] = ...,
     return_lse: Literal[False] = ...,
     out: Optional[Any] = ...,
 ) -> Any: ...
@@ -37,6 +41,9 @@ def decode(
     num_splits: Optional[int] = ...,
     reduction: Optional[str] = ...,
     device_plan: bool = ...,
+    engine: Optional[str] = ...,
+    k_scale: Optional[Any] = ...,
+    v_scale: Optional[Any] = ...,
     return_lse: Literal[True],
     out: Optional[Any] = ...,
 ) -> Tuple[Any, Any]: ...

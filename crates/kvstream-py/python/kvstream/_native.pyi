@@ -19,6 +19,8 @@ def validate(
     num_pages: Optional[int] = None,
     table_stride: Optional[int] = None,
     device_plan: bool = False,
+    engine: Optional[str] = None,
+    kv_dtype: Optional[str] = None,
 ) -> str: ...
 
 class Decoder:
@@ -41,6 +43,8 @@ class Decoder:
         num_pages: Optional[int] = None,
         table_stride: Optional[int] = None,
         device_plan: bool = False,
+        engine: Optional[str] = None,
+        kv_dtype: Optional[str] = None,
     ) -> None: ...
     def run(
         self,
@@ -52,6 +56,8 @@ class Decoder:
         seqlens_ptr: Optional[int] = None,
         stream: int = 0,
         block_table_ptr: Optional[int] = None,
+        k_scale: Optional[Tuple[int, int]] = None,
+        v_scale: Optional[Tuple[int, int]] = None,
     ) -> None: ...
     @property
     def num_splits(self) -> int: ...
@@ -67,3 +73,5 @@ class Decoder:
     def page_size(self) -> Optional[int]: ...
     @property
     def device_plan(self) -> bool: ...
+    @property
+    def kv_dtype(self) -> str: ...

@@ -32,6 +32,7 @@ class FakeDType:
 
 
 BF16, F16, F32, I32, I64 = (FakeDType(n) for n in ("bfloat16", "float16", "float32", "int32", "int64"))
+E4M3, E5M2 = FakeDType("float8_e4m3fn"), FakeDType("float8_e5m2")
 
 
 class FakeTensor:
@@ -106,6 +107,8 @@ def test_decode_signature():
         ("reduction", P.KEYWORD_ONLY, None),
         ("device_plan", P.KEYWORD_ONLY, False),
         ("engine", P.KEYWORD_ONLY, None),
+        ("k_scale", P.KEYWORD_ONLY, None),
+        ("v_scale", P.KEYWORD_ONLY, None),
         ("return_lse", P.KEYWORD_ONLY, False),
         ("out", P.KEYWORD_ONLY, None),
     ]
@@ -597,3 +600,42 @@ def test_native_validate_engine():
     with pytest.raises(ValueError) as e:
         _native.validate(*args, engine="persistent", num_splits=4)
     assert "engine" in str(e.value), str(e.value)
+
+
+def fp8_caches(**over):
+    caches = dict(k_cache=FakeTensor((B, L, HKV, D), E4M3), v_cache=FakeTensor((B, L, HKV, D), E4M3))
+    return {**caches, **over}
+
+
+def test_fp8_cache_needs_matching_caches_and_no_e5m2():
+    fails(TypeError, "v_cache", "float8_e4m3fn", k_cache=FakeTensor((B, L, HKV, D), E4M3))
+    fails(TypeError, "e5m2", k_cache=FakeTensor((B, L, HKV, D), E5M2),
+          v_cache=FakeTensor((B, L, HKV, D), E5M2))
+
+
+@pytest.mark.parametrize("shape", [(3,), (B, HKV, 1), (B * HKV,), (1, 1, 1)])
+def test_fp8_scale_shapes(shape):
+    fails(ValueError, "k_scale", "per KV head", **fp8_caches(k_scale=FakeTensor(shape, F32)))
+
+
+def test_fp8_scale_dtype_device_and_bf16_caches():
+    fails(TypeError, "v_scale", "torch.float32", **fp8_caches(v_scale=FakeTensor((1,), F16)))
+    fails(ValueError, "k_scale", "cpu",
+          **fp8_caches(k_scale=FakeTensor((1,), F32, device=FakeDevice("cpu", None))))
+    fails(ValueError, "k_scale", "scales belong to", k_scale=FakeTensor((1,), F32))
+
+
+def test_fp8_cache_strides_are_16_bytes():
+    # a head stride of 136 elements: fine for a 2-byte cache, not 16 bytes for an fp8 one
+    strided = FakeTensor((B, L, HKV, D), E4M3, strides=(L * HKV * 136, HKV * 136, 136, 1))
+    fails(ValueError, "k_cache", "multiples of 16 elements", **fp8_caches(k_cache=strided))
+
+
+def test_fp8_validates_through_the_native_layer():
+    plan = _native.validate(4, 32, 8, 128, 4096, "bf16", kv_dtype="fp8_e4m3")
+    assert "Fp8E4m3" in plan
+    assert "Persistent" in plan
+    with pytest.raises(ValueError, match="kv_dtype"):
+        _native.validate(4, 32, 8, 128, 4096, "bf16", kv_dtype="e5m2")
+    with pytest.raises(ValueError, match="persistent engine"):
+        _native.validate(4, 32, 8, 128, 4096, "bf16", num_splits=2, kv_dtype="fp8_e4m3")

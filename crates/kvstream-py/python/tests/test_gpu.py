@@ -330,8 +330,9 @@ def to_pages(k, v, page_size, seed, extra_cols=0, spare=3):
     table = order[: b * per].view(b, per)
     pools = []
     for x in (k, v):
-        pool = torch.full((num_pages, page_size, hkv, d), float("nan"), dtype=x.dtype,
-                          device=x.device)
+        # NaN where nobody owns a page (0x7f: e4m3's NaN, for caches viewed as bytes)
+        fill = float("nan") if x.dtype.is_floating_point else 0x7F
+        pool = torch.full((num_pages, page_size, hkv, d), fill, dtype=x.dtype, device=x.device)
         pool[table.reshape(-1)] = x.reshape(b * per, page_size, hkv, d)
         pools.append(pool)
     if extra_cols:
@@ -447,3 +448,86 @@ def test_device_plan_graph_replay_with_new_lengths(q_len, paged):
         check(q, k, v, lens, out, lse, 1 / d ** 0.5, f"device_plan graph q_len{q_len} "
               f"paged={paged} lens={new}")
     SUMMARY["checks"][f"device_plan_graph_replay_equals_eager q_len{q_len} paged={paged}"] = all(results)
+
+
+def to_fp8(x, per_head):
+    """float8_e4m3fn cache of x [b, L, hkv, d] and its float32 scales (amax / 448 per KV head
+    and request, or one for the cache), plus the dequantised values the kernels must use."""
+    if per_head:
+        scale = x.float().abs().amax(dim=(1, 3)).clamp_min(1e-6) / 448.0       # [b, hkv]
+        q8 = (x.float() / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        deq = q8.float() * scale[:, None, :, None]
+    else:
+        scale = (x.float().abs().amax().clamp_min(1e-6) / 448.0).reshape(1)
+        q8 = (x.float() / scale).to(torch.float8_e4m3fn)
+        deq = q8.float() * scale
+    return q8, scale.float().contiguous(), deq
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("q_len,per_head", [(1, False), (3, True)])
+def test_fp8_cache_matches_dequantised_reference(paged, q_len, per_head):
+    b, hq, hkv, d, L = 4, 32, 8, 128, 2048
+    q, k, v = make(b, hq, hkv, d, L, torch.bfloat16, seed=808 + q_len, q_len=q_len)
+    lens = torch.tensor([L, 1000, 0, 77], device="cuda", dtype=torch.int32)
+    k8, ks, kd = to_fp8(k, per_head)
+    v8, vs, vd = to_fp8(v, per_head)
+    kw = dict(cache_seqlens=lens, k_scale=ks, v_scale=vs, return_lse=True)
+    if paged:
+        kp, vp, table = to_pages(k8.view(torch.uint8), v8.view(torch.uint8), 16, seed=5)
+        args = (q, kp.view(torch.float8_e4m3fn), vp.view(torch.float8_e4m3fn))
+        kw["block_table"] = table
+    else:
+        args = (q, k8, v8)
+    out, lse = kvstream.decode(*args, **kw)
+    check(q, kd, vd, lens, out, lse, 1 / d ** 0.5,
+          f"fp8 paged={paged} q_len{q_len} per_head={per_head}")
+    # what quantisation itself costs: against the bf16 cache
+    ref_out, _ = reference(q, k, v, lens, 1 / d ** 0.5)
+    live = live_rows(q, lens)
+    SUMMARY["checks"][f"fp8 rel err vs bf16 cache paged={paged} q_len{q_len} per_head={per_head}"] = \
+        rel_err(out[live], ref_out[live])
+
+
+def test_fp8_graph_replay_with_new_scales():
+    b, hq, hkv, d, L = 8, 32, 8, 128, 4096
+    q, k, v = make(b, hq, hkv, d, L, torch.bfloat16, seed=99)
+    lens = torch.full((b,), L, device="cuda", dtype=torch.int32)
+    k8, ks, _ = to_fp8(k, True)
+    v8, vs, _ = to_fp8(v, True)
+    out = torch.empty_like(q)
+    kw = dict(cache_seqlens=lens, k_scale=ks, v_scale=vs, out=out, return_lse=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kvstream.decode(q, k8, v8, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _, lse = kvstream.decode(q, k8, v8, **kw)
+    for i, new in enumerate(([L] * b, [1, 4096, 0, 17, 300, 2048, 4000, 5])):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        ks.mul_(1.5 + i)
+        vs.mul_(0.5 + i)
+        g.replay()
+        eager, eager_lse = kvstream.decode(q, k8, v8, cache_seqlens=lens, k_scale=ks,
+                                           v_scale=vs, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager) and torch.equal(lse, eager_lse), f"replay {i}"
+        kd = k8.float() * ks[:, None, :, None]
+        vd = v8.float() * vs[:, None, :, None]
+        check(q, kd, vd, lens, out, lse, 1 / d ** 0.5, f"fp8 graph replay {i}")
+    SUMMARY["checks"]["fp8 graph replay with new scales equals eager"] = True
+
+
+def test_fp8_bad_scales_are_rejected():
+    q, k, v = make(2, 16, 2, 128, 256, torch.bfloat16, seed=3)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_scale has shape"):
+        kvstream.decode(q, k8, v8, k_scale=torch.ones(3, device="cuda"))
+    with pytest.raises(TypeError, match="k_scale has dtype"):
+        kvstream.decode(q, k8, v8, k_scale=torch.ones(1, device="cuda", dtype=torch.float16))
+    with pytest.raises(ValueError, match="scales belong to"):
+        kvstream.decode(q, k, v, k_scale=torch.ones(1, device="cuda"))
+    with pytest.raises(TypeError, match="e5m2"):
+        kvstream.decode(q, k.to(torch.float8_e5m2), v.to(torch.float8_e5m2))
