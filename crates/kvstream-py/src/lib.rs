@@ -352,27 +352,9 @@ impl Decoder {
         v_scale: Option<(u64, usize)>,
     ) -> PyResult<()> {
         let p = self.inner.problem();
-        let scale = |arg: &'static str, given: Option<(u64, usize)>| -> PyResult<Option<KvScale>> {
-            let Some((ptr, len)) = given else {
-                return Ok(None);
-            };
-            let layout = KvScaleLayout::from_len(len, p.batch, p.hkv).ok_or_else(|| {
-                to_py(Error::invalid(
-                    arg,
-                    format!("{len} elements"),
-                    format!(
-                        "1 (per tensor), hkv = {} (per KV head) or batch x hkv = {} (per \
-                         request and KV head)",
-                        p.hkv,
-                        p.batch * p.hkv
-                    ),
-                ))
-            })?;
-            Ok(Some(KvScale { ptr, layout }))
-        };
         let tensors = DecodeTensors {
-            k_scale: scale("k_scale", k_scale)?,
-            v_scale: scale("v_scale", v_scale)?,
+            k_scale: scale_arg("k_scale", k_scale, p)?,
+            v_scale: scale_arg("v_scale", v_scale, p)?,
             q: q_ptr,
             k: k_ptr,
             v: v_ptr,
@@ -481,10 +463,111 @@ impl Decoder {
     }
 }
 
+/// The cache write of one cache layout (`kvstream::KvWriter`): the problem arguments describe
+/// the caches as for `Decoder` (a decoder of the same arguments reads what it writes).
+#[pyclass(module = "kvstream._native", frozen)]
+struct KvWriter {
+    inner: kvstream::KvWriter,
+}
+
+#[pymethods]
+impl KvWriter {
+    #[new]
+    #[pyo3(signature = (batch, hkv, head_dim, max_len, dtype, device=0, k_strides=None, page_size=None, num_pages=None, kv_dtype=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        batch: i64,
+        hkv: i64,
+        head_dim: i64,
+        max_len: i64,
+        dtype: &str,
+        device: i64,
+        k_strides: Option<(i64, i64, i64)>,
+        page_size: Option<i64>,
+        num_pages: Option<i64>,
+        kv_dtype: Option<&str>,
+    ) -> PyResult<Self> {
+        let problem = build_problem(
+            batch, hkv, hkv, head_dim, max_len, dtype, None, k_strides, k_strides, 1, page_size,
+            num_pages, None, kv_dtype,
+        )?;
+        let device = size("device", device)?;
+        let inner = py.detach(|| -> PyResult<kvstream::KvWriter> {
+            let rt = runtime(device)?;
+            catch_unwind(AssertUnwindSafe(|| kvstream::KvWriter::new(&rt, &problem)))
+                .map_err(|_| PyRuntimeError::new_err("kvstream: creating the writer panicked"))?
+                .map_err(to_py)
+        })?;
+        Ok(KvWriter { inner })
+    }
+
+    /// Enqueues the write of `tokens` rows on `stream`; scales as `(pointer, element count)`.
+    #[pyo3(signature = (tokens, k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stream=0, k_scale=None, v_scale=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        py: Python<'_>,
+        tokens: usize,
+        k_ptr: u64,
+        v_ptr: u64,
+        slots_ptr: u64,
+        k_cache_ptr: u64,
+        v_cache_ptr: u64,
+        stream: usize,
+        k_scale: Option<(u64, usize)>,
+        v_scale: Option<(u64, usize)>,
+    ) -> PyResult<()> {
+        let p = self.inner.problem();
+        let t = kvstream::StoreTensors {
+            tokens,
+            k_new: k_ptr,
+            v_new: v_ptr,
+            slots: slots_ptr,
+            k_cache: k_cache_ptr,
+            v_cache: v_cache_ptr,
+            k_scale: scale_arg("k_scale", k_scale, p)?,
+            v_scale: scale_arg("v_scale", v_scale, p)?,
+        };
+        let writer = &self.inner;
+        py.detach(move || {
+            // SAFETY: the Python layer checks every tensor's shape, dtype and device against
+            // this writer's problem; the library checks the pointers against the driver.
+            unsafe { writer.run(&t, stream as sys::CUstream) }
+        })
+        .map_err(to_py)
+    }
+}
+
+/// A scale tensor given as `(pointer, element count)`, its layout told by the count.
+fn scale_arg(
+    arg: &'static str,
+    given: Option<(u64, usize)>,
+    p: &DecodeProblem,
+) -> PyResult<Option<KvScale>> {
+    let Some((ptr, len)) = given else {
+        return Ok(None);
+    };
+    let layout = KvScaleLayout::from_len(len, p.batch, p.hkv).ok_or_else(|| {
+        to_py(Error::invalid(
+            arg,
+            format!("{len} elements"),
+            format!(
+                "1 (per tensor), hkv = {} (per KV head) or batch x hkv = {} (per request and \
+                 KV head)",
+                p.hkv,
+                p.batch * p.hkv
+            ),
+        ))
+    })?;
+    Ok(Some(KvScale { ptr, layout }))
+}
+
 /// Native layer of kvstream; use the `kvstream` package instead.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Decoder>()?;
+    m.add_class::<KvWriter>()?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

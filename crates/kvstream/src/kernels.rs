@@ -37,6 +37,7 @@ const DECODE_GQA_SRC: &str = include_str!("../../../kernels/sm90/decode_gqa.cu")
 const COMBINE_SRC: &str = include_str!("../../../kernels/sm90/combine.cu");
 const STREAM_READ_SRC: &str = include_str!("../../../kernels/sm90/stream_read.cu");
 const PLAN_WORK_SRC: &str = include_str!("../../../kernels/sm90/plan_work.cu");
+const STORE_KV_SRC: &str = include_str!("../../../kernels/sm90/store_kv.cu");
 
 /// Threads per combine CTA: eight warps on one output row (combine.cu).
 pub const COMBINE_THREADS: u32 = 256;
@@ -489,6 +490,57 @@ impl Variant for StreamReadVariant {
     }
 }
 
+/// One specialisation of `store_kv.cu`: the cache write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StoreKvVariant {
+    /// Element type of the new rows (and of a 2-byte cache).
+    pub dtype: DType,
+    /// Element type of the cache.
+    pub kv_dtype: KvDType,
+    /// 64 or 128.
+    pub head_dim: usize,
+}
+
+impl StoreKvVariant {
+    /// Threads per CTA (one per 8 head dims of a row).
+    pub const THREADS: u32 = 256;
+    /// Head dims one thread writes.
+    pub const CHUNK: usize = 8;
+}
+
+impl Variant for StoreKvVariant {
+    fn name(&self) -> String {
+        format!(
+            "store_kv.{}{}.d{}",
+            self.dtype.name(),
+            match self.kv_dtype {
+                KvDType::AsQuery => "",
+                KvDType::Fp8E4m3 => ".kv_e4m3",
+            },
+            self.head_dim
+        )
+    }
+    fn source(&self) -> &'static str {
+        STORE_KV_SRC
+    }
+    fn entry(&self) -> &'static str {
+        "kvs_store_kv"
+    }
+    fn defines(&self) -> Vec<(String, String)> {
+        vec![
+            (
+                "KVS_IS_F16".into(),
+                u8::from(self.dtype == DType::F16).to_string(),
+            ),
+            ("KVS_HEAD_DIM".into(), self.head_dim.to_string()),
+            (
+                "KVS_KV_FP8".into(),
+                u8::from(self.kv_dtype == KvDType::Fp8E4m3).to_string(),
+            ),
+        ]
+    }
+}
+
 /// Launch parameters of the streaming-read kernel, mirrored field for field from
 /// `StreamReadParams` in `stream_read.cu` (both sides assert the size).
 #[repr(C)]
@@ -522,6 +574,8 @@ pub enum AnyVariant {
     StreamRead(StreamReadVariant),
     /// The device-side work planner.
     PlanWork(PlanWorkVariant),
+    /// The cache write.
+    StoreKv(StoreKvVariant),
 }
 
 impl AnyVariant {
@@ -533,6 +587,7 @@ impl AnyVariant {
             AnyVariant::Combine(v) => v,
             AnyVariant::StreamRead(v) => v,
             AnyVariant::PlanWork(v) => v,
+            AnyVariant::StoreKv(v) => v,
         }
     }
 }
@@ -579,6 +634,13 @@ pub fn all_variants() -> Vec<AnyVariant> {
                 }
             }
             out.push(AnyVariant::Combine(CombineVariant { dtype, head_dim }));
+            for kv_dtype in [KvDType::AsQuery, KvDType::Fp8E4m3] {
+                out.push(AnyVariant::StoreKv(StoreKvVariant {
+                    dtype,
+                    kv_dtype,
+                    head_dim,
+                }));
+            }
         }
     }
     out.push(AnyVariant::StreamRead(StreamReadVariant));

@@ -44,6 +44,7 @@ pub mod problem;
 pub mod reference;
 pub mod runtime;
 pub mod schedule;
+pub mod store;
 
 pub use decode::{DecodeTensors, Decoder, Element, Fp8Scales, KvElement, KvScale};
 pub use error::{Error, Result};
@@ -51,3 +52,4 @@ pub use fp8::E4m3;
 pub use plan::{DecodePlan, DeviceFacts, Engine, PlanOptions, Reduction};
 pub use problem::{DType, DecodeProblem, KvDType, KvScaleLayout, KvStrides, PagedKv};
 pub use runtime::Runtime;
+pub use store::{KvWriter, StoreTensors};

@@ -111,12 +111,43 @@ pub struct PersistentParams {
 // Same number as the static_assert in decode_params.cuh.
 const _: () = assert!(std::mem::size_of::<PersistentParams>() == 512);
 
+/// Launch parameters of the cache write (`StoreKvParams` in `kernels/sm90/store_kv.cu`,
+/// documented there field by field).
+#[allow(missing_docs)]
+#[repr(C, align(128))]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StoreKvParams {
+    pub k_new: u64,
+    pub v_new: u64,
+    pub slots: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub k_scale: u64,
+    pub v_scale: u64,
+    pub new_token_stride: i64,
+    pub new_head_stride: i64,
+    pub block_stride: i64,
+    pub slot_stride: i64,
+    pub head_stride: i64,
+    pub num_slots: i64,
+    pub tokens: i32,
+    pub hkv: i32,
+    pub block_slots: i32,
+    pub k_scale_block_stride: i32,
+    pub k_scale_head_stride: i32,
+    pub v_scale_block_stride: i32,
+    pub v_scale_head_stride: i32,
+}
+
+// Same number as the static_assert in store_kv.cu.
+const _: () = assert!(std::mem::size_of::<StoreKvParams>() == 256);
+
 /// Pieces one CTA records in the schedule log (`SCHEDULE_LOG_PIECES` in decode_params.cuh).
 pub const SCHEDULE_LOG_PIECES: usize = 63;
 
 #[cfg(test)]
 mod tests {
-    use super::{DecodeParams, PersistentParams};
+    use super::{DecodeParams, PersistentParams, StoreKvParams};
     use std::mem::offset_of;
 
     /// Every field of a params struct with its offset, in declaration order.
@@ -221,6 +252,22 @@ mod tests {
             rust.into_iter().map(|(n, o)| (n.to_string(), o)).collect();
         assert_eq!(rust, cuda, "field names and offsets, Rust vs params.cuh");
         assert_eq!(std::mem::size_of::<DecodeParams>(), size);
+    }
+
+    #[test]
+    fn store_kv_mirror_has_the_cuda_layout() {
+        let rust = offsets!(StoreKvParams:
+            k_new, v_new, slots, k_cache, v_cache, k_scale, v_scale, new_token_stride,
+            new_head_stride, block_stride, slot_stride, head_stride, num_slots, tokens, hkv,
+            block_slots, k_scale_block_stride, k_scale_head_stride, v_scale_block_stride,
+            v_scale_head_stride,
+        );
+        let source = include_str!("../../../kernels/sm90/store_kv.cu");
+        let (cuda, size) = cuda_layout(source, "StoreKvParams");
+        let rust: Vec<(String, usize)> =
+            rust.into_iter().map(|(n, o)| (n.to_string(), o)).collect();
+        assert_eq!(rust, cuda, "field names and offsets, Rust vs store_kv.cu");
+        assert_eq!(std::mem::size_of::<StoreKvParams>(), size);
     }
 
     #[test]

@@ -20,6 +20,9 @@
 //!   bf16 and f16, against the reference on the dequantised values; each case twice, bitwise.
 //! - `fp8_graph_replays_with_new_scales_and_lengths`: one captured graph, new scale values and
 //!   lengths written between replays, equal to eager runs and to the reference.
+//! - `store_kv_writes_exactly_the_slots_given`: the cache write into contiguous and paged,
+//!   fp8 and 2-byte caches, every scale layout, skipped slots and saturating values, checked
+//!   byte for byte (eager, then a graph replayed with other slots).
 //!
 //! Every test is ignored, so `cargo test` on a machine without a GPU lists them and moves on. On
 //! an H100/H200 (NVRTC 13 on the library path, see `scripts/test.sh`):
@@ -2294,4 +2297,249 @@ fn fp8_graph_replays_with_new_scales_and_lengths() {
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cache write
+// ---------------------------------------------------------------------------------------------
+
+/// Byte written over the caches before a write: whatever the write must not touch keeps it.
+const CACHE_POISON: u8 = 0x5A;
+
+/// One write checked byte for byte: every written slot holds exactly the copied bits (2-byte
+/// cache) or `E4m3::from_f32(value / scale)` (fp8), every other byte its poison.
+#[allow(clippy::too_many_arguments)]
+fn check_written<T: Half>(
+    p: &DecodeProblem,
+    layout: Option<KvScaleLayout>,
+    new: &[T],
+    slots: &[i64],
+    scale: &[f32],
+    cache: &[u8],
+    what: &str,
+) -> Result<usize, String> {
+    let (row, d) = (p.hkv * p.head_dim, p.head_dim);
+    let eb = p.kv_elem_bytes();
+    let (block_slots, block_stride, slot_stride, head_stride) = match p.paged {
+        Some(pg) => (pg.page_size, pg.page_size * row, row, d),
+        None => (
+            p.max_len,
+            p.k_strides.batch as usize,
+            p.k_strides.token as usize,
+            p.k_strides.head as usize,
+        ),
+    };
+    let mut want = vec![CACHE_POISON; cache.len()];
+    for (t, &slot) in slots.iter().enumerate() {
+        if slot < 0 {
+            continue;
+        }
+        let slot = slot as usize;
+        let block = slot / block_slots;
+        for h in 0..p.hkv {
+            let base = block * block_stride + (slot % block_slots) * slot_stride + h * head_stride;
+            let s = layout.map_or(1.0, |l| {
+                let (sb, sh) = l.strides(p.hkv);
+                scale[block * sb + h * sh]
+            });
+            for i in 0..d {
+                let x = new[t * row + h * d + i];
+                match p.kv_dtype {
+                    KvDType::Fp8E4m3 => {
+                        want[base + i] = E4m3::from_f32(x.to_f64() as f32 / s).0;
+                    }
+                    KvDType::AsQuery => {
+                        want[(base + i) * eb..(base + i + 1) * eb]
+                            .copy_from_slice(&x.raw().to_le_bytes());
+                    }
+                }
+            }
+        }
+    }
+    match want.iter().zip(cache).position(|(w, g)| w != g) {
+        None => Ok(slots.iter().filter(|&&s| s >= 0).count()),
+        Some(i) => Err(format!(
+            "{what}: cache byte {i} is {:#04x}, want {:#04x}",
+            cache[i], want[i]
+        )),
+    }
+}
+
+fn store_case<T: Half>(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    rng: &mut SplitMix64,
+    p: &DecodeProblem,
+    layout: Option<KvScaleLayout>,
+) -> Result<usize, String> {
+    let what = format!("{p:?}, scales {layout:?}");
+    let writer = kvstream::KvWriter::new(rt, p).map_err(|e| format!("{what}: {e}"))?;
+    let slots_total = match p.paged {
+        Some(pg) => pg.num_pages * pg.page_size,
+        None => p.batch * p.max_len,
+    };
+    let cache_elems = match p.paged {
+        Some(pg) => pg.num_pages * pg.page_size * p.hkv * p.head_dim,
+        None => p.batch * p.max_len * p.hkv * p.head_dim,
+    };
+    let bytes = cache_elems * p.kv_elem_bytes();
+    let tokens = 37;
+    // distinct slots, a few skipped
+    let mut order: Vec<usize> = (0..slots_total).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let mut slots: Vec<i64> = order[..tokens].iter().map(|&s| s as i64).collect();
+    for t in [3, 17, 36] {
+        slots[t] = -1;
+    }
+    // values well past e4m3's range once divided by the scales: saturation is checked too
+    let (mut k_new, _) = T::random(rng, tokens * p.hkv * p.head_dim);
+    let (v_new, _) = T::random(rng, tokens * p.hkv * p.head_dim);
+    k_new[5] = T::from_raw(
+        if std::any::TypeId::of::<T>() == std::any::TypeId::of::<bf16>() {
+            bf16::from_f32(3.0e4).to_bits()
+        } else {
+            f16::from_f32(3.0e4).to_bits()
+        },
+    );
+    let n_scales = layout.map_or(1, |l| l.len(p.batch, p.hkv));
+    let k_scale: Vec<f32> = (0..n_scales)
+        .map(|i| 1.0 / 64.0 + i as f32 / 512.0)
+        .collect();
+    let v_scale: Vec<f32> = (0..n_scales)
+        .map(|i| 1.0 / 128.0 + i as f32 / 1024.0)
+        .collect();
+    let dk = upload(stream, &k_new);
+    let dv = upload(stream, &v_new);
+    let mut dslots = upload(stream, &slots);
+    let dks = upload(stream, &k_scale);
+    let dvs = upload(stream, &v_scale);
+    let mut kc = upload(stream, &vec![CACHE_POISON; bytes]);
+    let mut vc = upload(stream, &vec![CACHE_POISON; bytes]);
+    let scale = |s: &CudaSlice<f32>| {
+        layout.map(|l| KvScale {
+            ptr: s.device_ptr(stream).0,
+            layout: l,
+        })
+    };
+    let t = kvstream::StoreTensors {
+        tokens,
+        k_new: dk.device_ptr(stream).0,
+        v_new: dv.device_ptr(stream).0,
+        slots: dslots.device_ptr(stream).0,
+        k_cache: kc.device_ptr_mut(stream).0,
+        v_cache: vc.device_ptr_mut(stream).0,
+        k_scale: scale(&dks),
+        v_scale: scale(&dvs),
+    };
+    // SAFETY: every pointer is a live allocation of the sizes the problem implies.
+    unsafe { writer.run(&t, stream.cu_stream()) }.map_err(|e| format!("{what}: {e}"))?;
+    stream
+        .synchronize()
+        .map_err(|e| format!("{what}: the write failed on the GPU: {e}"))?;
+    let mut written = check_written(
+        p,
+        layout,
+        &k_new,
+        &slots,
+        &k_scale,
+        &download(stream, &kc),
+        &format!("{what}, K"),
+    )?;
+    written += check_written(
+        p,
+        layout,
+        &v_new,
+        &slots,
+        &v_scale,
+        &download(stream, &vc),
+        &format!("{what}, V"),
+    )?;
+
+    // captured once, replayed with other slots written into the same buffer
+    overwrite(stream, &vec![CACHE_POISON; bytes], &mut kc);
+    overwrite(stream, &vec![CACHE_POISON; bytes], &mut vc);
+    stream.synchronize().expect("poisoning the caches");
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("beginning the capture");
+    // SAFETY: as above.
+    let captured = unsafe { writer.run(&t, stream.cu_stream()) };
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured.map_err(|e| format!("{what}: run during capture: {e}"))?;
+    let graph = graph
+        .map_err(|e| format!("{what}: instantiating: {e}"))?
+        .ok_or_else(|| format!("{what}: the capture recorded no work"))?;
+    let replay_slots: Vec<i64> = order[tokens..2 * tokens]
+        .iter()
+        .map(|&s| s as i64)
+        .collect();
+    overwrite(stream, &replay_slots, &mut dslots);
+    graph
+        .launch()
+        .map_err(|e| format!("{what}: launching the graph: {e}"))?;
+    stream
+        .synchronize()
+        .map_err(|e| format!("{what}: the replay failed on the GPU: {e}"))?;
+    check_written(
+        p,
+        layout,
+        &k_new,
+        &replay_slots,
+        &k_scale,
+        &download(stream, &kc),
+        &format!("{what}, K replay"),
+    )?;
+    Ok(written)
+}
+
+/// Expected run time: a few seconds.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn store_kv_writes_exactly_the_slots_given() {
+    let (rt, _) = open_gpu();
+    let ctx = rt.context().clone();
+    // SAFETY: everything below runs on `stream`, synchronised explicitly.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().expect("creating a stream");
+    let mut rng = SplitMix64::new(0x5707E);
+    let mut cases = 0;
+    for d in [64, 128] {
+        for kv in [KvDType::Fp8E4m3, KvDType::AsQuery] {
+            let base = DecodeProblem::new(3, 16, 4, d, 96, DType::Bf16)
+                .and_then(|p| p.with_kv_dtype(kv))
+                .expect("a valid problem");
+            let paged = base
+                .clone()
+                .with_paged(16, 40, None)
+                .expect("a valid paged problem");
+            let layouts: &[Option<KvScaleLayout>] = match kv {
+                KvDType::Fp8E4m3 => &[
+                    None,
+                    Some(KvScaleLayout::PerTensor),
+                    Some(KvScaleLayout::PerKvHead),
+                    Some(KvScaleLayout::PerRequestHead),
+                ],
+                KvDType::AsQuery => &[None],
+            };
+            for p in [base, paged] {
+                for &layout in layouts {
+                    if p.paged.is_some() && layout == Some(KvScaleLayout::PerRequestHead) {
+                        continue;
+                    }
+                    for dtype in [DType::Bf16, DType::F16] {
+                        let p = DecodeProblem { dtype, ..p.clone() };
+                        let r = match dtype {
+                            DType::Bf16 => store_case::<bf16>(&rt, &stream, &mut rng, &p, layout),
+                            DType::F16 => store_case::<f16>(&rt, &stream, &mut rng, &p, layout),
+                        };
+                        r.unwrap_or_else(|e| panic!("{e}"));
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    println!("store_kv: {cases} cases written byte-exact, eager and replayed");
 }

@@ -40,7 +40,12 @@ device, one per cache (``[1]``), per KV head (``[hkv]``) or per request and KV h
     scale = torch.tensor([0.05], device="cuda")
     out = kvstream.decode(q, k8, v8, cache_seqlens=lens, k_scale=scale, v_scale=scale)
 
-There is one entry point, :func:`decode`. It launches on PyTorch's current stream and never
+New tokens go into a cache with :func:`store_kv` (vLLM's ``reshape_and_cache`` semantics:
+``slot_mapping`` int64, slot = page * page_size + offset, -1 skips), quantised for an fp8 cache
+with the same scales; :func:`fp8_scales` gives per-KV-head scales (amax / 448) of an existing
+bf16 / fp16 cache for converting it.
+
+The decode entry point is :func:`decode`. It launches on PyTorch's current stream and never
 synchronises with the host. The first call for a shape creates a decoder (plans, compiles or
 loads the kernels, allocates the split workspace; this may take seconds on a cold kernel cache
 and synchronises the device once); later calls with the same shape reuse it and allocate
@@ -80,6 +85,8 @@ from . import _native
 
 __all__ = [
     "decode",
+    "store_kv",
+    "fp8_scales",
     "SUPPORTED_DTYPES",
     "FP8_KV_DTYPES",
     "SUPPORTED_HEAD_DIMS",
@@ -621,3 +628,157 @@ def decode(
         v_scale=scale_args[1],
     )
     return (out, lse) if return_lse else out
+
+
+_writers: Dict[tuple, Any] = {}
+
+
+def store_kv(
+    k: Any,
+    v: Any,
+    k_cache: Any,
+    v_cache: Any,
+    slot_mapping: Any,
+    *,
+    k_scale: Any = None,
+    v_scale: Any = None,
+) -> None:
+    """Writes new tokens' K and V rows into a KV cache, quantising them for an fp8 cache.
+
+    Args:
+        k, v: ``[tokens, hkv, d]`` bf16 or fp16 contiguous CUDA tensors.
+        k_cache, v_cache: ``[blocks, block_size, hkv, d]``: a page pool (blocks = pages) or a
+            contiguous cache ``[batch, L, hkv, d]`` (blocks = requests, block_size = L, strides
+            as :func:`decode` takes them, the same for both); k's dtype, or
+            ``torch.float8_e4m3fn``.
+        slot_mapping: int64 ``[tokens]`` CUDA tensor: token ``i`` goes to block
+            ``slot // block_size``, row ``slot % block_size``; a slot of -1 (or outside the
+            cache) is skipped. Read on the device only.
+        k_scale, v_scale: fp8 caches only: float32 scales the values are divided by before
+            rounding to e4m3 (saturating at +-448), the ones :func:`decode` multiplies by:
+            ``[1]``, ``[hkv]``, or ``[blocks, hkv]`` (per request of a contiguous cache).
+            ``None``: 1.
+
+    Asynchronous on ``torch.cuda.current_stream()``, no host synchronisation; capturable in a
+    CUDA graph after one warm-up call per cache shape (replays may change the slots, rows and
+    scales, not their addresses).
+    """
+    ks = _tensor("k", k)
+    vs = _tensor("v", v)
+    kcs = _tensor("k_cache", k_cache)
+    vcs = _tensor("v_cache", v_cache)
+    _rank("k", ks, 3, "[tokens, hkv, head_dim]")
+    _rank("v", vs, 3, "[tokens, hkv, head_dim]")
+    _rank("k_cache", kcs, 4, "[blocks, block_size, hkv, head_dim]")
+    _rank("v_cache", vcs, 4, "[blocks, block_size, hkv, head_dim]")
+    kd = _dtype("k", k, tuple(SUPPORTED_DTYPES))
+    if str(v.dtype) != kd:
+        raise TypeError(f"kvstream.store_kv: v has dtype {v.dtype}, allowed: {kd} (the dtype of k)")
+    if vs != ks:
+        raise ValueError(f"kvstream.store_kv: v has shape {list(vs)}, allowed: {list(ks)} (k's)")
+    tokens, hkv, d = ks
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"kvstream.store_kv: k has head_dim {d}, allowed: "
+            f"{' or '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+        )
+    if vcs != kcs or tuple(kcs[2:]) != (hkv, d):
+        raise ValueError(
+            f"kvstream.store_kv: k_cache / v_cache have shapes {list(kcs)} / {list(vcs)}, "
+            f"allowed: both [blocks, block_size, {hkv}, {d}] (k's heads and head_dim)"
+        )
+    kvd = str(k_cache.dtype)
+    fp8 = kvd in FP8_KV_DTYPES
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if str(t.dtype) not in (kd, *FP8_KV_DTYPES) or str(t.dtype) != kvd:
+            raise TypeError(
+                f"kvstream.store_kv: {name} has dtype {t.dtype} (k_cache: {kvd}), allowed: {kd} "
+                f"(the dtype of k) or {', '.join(FP8_KV_DTYPES)}, the same for both caches"
+            )
+    dev = _device_key(k)
+    for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("slot_mapping", slot_mapping)):
+        _tensor(name, t)
+        _same_device(name, t, dev, k)
+    for name, t, sh in (("k", k, ks), ("v", v, vs)):
+        _contiguous(name, t, sh)
+        _aligned(name, t)
+    align = 16 if fp8 else 8
+    k_strides = _cache_strides("k_cache", k_cache, kcs, align)
+    v_strides = _cache_strides("v_cache", v_cache, vcs, align)
+    if k_strides != v_strides:
+        raise ValueError(
+            f"kvstream.store_kv: v_cache has strides {list(v_cache.stride())}, allowed: "
+            f"k_cache's {list(k_cache.stride())} (one layout for both)"
+        )
+    _aligned("k_cache", k_cache)
+    _aligned("v_cache", v_cache)
+    ss = _tensor("slot_mapping", slot_mapping)
+    _dtype("slot_mapping", slot_mapping, ("torch.int64",))
+    if ss != (tokens,):
+        raise ValueError(
+            f"kvstream.store_kv: slot_mapping has shape {list(ss)}, allowed: [{tokens}] (one "
+            f"slot per token of k)"
+        )
+    _contiguous("slot_mapping", slot_mapping, ss)
+    scale_args = []
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is None:
+            scale_args.append(None)
+            continue
+        if not fp8:
+            raise ValueError(
+                f"kvstream.store_kv: {name} is given for {kvd} caches, allowed: None (scales "
+                f"belong to {', '.join(FP8_KV_DTYPES)} caches)"
+            )
+        scs = _tensor(name, sc)
+        _dtype(name, sc, ("torch.float32",))
+        if scs not in ((), (1,), (hkv,), (kcs[0], hkv)):
+            raise ValueError(
+                f"kvstream.store_kv: {name} has shape {list(scs)}, allowed: [1], [{hkv}] (per "
+                f"KV head) or [{kcs[0]}, {hkv}] (per request of a contiguous cache)"
+            )
+        _same_device(name, sc, dev, k)
+        _contiguous(name, sc, scs)
+        numel = 1
+        for n in scs:
+            numel *= n
+        scale_args.append((int(sc.data_ptr()), numel))
+
+    import torch
+
+    index = dev[1] if dev[1] is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    key = (kcs[0], kcs[1], hkv, d, kd, fp8, k_strides, index)
+    with _lock:
+        w = _writers.get(key)
+    if w is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "kvstream.store_kv: no writer for this cache shape yet and the current stream "
+                "is being captured into a CUDA graph; call store_kv once with the same cache "
+                "shapes before capturing (warm-up)."
+            )
+        w = _native.KvWriter(
+            kcs[0], hkv, d, kcs[1], SUPPORTED_DTYPES[kd], device=index, k_strides=k_strides,
+            kv_dtype=FP8_KV_DTYPES[kvd] if fp8 else None,
+        )
+        with _lock:
+            w = _writers.setdefault(key, w)
+    w.run(
+        tokens, int(k.data_ptr()), int(v.data_ptr()), int(slot_mapping.data_ptr()),
+        int(k_cache.data_ptr()), int(v_cache.data_ptr()), int(stream.cuda_stream),
+        k_scale=scale_args[0], v_scale=scale_args[1],
+    )
+
+
+def fp8_scales(cache: Any, per_head: bool = True) -> Any:
+    """float32 scales that map a bf16 / fp16 cache ``[blocks, block_size, hkv, d]`` onto e4m3's
+    range: amax / 448 per KV head (``[hkv]``), or for the whole cache (``[1]``); 1 where the
+    cache is all zeros. For converting an existing cache with :func:`store_kv`."""
+    shape = _tensor("cache", cache)
+    _rank("cache", shape, 4, "[blocks, block_size, hkv, head_dim]")
+    _dtype("cache", cache, tuple(SUPPORTED_DTYPES))
+    amax = cache.abs().amax(dim=(0, 1, 3)) if per_head else cache.abs().amax().reshape(1)
+    amax = amax.float()
+    return (amax / 448.0).where(amax > 0, amax.new_ones(()))

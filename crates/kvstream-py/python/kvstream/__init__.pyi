@@ -47,3 +47,15 @@ def decode(
     return_lse: Literal[True],
     out: Optional[Any] = ...,
 ) -> Tuple[Any, Any]: ...
+
+def store_kv(
+    k: Any,
+    v: Any,
+    k_cache: Any,
+    v_cache: Any,
+    slot_mapping: Any,
+    *,
+    k_scale: Optional[Any] = ...,
+    v_scale: Optional[Any] = ...,
+) -> None: ...
+def fp8_scales(cache: Any, per_head: bool = ...) -> Any: ...

@@ -75,3 +75,30 @@ class Decoder:
     def device_plan(self) -> bool: ...
     @property
     def kv_dtype(self) -> str: ...
+
+class KvWriter:
+    def __init__(
+        self,
+        batch: int,
+        hkv: int,
+        head_dim: int,
+        max_len: int,
+        dtype: str,
+        device: int = 0,
+        k_strides: Optional[Tuple[int, int, int]] = None,
+        page_size: Optional[int] = None,
+        num_pages: Optional[int] = None,
+        kv_dtype: Optional[str] = None,
+    ) -> None: ...
+    def run(
+        self,
+        tokens: int,
+        k_ptr: int,
+        v_ptr: int,
+        slots_ptr: int,
+        k_cache_ptr: int,
+        v_cache_ptr: int,
+        stream: int = 0,
+        k_scale: Optional[Tuple[int, int]] = None,
+        v_scale: Optional[Tuple[int, int]] = None,
+    ) -> None: ...

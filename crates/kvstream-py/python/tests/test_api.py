@@ -639,3 +639,43 @@ def test_fp8_validates_through_the_native_layer():
         _native.validate(4, 32, 8, 128, 4096, "bf16", kv_dtype="e5m2")
     with pytest.raises(ValueError, match="persistent engine"):
         _native.validate(4, 32, 8, 128, 4096, "bf16", num_splits=2, kv_dtype="fp8_e4m3")
+
+
+def store_args(**over):
+    args = dict(
+        k=FakeTensor((5, HKV, D)), v=FakeTensor((5, HKV, D)),
+        k_cache=FakeTensor((B, L, HKV, D), E4M3), v_cache=FakeTensor((B, L, HKV, D), E4M3),
+        slot_mapping=FakeTensor((5,), I64),
+    )
+    args.update(over)
+    return args
+
+
+def store_fails(exc, *words, **over):
+    a = store_args(**over)
+    with pytest.raises(exc) as e:
+        kvstream.store_kv(a.pop("k"), a.pop("v"), a.pop("k_cache"), a.pop("v_cache"),
+                          a.pop("slot_mapping"), **a)
+    for w in words:
+        assert w in str(e.value), f"{w!r} not in {str(e.value)!r}"
+
+
+def test_store_kv_validation():
+    store_fails(TypeError, "slot_mapping", "torch.int64", slot_mapping=FakeTensor((5,), I32))
+    store_fails(ValueError, "slot_mapping", "[5]", slot_mapping=FakeTensor((4,), I64))
+    store_fails(ValueError, "v has shape", v=FakeTensor((4, HKV, D)))
+    store_fails(ValueError, "k_cache", "[blocks, block_size", k_cache=FakeTensor((B, L, HKV + 1, D), E4M3),
+                v_cache=FakeTensor((B, L, HKV + 1, D), E4M3))
+    store_fails(TypeError, "k_cache", "float8_e4m3fn", k_cache=FakeTensor((B, L, HKV, D), F32),
+                v_cache=FakeTensor((B, L, HKV, D), F32))
+    store_fails(ValueError, "k_scale", "scales belong to", k_cache=FakeTensor((B, L, HKV, D)),
+                v_cache=FakeTensor((B, L, HKV, D)), k_scale=FakeTensor((1,), F32))
+    store_fails(ValueError, "v_scale", "per KV head", v_scale=FakeTensor((3,), F32))
+    store_fails(ValueError, "head_dim", k=FakeTensor((5, HKV, 96)), v=FakeTensor((5, HKV, 96)))
+
+
+def test_store_kv_signature():
+    sig = inspect.signature(kvstream.store_kv)
+    assert list(sig.parameters) == ["k", "v", "k_cache", "v_cache", "slot_mapping", "k_scale",
+                                    "v_scale"]
+    assert "store_kv" in kvstream.__all__ and "fp8_scales" in kvstream.__all__

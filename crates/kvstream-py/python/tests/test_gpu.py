@@ -531,3 +531,47 @@ def test_fp8_bad_scales_are_rejected():
         kvstream.decode(q, k, v, k_scale=torch.ones(1, device="cuda"))
     with pytest.raises(TypeError, match="e5m2"):
         kvstream.decode(q, k.to(torch.float8_e5m2), v.to(torch.float8_e5m2))
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_store_kv_then_decode(fp8):
+    """A cache filled by store_kv (a new token per request at shuffled slots, some skipped)
+    equals the same cache built by torch, byte for byte, and decodes alike."""
+    b, hq, hkv, d, L = 4, 32, 8, 128, 1024
+    q, k, v = make(b, hq, hkv, d, L, torch.bfloat16, seed=4242)
+    cdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    ks = kvstream.fp8_scales(k.view(b, L, hkv, d)) if fp8 else None
+    vs = kvstream.fp8_scales(v.view(b, L, hkv, d)) if fp8 else None
+    k_cache = torch.zeros(b, L, hkv, d, device="cuda", dtype=cdt)
+    v_cache = torch.zeros_like(k_cache)
+    # every position of every request, in a random order, in chunks of 300 tokens; slot -1
+    # entries are skipped
+    rows_k = k.reshape(b * L, hkv, d)
+    rows_v = v.reshape(b * L, hkv, d)
+    order = torch.randperm(b * L, device="cuda")
+    for c in range(0, b * L, 300):
+        idx = order[c:c + 300]
+        slots = idx.clone()
+        slots[::7] = -1
+        kvstream.store_kv(rows_k[idx], rows_v[idx], k_cache, v_cache, slots, k_scale=ks,
+                          v_scale=vs)
+        keep = slots >= 0
+        missing = idx[~keep]
+        kvstream.store_kv(rows_k[missing], rows_v[missing], k_cache, v_cache, missing,
+                          k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    if fp8:
+        want_k = (k.float() / ks[None, None, :, None]).to(torch.float8_e4m3fn)
+        want_v = (v.float() / vs[None, None, :, None]).to(torch.float8_e4m3fn)
+    else:
+        want_k, want_v = k, v
+    same = torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8)) and \
+        torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
+    SUMMARY["checks"][f"store_kv equals torch's cache fp8={fp8}"] = same
+    assert same
+    lens = torch.tensor([L, 1, 500, 0], device="cuda", dtype=torch.int32)
+    out, lse = kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, k_scale=ks, v_scale=vs,
+                               return_lse=True)
+    kd = k_cache.float() * (ks[None, None, :, None] if fp8 else 1)
+    vd = v_cache.float() * (vs[None, None, :, None] if fp8 else 1)
+    check(q, kd, vd, lens, out, lse, 1 / d ** 0.5, f"decode of a store_kv cache fp8={fp8}")

@@ -1,0 +1,218 @@
+//! The cache write: new tokens' K and V rows into the cache a [`crate::Decoder`] reads, at
+//! given slots, quantised to e4m3 for an fp8 cache.
+//!
+//! Slots follow vLLM's `slot_mapping`: in a paged cache slot `page * page_size + offset`, in a
+//! contiguous `[batch, max_len, hkv, d]` cache slot `request * max_len + position`; -1 (or any
+//! slot outside the cache) skips the token. [`KvWriter::run`] enqueues one kernel, reads the
+//! slots and scales on the device and never synchronises, so it can be captured in a graph.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use crate::decode::KvScale;
+use crate::error::{Error, Result};
+use crate::kernels::{AnyVariant, StoreKvVariant};
+use crate::launch::{launch, LaunchConfig};
+use crate::params::StoreKvParams;
+use crate::problem::{DecodeProblem, KvDType, KvScaleLayout};
+use crate::runtime::{LoadedKernel, Runtime};
+
+/// Device pointers of one write: `k_new` and `v_new` `[tokens, hkv, d]` contiguous in the
+/// problem's dtype, `slots` int64 `[tokens]`, the caches as the problem describes them (for
+/// [`crate::Decoder::run`]), and for an fp8 cache the scales the values are divided by (`None`:
+/// 1) — the same scales the decoder then multiplies by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreTensors {
+    /// New tokens (the leading dimension of `k_new`, `v_new` and `slots`).
+    pub tokens: usize,
+    /// New K rows.
+    pub k_new: u64,
+    /// New V rows.
+    pub v_new: u64,
+    /// Slot of each token, int64.
+    pub slots: u64,
+    /// K cache (contiguous cache or page pool).
+    pub k_cache: u64,
+    /// V cache.
+    pub v_cache: u64,
+    /// fp8: K's scales.
+    pub k_scale: Option<KvScale>,
+    /// fp8: V's scales.
+    pub v_scale: Option<KvScale>,
+}
+
+/// Writes new tokens into the caches of one decode problem.
+///
+/// ```no_run
+/// use kvstream::{DType, DecodeProblem, KvDType, Runtime};
+/// use kvstream::store::KvWriter;
+/// # fn main() -> kvstream::Result<()> {
+/// let rt = Runtime::new(0)?;
+/// let problem = DecodeProblem::new(8, 32, 8, 128, 4096, DType::Bf16)?
+///     .with_paged(16, 2048, None)?
+///     .with_kv_dtype(KvDType::Fp8E4m3)?;
+/// let writer = KvWriter::new(&rt, &problem)?;
+/// // unsafe { writer.run(&tensors, stream) }?;   // then the decoder reads what it wrote
+/// # Ok(()) }
+/// ```
+pub struct KvWriter {
+    rt: Arc<Runtime>,
+    problem: DecodeProblem,
+    kernel: LoadedKernel,
+}
+
+impl KvWriter {
+    /// Loads the write kernel for `problem`'s caches (compiling it on a cold cache). A
+    /// contiguous cache must have the same strides for K and V.
+    pub fn new(rt: &Arc<Runtime>, problem: &DecodeProblem) -> Result<Self> {
+        problem.validate()?;
+        if problem.paged.is_none() && problem.k_strides != problem.v_strides {
+            return Err(Error::invalid(
+                "v strides",
+                format!("{:?}", problem.v_strides),
+                format!(
+                    "K's strides {:?} (the cache write takes one layout for both)",
+                    problem.k_strides
+                ),
+            ));
+        }
+        let variant = StoreKvVariant {
+            dtype: problem.dtype,
+            kv_dtype: problem.kv_dtype,
+            head_dim: problem.head_dim,
+        };
+        let kernel = rt.kernel(AnyVariant::StoreKv(variant), 0)?;
+        Ok(KvWriter {
+            rt: rt.clone(),
+            problem: problem.clone(),
+            kernel,
+        })
+    }
+
+    /// The problem whose caches it writes.
+    pub fn problem(&self) -> &DecodeProblem {
+        &self.problem
+    }
+
+    /// The launch parameters of a write (pure host work).
+    fn params(&self, t: &StoreTensors) -> Result<StoreKvParams> {
+        let p = &self.problem;
+        let (blocks, block_slots, block_stride, slot_stride, head_stride) = match p.paged {
+            Some(pg) => {
+                let row = (p.hkv * p.head_dim) as i64;
+                (
+                    pg.num_pages,
+                    pg.page_size,
+                    pg.page_size as i64 * row,
+                    row,
+                    p.head_dim as i64,
+                )
+            }
+            None => (
+                p.batch,
+                p.max_len,
+                p.k_strides.batch,
+                p.k_strides.token,
+                p.k_strides.head,
+            ),
+        };
+        let scale = |arg: &'static str, s: Option<KvScale>| -> Result<(u64, i32, i32)> {
+            let Some(s) = s else { return Ok((0, 0, 0)) };
+            if p.kv_dtype == KvDType::AsQuery {
+                return Err(Error::invalid(
+                    arg,
+                    "a scale tensor",
+                    format!(
+                        "none: the caches are {} (scales belong to fp8 caches)",
+                        p.dtype.name()
+                    ),
+                ));
+            }
+            if p.paged.is_some() && s.layout == KvScaleLayout::PerRequestHead {
+                return Err(Error::invalid(
+                    arg,
+                    "per request and KV head",
+                    "per cache or per KV head for a paged cache (a slot names a page, not a \
+                     request)",
+                ));
+            }
+            let (b, h) = s.layout.strides(p.hkv);
+            Ok((s.ptr, b as i32, h as i32))
+        };
+        let (k_scale, kb, kh) = scale("k_scale", t.k_scale)?;
+        let (v_scale, vb, vh) = scale("v_scale", t.v_scale)?;
+        let tokens = i32::try_from(t.tokens)
+            .map_err(|_| Error::invalid("tokens", t.tokens, "at most 2^31-1"))?;
+        Ok(StoreKvParams {
+            k_new: t.k_new,
+            v_new: t.v_new,
+            slots: t.slots,
+            k_cache: t.k_cache,
+            v_cache: t.v_cache,
+            k_scale,
+            v_scale,
+            new_token_stride: (p.hkv * p.head_dim) as i64,
+            new_head_stride: p.head_dim as i64,
+            block_stride,
+            slot_stride,
+            head_stride,
+            num_slots: (blocks * block_slots) as i64,
+            tokens,
+            hkv: p.hkv as i32,
+            block_slots: block_slots as i32,
+            k_scale_block_stride: kb,
+            k_scale_head_stride: kh,
+            v_scale_block_stride: vb,
+            v_scale_head_stride: vh,
+        })
+    }
+
+    /// Enqueues the write of `t.tokens` tokens on `stream` (nothing for 0 tokens).
+    ///
+    /// # Safety
+    /// The pointers must reference device memory of this runtime's GPU with the sizes
+    /// [`StoreTensors`] and the problem imply, valid until the work completes; `stream` must
+    /// belong to this runtime's context.
+    pub unsafe fn run(&self, t: &StoreTensors, stream: sys::CUstream) -> Result<()> {
+        let rt = &self.rt;
+        let params = self.params(t)?;
+        if t.tokens == 0 {
+            return Ok(());
+        }
+        for (arg, ptr, align) in [
+            ("k_new", t.k_new, 16),
+            ("v_new", t.v_new, 16),
+            ("slot_mapping", t.slots, 8),
+            ("k_cache", t.k_cache, 16),
+            ("v_cache", t.v_cache, 16),
+        ] {
+            rt.check_pointer(arg, ptr, align)?;
+        }
+        for (arg, s) in [("k_scale", t.k_scale), ("v_scale", t.v_scale)] {
+            if let Some(s) = s {
+                rt.check_pointer(arg, s.ptr, 4)?;
+            }
+        }
+        rt.bind()?;
+        let threads = t.tokens as u64
+            * self.problem.hkv as u64
+            * (self.problem.head_dim / StoreKvVariant::CHUNK) as u64;
+        let blocks = threads.div_ceil(StoreKvVariant::THREADS as u64);
+        let grid_x = u32::try_from(blocks).map_err(|_| {
+            Error::invalid(
+                "tokens",
+                t.tokens,
+                "fewer than 2^31 x 256 / (hkv x d / 8) (one CTA per 256 chunks of 8 head dims)",
+            )
+        })?;
+        let cfg = LaunchConfig {
+            grid: [grid_x, 2, 1],
+            block: [StoreKvVariant::THREADS, 1, 1],
+            shared_bytes: 0,
+            pdl: false,
+            cluster: None,
+        };
+        launch(self.kernel.func, &cfg, stream, &params, "the cache write")
+    }
+}
