@@ -25,6 +25,16 @@ Method (docs/benchmarking.md, kept here so the file stands alone):
   same number of sets and the same graph timer; best of a few grid sizes. Read ceiling: the same
   kernel over 4 GiB. ``io_bytes`` = Q + K + V + O bytes, each once; GB/s are decimal.
 
+FP8 caches (``--kv-dtype fp8_e4m3``): the same shapes with K and V in e4m3 (values / 1/64,
+clamped to +-448; one scale per cache). Implementations: ``kvstream`` (bf16 q, e4m3 caches, the
+scales as tensors), ``fa3`` (its fp8 path: q, k and v in e4m3 with ``q/k/v_descale``; q is
+quantised too, so its error is checked against ``FA3_FP8_MAX_REL_ERR``), and on the bf16 caches
+of the same values ``cudnn`` and ``kvstream_bf16``. kvstream and FA3 are checked against the
+fp32 reference on the dequantised caches (what they were given), the bf16 ones against the bf16
+reference; each row also records kvstream's error against the bf16 reference (what the
+quantisation costs). Byte floors count one byte per K and V element. Outputs
+``h200-fp8-latest.json`` / ``h200-fp8-DATE.json``, ``bench/RESULTS-fp8.md``.
+
 Outputs: ``bench/results/h200-latest.json`` (the format of docs/benchmarking.md plus ``summary``, ``notes`` and a
 few extra keys), a dated copy ``bench/results/h200-YYYY-MM-DD.json``, ``bench/RESULTS.md`` and
 ``bench/results/plot-<group>.png/.svg``. While running, ``bench/results/h200-partial.json`` is
@@ -62,8 +72,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 IMPLS = ("kvstream", "cudnn", "sdpa_flash", "fa3")
 PEERS = ("cudnn", "sdpa_flash", "fa3")
+# --kv-dtype fp8_e4m3: kvstream and FA3 on e4m3 caches, cuDNN and kvstream on the bf16 ones
+FP8_IMPLS = ("kvstream", "fa3", "cudnn", "kvstream_bf16")
+FP8_PEERS = ("fa3", "cudnn")
+FP8_SCALE = 1.0 / 64.0      # the caches hold value / FP8_SCALE, clamped to e4m3's range
+FA3_FP8_MAX_REL_ERR = 0.1   # FA3's fp8 path quantises q too
 GROUPS = ("mqa", "gqa", "mha", "batch")
-DTYPE_BYTES = {"bf16": 2}
+DTYPE_BYTES = {"bf16": 2, "fp8_e4m3": 1}
 
 POOL_BYTES = 512 << 20  # KV per pool cycle: well above the H200's 60 MB L2
 MIN_SETS, MAX_SETS = 2, 256
@@ -138,10 +153,14 @@ def group_of(row):
     return row.get("group") or row["id"].split("-")[0]
 
 
+def kv_dtype(shape):
+    return shape.get("kv_dtype", shape["dtype"])
+
+
 def kv_bytes(shape):
-    """K + V bytes of one input set."""
+    """K + V bytes of one input set (in the cache dtype kvstream reads)."""
     s = shape
-    return 2 * s["batch"] * s["L"] * s["hkv"] * s["d"] * DTYPE_BYTES[s["dtype"]]
+    return 2 * s["batch"] * s["L"] * s["hkv"] * s["d"] * DTYPE_BYTES[kv_dtype(s)]
 
 
 def io_bytes(shape):
@@ -177,7 +196,7 @@ def short_error(e):
     return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
 
 
-def timing_entry(times_us, io, rel_err):
+def timing_entry(times_us, io, rel_err, max_rel_err=MAX_REL_ERR):
     """Results entry of one implementation on one shape from its per-call round times."""
     med = statistics.median(times_us)
     entry = {
@@ -186,10 +205,10 @@ def timing_entry(times_us, io, rel_err):
         "GBps": round(io / med / 1e3, 1),
         "rel_err": float(f"{rel_err:.3g}") if math.isfinite(rel_err) else None,
     }
-    if not (math.isfinite(rel_err) and rel_err <= MAX_REL_ERR):
+    if not (math.isfinite(rel_err) and rel_err <= max_rel_err):
         # A wrong output's timing must not be read as a result: no "us" key.
         return {
-            "error": f"wrong result: rel_err {rel_err:.3g} > {MAX_REL_ERR:g} "
+            "error": f"wrong result: rel_err {rel_err:.3g} > {max_rel_err:g} "
             f"(timing {med:.2f} us not counted)",
             "rel_err": entry["rel_err"],
             "unverified_us": entry["us"],
@@ -220,7 +239,7 @@ def best_peer(row):
 
 
 def row_kv_bytes(row):
-    return 2 * row["batch"] * row["L"] * row["hkv"] * row["d"] * DTYPE_BYTES.get(row["dtype"], 2)
+    return 2 * row["batch"] * row["L"] * row["hkv"] * row["d"] * DTYPE_BYTES.get(kv_dtype(row), 2)
 
 
 def summarize(rows):
@@ -307,13 +326,15 @@ def group_heading(group, rows):
 def markdown(doc):
     """bench/RESULTS.md from a results document."""
     ceiling = doc.get("read_ceiling_GBps")
+    fp8 = any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"])
     lines = [
-        f"# kvstream vs peers: {doc.get('gpu', '?')}",
+        f"# kvstream vs peers{', FP8 (e4m3) caches' if fp8 else ''}: {doc.get('gpu', '?')}",
         "",
         f"Date {doc.get('date')}, commit `{doc.get('commit')}`, GPU {doc.get('gpu')}, read "
         f"ceiling {ceiling if ceiling is not None else 'n/a'} GB/s. Produced by "
-        f"`bench/compare.py` (method in its docstring and docs/benchmarking.md); raw numbers in "
-        f"`bench/results/h200-latest.json`.",
+        f"`bench/compare.py{' --kv-dtype fp8_e4m3' if fp8 else ''}` (method in its docstring and "
+        f"docs/benchmarking.md); raw numbers in "
+        f"`bench/results/{'h200-fp8' if fp8 else 'h200'}-latest.json`.",
         "",
         "Latencies are medians of graph-replay rounds, per call, in us. Speedup = best peer "
         "latency / kvstream latency (> 1: kvstream faster). floor = streaming read of the same "
@@ -392,7 +413,8 @@ def plot_results(doc, out_dir):
     ceiling = doc.get("read_ceiling_GBps")
     written = []
     styles = {"kvstream": ("C3", "o"), "cudnn": ("C0", "s"), "sdpa_flash": ("C2", "^"),
-              "fa3": ("C1", "D")}
+              "fa3": ("C1", "D"), "kvstream_bf16": ("C4", "v")}
+    tag = "fp8-" if any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"]) else ""
     for group in ordered_groups(doc["rows"]):
         rows = [r for r in doc["rows"] if group_of(r) == group]
         param = x_param(group)
@@ -430,7 +452,7 @@ def plot_results(doc, out_dir):
                      fontsize=9)
         fig.tight_layout()
         for ext in ("png", "svg"):
-            path = out_dir / f"plot-{group}.{ext}"
+            path = out_dir / f"plot-{tag}{group}.{ext}"
             fig.savefig(path, dpi=150)
             written.append(path)
         plt.close(fig)
@@ -463,11 +485,11 @@ def write_json(path, doc):
     tmp.replace(path)  # atomic: a reader never sees half a file
 
 
-def write_outputs(doc, results_dir, md_path):
+def write_outputs(doc, results_dir, md_path, prefix="h200"):
     """Latest and dated JSON, RESULTS.md and the plots; returns the paths written."""
     results_dir = Path(results_dir)
-    latest = results_dir / "h200-latest.json"
-    dated = results_dir / f"h200-{doc['date']}.json"
+    latest = results_dir / f"{prefix}-latest.json"
+    dated = results_dir / f"{prefix}-{doc['date']}.json"
     write_json(latest, doc)
     write_json(dated, doc)
     Path(md_path).write_text(markdown(doc))
@@ -485,7 +507,9 @@ def write_outputs(doc, results_dir, md_path):
 
 
 def make_pool(shape, sets, seed=1):
-    """Input sets: q [sets,b,1,hq,d] and k, v [sets,b,L,hkv,d] bf16, random (never zeros)."""
+    """Input sets: q [sets,b,1,hq,d] and k, v [sets,b,L,hkv,d] bf16, random (never zeros); for
+    fp8 rows also their e4m3 copies k8, v8 (value / FP8_SCALE, clamped), q8 for FA3's fp8 path,
+    the scale tensors and FA3's descales."""
     import torch
 
     s = shape
@@ -498,7 +522,20 @@ def make_pool(shape, sets, seed=1):
         q[i].normal_(generator=gen)
         k[i].normal_(generator=gen)
         v[i].normal_(generator=gen)
-    return {"q": q, "k": k, "v": v}
+    pool = {"q": q, "k": k, "v": v}
+    if kv_dtype(s) == "fp8_e4m3":
+        f8 = torch.float8_e4m3fn
+        pool["k8"] = torch.empty(k.shape, device="cuda", dtype=f8)
+        pool["v8"] = torch.empty(k.shape, device="cuda", dtype=f8)
+        for i in range(sets):
+            for src, dst in ((k, pool["k8"]), (v, pool["v8"])):
+                dst[i] = (src[i].float() / FP8_SCALE).clamp_(-448.0, 448.0).to(f8)
+        pool["q8"] = q.to(f8)
+        pool["scale"] = torch.full((1,), FP8_SCALE, device="cuda", dtype=torch.float32)
+        pool["descale"] = torch.full((s["batch"], s["hkv"]), FP8_SCALE, device="cuda",
+                                     dtype=torch.float32)
+        pool["q_descale"] = torch.ones(s["batch"], s["hkv"], device="cuda", dtype=torch.float32)
+    return pool
 
 
 def sdpa_layout(pool):
@@ -547,6 +584,10 @@ def load_impls(names):
                 import kvstream
 
                 handles[name] = (kvstream, None)
+            elif name == "kvstream_bf16":
+                import kvstream
+
+                handles[name] = (kvstream, None)
             elif name == "fa3":
                 from fa3_fwd_interface import flash_attn_with_kvcache
 
@@ -567,11 +608,26 @@ def make_call(name, handle, pool, sdpa):
     import torch
     import torch.nn.functional as F
 
-    if name == "kvstream":
+    fp8 = "k8" in pool
+    if name == "kvstream" and fp8:
+        outs = torch.empty_like(pool["q"])
+
+        def call(s):
+            return handle.decode(pool["q"][s], pool["k8"][s], pool["v8"][s], out=outs[s],
+                                 k_scale=pool["scale"], v_scale=pool["scale"])
+
+    elif name in ("kvstream", "kvstream_bf16"):
         outs = torch.empty_like(pool["q"])  # preallocated: the binding then allocates nothing
 
         def call(s):
             return handle.decode(pool["q"][s], pool["k"][s], pool["v"][s], out=outs[s])
+
+    elif name == "fa3" and fp8:
+
+        def call(s):
+            return handle(pool["q8"][s], pool["k8"][s], pool["v8"][s], num_splits=0,
+                          q_descale=pool["q_descale"], k_descale=pool["descale"],
+                          v_descale=pool["descale"])
 
     elif name == "fa3":
 
@@ -655,7 +711,9 @@ def busy_gpu():
 def kvstream_plan(kvstream, shape):
     """(splits, mode) of the binding's default plan for the shape."""
     s = shape
-    plan = kvstream._native.validate(s["batch"], s["hq"], s["hkv"], s["d"], s["L"], s["dtype"])
+    fp8 = kv_dtype(s) if kv_dtype(s) != s["dtype"] else None
+    plan = kvstream._native.validate(s["batch"], s["hq"], s["hkv"], s["d"], s["L"], s["dtype"],
+                                     kv_dtype=fp8)
     return parse_plan(plan)
 
 
@@ -669,7 +727,7 @@ def measure_attention(shape, handles, rounds):
         return results
     sets = pool_sets(shape)
     io = io_bytes(shape)
-    pool = sdpa = ref = None
+    pool = sdpa = ref = ref8 = None
     graphs, outs = {}, {}
     call = graph = out = None
     try:
@@ -677,6 +735,9 @@ def measure_attention(shape, handles, rounds):
         if any(n in ("cudnn", "sdpa_flash") for n in live):
             sdpa = sdpa_layout(pool)
         ref = reference(pool["q"][0], pool["k"][0], pool["v"][0])
+        # fp8 rows: what kvstream and FA3 were given, dequantised
+        ref8 = None if "k8" not in pool else reference(
+            pool["q"][0], pool["k8"][0].float() * FP8_SCALE, pool["v8"][0].float() * FP8_SCALE)
         for name in live:
             try:
                 call = make_call(name, handles[name][0], pool, sdpa)
@@ -690,7 +751,12 @@ def measure_attention(shape, handles, rounds):
         times = time_graphs(graphs, rounds) if graphs else {}
         for name in graphs:
             try:
-                results[name] = timing_entry(times[name], io, rel_err(outs[name][0], ref))
+                on_fp8 = ref8 is not None and name in ("kvstream", "fa3")
+                entry = timing_entry(times[name], io, rel_err(outs[name][0], ref8 if on_fp8 else ref),
+                                     FA3_FP8_MAX_REL_ERR if on_fp8 and name == "fa3" else MAX_REL_ERR)
+                if on_fp8 and "error" not in entry:  # what the quantisation costs
+                    entry["rel_err_vs_bf16_cache"] = round(rel_err(outs[name][0], ref), 6)
+                results[name] = entry
             except Exception as e:
                 results[name] = {"error": f"check: {short_error(e)}"}
     except Exception as e:  # pool, reference or replay (out of memory, ...): the rest fail
@@ -699,7 +765,7 @@ def measure_attention(shape, handles, rounds):
     finally:
         # The closures and graphs hold the pool: drop every reference before emptying the cache.
         call = graph = out = None
-        del graphs, outs, pool, sdpa, ref, call, graph, out
+        del graphs, outs, pool, sdpa, ref, ref8, call, graph, out
         gc.collect()
         torch.cuda.empty_cache()
     if "kvstream" in results and "error" not in results["kvstream"]:
@@ -890,11 +956,11 @@ def run_gpu(args, shapes, impls, rounds):
     }
     print(f"{doc['gpu']}: read ceiling {doc['read_ceiling_GBps']:.0f} GB/s "
           f"({time.time() - t0:.1f} s)")
-    partial = Path(args.results_dir) / "h200-partial.json"
+    partial = Path(args.results_dir) / f"{args.prefix}-partial.json"
     for i, shape in enumerate(shapes, 1):
         sets = pool_sets(shape)
         row = {k: shape[k] for k in ("id", "group", "batch", "q_len", "hq", "hkv", "d", "L",
-                                     "dtype")}
+                                     "dtype", "kv_dtype") if k in shape}
         row["io_bytes"] = io_bytes(shape)
         row["sets"] = sets
         try:
@@ -920,7 +986,8 @@ def parse_args(argv=None):
     ap.add_argument("--ids", type=lambda s: [x for x in s.split(",") if x],
                     help="comma-separated shape ids to run (default: all)")
     ap.add_argument("--impls", type=lambda s: [x for x in s.split(",") if x],
-                    default=list(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+                    help=f"comma-separated subset of {','.join(IMPLS)} (--kv-dtype fp8_e4m3: of "
+                         f"{','.join(FP8_IMPLS)}); default: all")
     ap.add_argument("--quick", action="store_true",
                     help=f"smoke test: first {QUICK_SHAPES} shapes, {QUICK_ROUNDS} rounds")
     ap.add_argument("--rounds", type=int, default=9, help=f"timed rounds (>= {MIN_ROUNDS})")
@@ -928,11 +995,20 @@ def parse_args(argv=None):
     ap.add_argument("--results-dir", default=str(REPO / "bench" / "results"))
     ap.add_argument("--md", default=str(REPO / "bench" / "RESULTS.md"),
                     help="markdown report path (default: bench/RESULTS.md)")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8_e4m3"), default="bf16",
+                    help="cache dtype: fp8_e4m3 runs the FP8 comparison (see the docstring)")
     ap.add_argument("--plot-only", metavar="JSON",
                     help="only draw the plots of an existing results file (next to it)")
     ap.add_argument("--report-only", metavar="JSON",
                     help="only rewrite --md and the plots from an existing results file")
     args = ap.parse_args(argv)
+    args.prefix = "h200" if args.kv_dtype == "bf16" else "h200-fp8"
+    if args.kv_dtype == "fp8_e4m3":
+        use_fp8_impls()
+        if args.md == str(REPO / "bench" / "RESULTS.md"):
+            args.md = str(REPO / "bench" / "RESULTS-fp8.md")
+    if args.impls is None:
+        args.impls = list(IMPLS)
     bad = [x for x in args.impls if x not in IMPLS]
     if bad:
         ap.error(f"unknown --impls {','.join(bad)}; allowed: {','.join(IMPLS)}")
@@ -943,6 +1019,12 @@ def parse_args(argv=None):
     if args.plot_only and args.report_only:
         ap.error("--plot-only and --report-only exclude each other")
     return args
+
+
+def use_fp8_impls():
+    """The FP8 comparison's implementations and peers, for every function of this module."""
+    global IMPLS, PEERS
+    IMPLS, PEERS = FP8_IMPLS, FP8_PEERS
 
 
 def shown(path):
@@ -958,6 +1040,8 @@ def main(argv=None):
     if args.plot_only or args.report_only:
         path = Path(args.plot_only or args.report_only)
         doc = json.loads(path.read_text())
+        if any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"]):
+            use_fp8_impls()
         if args.report_only:
             doc.setdefault("summary", summarize(doc["rows"]))
             Path(args.md).write_text(markdown(doc))
@@ -966,6 +1050,8 @@ def main(argv=None):
             print(f"wrote {shown(p)}")
         return 0
     shapes = load_matrix(args.matrix, args.ids, args.quick)
+    if args.kv_dtype != "bf16":
+        shapes = [dict(s, kv_dtype=args.kv_dtype) for s in shapes]
     rounds = QUICK_ROUNDS if args.quick else args.rounds
     impls = [i for i in IMPLS if i in args.impls]
     doc = run_gpu(args, shapes, impls, rounds)
@@ -976,7 +1062,7 @@ def main(argv=None):
     print()
     for line in summary_lines(doc["summary"]):
         print(line)
-    for p in write_outputs(doc, args.results_dir, args.md):
+    for p in write_outputs(doc, args.results_dir, args.md, args.prefix):
         print(f"wrote {shown(p)}")
     print(f"total {doc['elapsed_s']:.0f} s")
     return 0

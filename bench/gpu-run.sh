@@ -4,11 +4,12 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare serving ab (default:
+# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 serving ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
-# FA3 wheel travels in .whl/); both pack their outputs into $OUT/<part>-results.tar.gz.
+# FA3 wheel travels in .whl/); both pack their outputs into $OUT/<part>-results.tar.gz;
+# `compare8` is compare.py's FP8 comparison (e4m3 caches, FA3's fp8 path).
 # `trace` runs the serving rows TRACE_IDS with the phase-trace kernels (prepare with TRACE=1)
 # and summarises them with bench/trace.py into $OUT/trace (timings there carry the stamps).
 # `serving` runs bench/serving.json (SERVING_ARGS) and bench/serving_peers.py (PEERS_ARGS, e.g.
@@ -84,6 +85,14 @@ if want compare; then
     python3 bench/compare.py --matrix bench/matrix.json --commit "${COMMIT:-unknown}" ${COMPARE_ARGS:-} \
     2>&1 | tee $O/compare.txt | tail -80
   tar czf $O/compare-results.tar.gz bench/results bench/RESULTS.md 2>/dev/null
+fi
+if want compare8; then
+  # the FP8 comparison (bench/compare.py --kv-dtype fp8_e4m3): h200-fp8-latest.json, RESULTS-fp8.md
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout 560 \
+    python3 bench/compare.py --kv-dtype fp8_e4m3 --matrix bench/matrix.json --commit "${COMMIT:-unknown}" ${COMPARE_ARGS:-} \
+    2>&1 | tee $O/compare-fp8.txt | tail -80
+  tar czf $O/compare-fp8-results.tar.gz bench/results/h200-fp8-* bench/results/plot-fp8-* bench/RESULTS-fp8.md 2>/dev/null
 fi
 if want trace; then
   mkdir -p $O/trace
