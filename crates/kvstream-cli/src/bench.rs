@@ -17,9 +17,14 @@ use cudarc::driver::{result as cu, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvstream::kernels::{AnyVariant, StreamReadParams, StreamReadVariant};
 use kvstream::launch::{launch, LaunchConfig};
-use kvstream::reference::{decode_reference, random_bf16, relative_error, RefShape, SplitMix64};
+use kvstream::reference::{
+    decode_reference, random_bf16, random_e4m3, relative_error, RefShape, SplitMix64,
+};
 use kvstream::runtime::LoadedKernel;
-use kvstream::{DType, DecodeProblem, DecodeTensors, Decoder, Error, PlanOptions, Runtime};
+use kvstream::{
+    DType, DecodeProblem, DecodeTensors, Decoder, Error, KvDType, KvScale, KvScaleLayout,
+    PlanOptions, Runtime,
+};
 
 use crate::plot;
 use crate::results::{self, BenchResults, ImplResult, Matrix, Row, Shape};
@@ -53,6 +58,10 @@ pub struct BenchArgs {
     /// A bf16 shape `batch,hq,hkv,d,L` instead of the matrix (repeatable; with --ids, both).
     #[arg(long = "shape", value_name = "BATCH,HQ,HKV,D,L", value_parser = Shape::parse_cli)]
     pub shapes: Vec<Shape>,
+    /// K and V caches in this element type for every shape (`fp8_e4m3`: e4m3 with per-cache
+    /// scales; default: the shapes' own, bf16).
+    #[arg(long)]
+    pub kv_dtype: Option<String>,
     /// Timed rounds (each replays every implementation's graph once).
     #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(7..))]
     pub rounds: u32,
@@ -209,6 +218,11 @@ pub fn select_shapes(args: &BenchArgs) -> Result<Vec<Shape>, String> {
         }
         shapes.push(s.clone());
     }
+    if let Some(kv) = &args.kv_dtype {
+        for s in &mut shapes {
+            s.kv_dtype = Some(kv.clone());
+        }
+    }
     for s in &shapes {
         problem_of(s).map_err(|e| format!("shape {}: {e}", s.id))?;
     }
@@ -222,6 +236,7 @@ fn problem_of(s: &Shape) -> kvstream::Result<DecodeProblem> {
     if s.dtype != "bf16" {
         return Err(Error::invalid("dtype", &s.dtype, "bf16"));
     }
+    let kv_dtype: KvDType = s.kv_dtype.as_deref().unwrap_or("auto").parse()?;
     if s.pages_in_order && s.page_size.is_none() {
         return Err(Error::invalid(
             "pages_in_order",
@@ -249,7 +264,8 @@ fn problem_of(s: &Shape) -> kvstream::Result<DecodeProblem> {
         }
     }
     let p = DecodeProblem::new(s.batch, s.hq, s.hkv, s.d, s.max_len(), DType::Bf16)?
-        .with_q_len(s.q_len)?;
+        .with_q_len(s.q_len)?
+        .with_kv_dtype(kv_dtype)?;
     match s.page_size {
         Some(page) => p.with_paged(page, pool_tokens(s) / page, None),
         None => Ok(p),
@@ -824,7 +840,7 @@ impl Arena {
     /// set, docs/benchmarking.md).
     pub fn of(problem: &DecodeProblem, tokens: usize) -> Self {
         let e = problem.dtype.size();
-        let kv_set = tokens * problem.hkv * problem.head_dim * e;
+        let kv_set = tokens * problem.hkv * problem.head_dim * problem.kv_elem_bytes();
         let q_set = problem.batch * problem.q_len * problem.hq * problem.head_dim * e;
         Arena {
             sets: pool_sets(2 * kv_set),
@@ -894,11 +910,15 @@ unsafe fn replicate(
     Ok(())
 }
 
-/// Host copy of set 0: Q for every request, K and V for the generated positions.
+/// Dequantisation scales of the fp8 caches (per cache): the cache holds values / these.
+const FP8_SCALES: (f32, f32) = (0.25, 0.125);
+
+/// Host copy of set 0: Q for every request, K and V for the generated positions (the cache's
+/// bytes, and the values the kernels attend to: dequantised for an fp8 cache).
 struct HostSet {
     q: (Vec<half::bf16>, Vec<f32>),
-    k: (Vec<half::bf16>, Vec<f32>),
-    v: (Vec<half::bf16>, Vec<f32>),
+    k: (Vec<u8>, Vec<f32>),
+    v: (Vec<u8>, Vec<f32>),
     /// Generated positions; the pool repeats them.
     gen_tokens: usize,
 }
@@ -963,10 +983,41 @@ fn measure_shape(
     let token_elems = p.hkv * p.head_dim;
     let gen_tokens = generated_tokens(pool_tokens(shape), token_elems);
     let mut rng = SplitMix64::new(0x6b76_7374 ^ row.io_bytes);
+    let fp8 = p.kv_dtype == KvDType::Fp8E4m3;
+    let q = random_bf16(&mut rng, p.batch * p.q_len * p.hq * p.head_dim, 1.0);
+    let mut cache = |scale: f32| -> (Vec<u8>, Vec<f32>) {
+        let n = gen_tokens * token_elems;
+        if fp8 {
+            // over e4m3's range, dequantised to about 1
+            let (codes, values) = random_e4m3(&mut rng, n, 4.0);
+            (
+                codes.iter().map(|c| c.0).collect(),
+                values.iter().map(|x| x * scale).collect(),
+            )
+        } else {
+            let (bits, values) = random_bf16(&mut rng, n, 1.0);
+            (bits.iter().flat_map(|x| x.to_le_bytes()).collect(), values)
+        }
+    };
+    let (k, v) = (cache(FP8_SCALES.0), cache(FP8_SCALES.1));
+    let scales = if fp8 {
+        Some(driver(
+            "uploading the scales",
+            stream.clone_htod(&[FP8_SCALES.0, FP8_SCALES.1]),
+        )?)
+    } else {
+        None
+    };
+    let scale_at = |i: u64| {
+        scales.as_ref().map(|sc| KvScale {
+            ptr: sc.device_ptr(stream).0 + 4 * i,
+            layout: KvScaleLayout::PerTensor,
+        })
+    };
     let host = HostSet {
-        q: random_bf16(&mut rng, p.batch * p.q_len * p.hq * p.head_dim, 1.0),
-        k: random_bf16(&mut rng, gen_tokens * token_elems, 1.0),
-        v: random_bf16(&mut rng, gen_tokens * token_elems, 1.0),
+        q,
+        k,
+        v,
         gen_tokens,
     };
     // ---- per set: lengths (skewed batches) and block tables (paged caches) ----
@@ -1006,7 +1057,7 @@ fn measure_shape(
             "uploading v",
             cu::memcpy_htod_async(v_off, &host.v.0, stream.cu_stream()),
         )?;
-        let generated = host.k.0.len() * 2;
+        let generated = host.k.0.len();
         replicate(stream, k_off, generated, arena.kv_set)?;
         replicate(stream, v_off, generated, arena.kv_set)?;
         let total = arena.sets;
@@ -1023,8 +1074,8 @@ fn measure_shape(
         lse: None,
         seqlens: lens_at.map(|a| set_at(a, p.batch * 4, s)),
         block_table: table_at.map(|a| set_at(a, table_set, s)),
-        k_scale: None,
-        v_scale: None,
+        k_scale: scale_at(0),
+        v_scale: scale_at(1),
     };
 
     // ---- check every implementation on set 0, capture the ones that pass ----
@@ -1338,6 +1389,33 @@ mod tests {
         assert!(select_shapes(&a).is_err());
         assert!(parse(&["--shape", "1,16,2"]).is_err());
         assert_eq!(plot_prefix(&a.json), "kvstream-bench-latest");
+    }
+
+    #[test]
+    fn kv_dtype_applies_to_every_shape() {
+        let a = parse(&[
+            "--matrix",
+            &matrix_path(),
+            "--ids",
+            "gqa-d128-L4096",
+            "--kv-dtype",
+            "fp8_e4m3",
+        ])
+        .unwrap();
+        let shapes = select_shapes(&a).unwrap();
+        assert_eq!(shapes[0].kv_dtype.as_deref(), Some("fp8_e4m3"));
+        let p = problem_of(&shapes[0]).unwrap();
+        assert_eq!(p.kv_dtype, KvDType::Fp8E4m3);
+        // half the K and V bytes of the bf16 shape, the same Q and out
+        let bf16 = problem_of(&Shape {
+            kv_dtype: None,
+            ..shapes[0].clone()
+        })
+        .unwrap();
+        let qo = 2 * p.batch * p.q_len * p.hq * p.head_dim * 2;
+        assert_eq!(2 * (p.io_bytes(4096) - qo), bf16.io_bytes(4096) - qo);
+        let bad = parse(&["--matrix", &matrix_path(), "--kv-dtype", "e5m2"]).unwrap();
+        assert!(select_shapes(&bad).is_err());
     }
 
     #[test]

@@ -48,6 +48,9 @@ pub struct Shape {
     /// other lengths with the same total.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lens: Option<Vec<usize>>,
+    /// Element type of the K and V caches when it is not `dtype` (`fp8_e4m3`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_dtype: Option<String>,
 }
 
 impl Shape {
@@ -104,6 +107,7 @@ impl Shape {
             long_len: None,
             pages_in_order: false,
             lens: None,
+            kv_dtype: None,
         })
     }
 }
