@@ -117,6 +117,36 @@ fn open_gpu() -> (Arc<Runtime>, Arc<CudaStream>) {
     (rt, stream)
 }
 
+/// GPU 0 with a stream of its own and cudarc's automatic event tracking off: tracking would
+/// make slice accesses record and wait on events on the legacy default stream (where
+/// `Decoder::new` puts the workspace), also while the stream is being captured. The graph
+/// tests order their one stream by hand instead.
+fn open_gpu_own_stream() -> (Arc<Runtime>, Arc<CudaStream>) {
+    let (rt, _) = open_gpu();
+    let ctx = rt.context().clone();
+    // SAFETY: the callers run everything on the returned stream, synchronised explicitly
+    // where it matters.
+    unsafe { ctx.disable_event_tracking() };
+    (rt, ctx.new_stream().expect("creating a stream"))
+}
+
+/// A graph of what `enqueue` launches on `stream` (the capture ends before an error is
+/// reported, so that a failure leaves the stream usable).
+fn capture_graph(
+    stream: &Arc<CudaStream>,
+    enqueue: impl FnOnce() -> kvstream::Result<()>,
+) -> Result<cudarc::driver::CudaGraph, String> {
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| format!("beginning the capture: {e}"))?;
+    let captured = enqueue();
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured.map_err(|e| format!("enqueueing during the capture: {e}"))?;
+    graph
+        .map_err(|e| format!("ending the capture / instantiating the graph: {e}"))?
+        .ok_or_else(|| "the capture recorded no work".to_string())
+}
+
 fn make_decoder(rt: &Arc<Runtime>, p: &DecodeProblem, opts: PlanOptions) -> Decoder {
     Decoder::new(rt, p.clone(), opts).unwrap_or_else(|e| panic!("Decoder::new({p:?}): {e}"))
 }
@@ -206,35 +236,7 @@ struct Paged<T> {
 /// pages of other requests (finite data the kernels must not use); positions past the length
 /// inside a request's last page keep the NaN poison.
 fn page_inputs<T: Half>(rng: &mut SplitMix64, p: &DecodeProblem, x: &Inputs<T>) -> Paged<T> {
-    let pg = p.paged.expect("a paged problem");
-    let per_token = p.hkv * p.head_dim;
-    let per_page = pg.page_size * per_token;
-    let pages_per_request = p.max_len.div_ceil(pg.page_size);
-    let mut order: Vec<usize> = (0..pg.num_pages).collect();
-    for i in (1..order.len()).rev() {
-        order.swap(i, rng.below(i + 1));
-    }
-    let mut k = vec![T::from_raw(POISON); pg.num_pages * per_page];
-    let mut v = k.clone();
-    let mut table = vec![0i32; p.batch * pg.table_stride];
-    for b in 0..p.batch {
-        for j in 0..pg.table_stride {
-            let slot = b * pg.table_stride + j;
-            if j < pages_per_request {
-                let page = order[b * pages_per_request + j];
-                table[slot] = page as i32;
-                let first = j * pg.page_size;
-                let rows = pg.page_size.min(p.max_len - first);
-                let src =
-                    (b * p.max_len + first) * per_token..(b * p.max_len + first + rows) * per_token;
-                let dst = page * per_page;
-                k[dst..dst + src.len()].copy_from_slice(&x.k[src.clone()]);
-                v[dst..dst + src.len()].copy_from_slice(&x.v[src]);
-            } else {
-                table[slot] = order[rng.below(p.batch * pages_per_request)] as i32;
-            }
-        }
-    }
+    let (k, v, table) = scatter_pages(rng, p, &x.k, &x.v, T::from_raw(POISON));
     Paged { k, v, table }
 }
 
@@ -1055,14 +1057,8 @@ fn device_plan_balances_skewed_batches() {
 }
 
 fn graph_replay_case(p: &DecodeProblem, opts: PlanOptions, length_sets: &[Vec<usize>]) {
-    let (rt, _) = open_gpu();
+    let (rt, stream) = open_gpu_own_stream();
     let ctx = rt.context().clone();
-    // cudarc's automatic event tracking would make slice accesses record and wait on events on
-    // the legacy default stream (where Decoder::new put the workspace), also while our stream
-    // is being captured. This test orders its one stream by hand instead.
-    // SAFETY: everything below runs on `stream`, synchronised explicitly where it matters.
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream().expect("creating a stream");
     let p = p.clone();
     let dec = make_decoder(&rt, &p, opts);
     let reduction = dec.plan().split().map(|s| s.reduction);
@@ -1091,17 +1087,9 @@ fn graph_replay_case(p: &DecodeProblem, opts: PlanOptions, length_sets: &[Vec<us
     stream.synchronize().expect("uploads");
 
     let tensors = raw_tensors(&stream, &dev, &mut graph_out);
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .expect("beginning the capture");
     // SAFETY: every pointer is a live allocation of the sizes the problem implies.
-    let captured = unsafe { dec.run(&tensors, stream.cu_stream()) };
-    // End the capture before checking `captured`, so that a failure leaves the stream usable.
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-    captured.unwrap_or_else(|e| panic!("Decoder::run during stream capture: {e}"));
-    let graph = graph
-        .unwrap_or_else(|e| panic!("ending the capture / instantiating the graph: {e}"))
-        .expect("the capture recorded no work");
+    let graph = capture_graph(&stream, || unsafe { dec.run(&tensors, stream.cu_stream()) })
+        .unwrap_or_else(|e| panic!("{e}"));
 
     for lens in length_sets {
         let lens = lens.as_slice();
@@ -1961,18 +1949,10 @@ fn fp8_inputs<T: Half>(
             .collect()
     };
     let (k_scale, v_scale) = (scales(rng), scales(rng));
-    let (sb, sh) = layout.strides(p.hkv);
-    let dequant = |bits: &[E4m3], scale: &[f32]| -> Vec<f32> {
-        bits.iter()
-            .enumerate()
-            .map(|(i, e)| {
-                let h = i / p.head_dim % p.hkv;
-                let b = i / (p.head_dim * p.hkv * p.max_len);
-                e.to_f32() * scale[b * sb + h * sh]
-            })
-            .collect()
-    };
-    let (k32, v32) = (dequant(&k, &k_scale), dequant(&v, &v_scale));
+    let (k32, v32) = (
+        dequantise(p, layout, &k, &k_scale),
+        dequantise(p, layout, &v, &v_scale),
+    );
     Fp8Inputs {
         q,
         k,
@@ -1985,8 +1965,21 @@ fn fp8_inputs<T: Half>(
     }
 }
 
-/// Contiguous `[batch, max_len, hkv, d]` caches scattered into shuffled pools of `p`'s pages
-/// (as `page_inputs`), any element type.
+/// The values a contiguous `[batch, max_len, hkv, d]` e4m3 cache holds with its scales.
+fn dequantise(p: &DecodeProblem, layout: KvScaleLayout, bits: &[E4m3], scale: &[f32]) -> Vec<f32> {
+    let (sb, sh) = layout.strides(p.hkv);
+    bits.iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let h = i / p.head_dim % p.hkv;
+            let b = i / (p.head_dim * p.hkv * p.max_len);
+            e.to_f32() * scale[b * sb + h * sh]
+        })
+        .collect()
+}
+
+/// Contiguous `[batch, max_len, hkv, d]` caches scattered into shuffled pools of `p`'s pages,
+/// any element type (see `page_inputs`).
 fn scatter_pages<K: Copy>(
     rng: &mut SplitMix64,
     p: &DecodeProblem,
@@ -2218,11 +2211,8 @@ fn fp8_cases_match_reference() {
 #[test]
 #[ignore = "needs an H100/H200 GPU: run with --ignored"]
 fn fp8_graph_replays_with_new_scales_and_lengths() {
-    let (rt, _) = open_gpu();
+    let (rt, stream) = open_gpu_own_stream();
     let ctx = rt.context().clone();
-    // SAFETY: everything below runs on `stream`, synchronised explicitly (see graph_replay_case).
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream().expect("creating a stream");
     let layout = KvScaleLayout::PerRequestHead;
     for page in [None, Some(16)] {
         let mut p = DecodeProblem::new(16, 32, 8, 128, 4096, DType::Bf16)
@@ -2242,16 +2232,9 @@ fn fp8_graph_replays_with_new_scales_and_lengths() {
         let mut graph_out = Outputs::<bf16>::new(&stream, &p, true);
         stream.synchronize().expect("uploads");
         let tensors = dev.tensors(&stream, &mut graph_out);
-        stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .expect("beginning the capture");
         // SAFETY: every pointer is a live allocation of the sizes the problem implies.
-        let captured = unsafe { dec.run(&tensors, stream.cu_stream()) };
-        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-        captured.unwrap_or_else(|e| panic!("Decoder::run during stream capture: {e}"));
-        let graph = graph
-            .expect("instantiating the graph")
-            .expect("the capture recorded no work");
+        let graph = capture_graph(&stream, || unsafe { dec.run(&tensors, stream.cu_stream()) })
+            .unwrap_or_else(|e| panic!("{e}"));
         let mut skew = vec![40; p.batch];
         skew[3] = 4096;
         let ragged: Vec<usize> = (0..p.batch).map(|_| rng.below(4097)).collect();
@@ -2263,19 +2246,8 @@ fn fp8_graph_replays_with_new_scales_and_lengths() {
             for s in x.k_scale.iter_mut().chain(x.v_scale.iter_mut()) {
                 *s *= 1.0 + 0.25 * (round as f32 + 1.0);
             }
-            let (sb, sh) = layout.strides(p.hkv);
-            let dequant = |bits: &[E4m3], scale: &[f32]| -> Vec<f32> {
-                bits.iter()
-                    .enumerate()
-                    .map(|(i, e)| {
-                        let h = i / p.head_dim % p.hkv;
-                        let b = i / (p.head_dim * p.hkv * p.max_len);
-                        e.to_f32() * scale[b * sb + h * sh]
-                    })
-                    .collect()
-            };
-            x.k32 = dequant(&x.k, &x.k_scale);
-            x.v32 = dequant(&x.v, &x.v_scale);
+            x.k32 = dequantise(&p, layout, &x.k, &x.k_scale);
+            x.v32 = dequantise(&p, layout, &x.v, &x.v_scale);
             overwrite(&stream, &x.k_scale, &mut dev.k_scale);
             overwrite(&stream, &x.v_scale, &mut dev.v_scale);
             overwrite(&stream, &lens_i32(lens), &mut dev.seqlens);
@@ -2461,16 +2433,9 @@ fn store_case<T: Half>(
     overwrite(stream, &vec![CACHE_POISON; bytes], &mut kc);
     overwrite(stream, &vec![CACHE_POISON; bytes], &mut vc);
     stream.synchronize().expect("poisoning the caches");
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .expect("beginning the capture");
     // SAFETY: as above.
-    let captured = unsafe { writer.run(&t, stream.cu_stream()) };
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-    captured.map_err(|e| format!("{what}: run during capture: {e}"))?;
-    let graph = graph
-        .map_err(|e| format!("{what}: instantiating: {e}"))?
-        .ok_or_else(|| format!("{what}: the capture recorded no work"))?;
+    let graph = capture_graph(stream, || unsafe { writer.run(&t, stream.cu_stream()) })
+        .map_err(|e| format!("{what}: {e}"))?;
     let replay_slots: Vec<i64> = order[tokens..2 * tokens]
         .iter()
         .map(|&s| s as i64)
@@ -2498,11 +2463,7 @@ fn store_case<T: Half>(
 #[test]
 #[ignore = "needs an H100/H200 GPU: run with --ignored"]
 fn store_kv_writes_exactly_the_slots_given() {
-    let (rt, _) = open_gpu();
-    let ctx = rt.context().clone();
-    // SAFETY: everything below runs on `stream`, synchronised explicitly.
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream().expect("creating a stream");
+    let (rt, stream) = open_gpu_own_stream();
     let mut rng = SplitMix64::new(0x5707E);
     let mut cases = 0;
     for d in [64, 128] {

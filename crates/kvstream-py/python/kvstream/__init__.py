@@ -128,41 +128,43 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _tensor(name: str, x: Any) -> Tuple[int, ...]:
+def _tensor(name: str, x: Any, fn: str = "decode") -> Tuple[int, ...]:
     """Checks that ``x`` is a CUDA tensor; returns its shape as a tuple of ints."""
     missing = [a for a in _TENSOR_ATTRS if not hasattr(x, a)]
     if missing:
         raise TypeError(
-            f"kvstream.decode: {name} must be a CUDA torch.Tensor, got {type(x).__name__} "
+            f"kvstream.{fn}: {name} must be a CUDA torch.Tensor, got {type(x).__name__} "
             f"(no attribute {missing[0]!r})"
         )
     if not x.is_cuda:
         raise ValueError(
-            f"kvstream.decode: {name} must be on a CUDA device, got a tensor on {x.device}"
+            f"kvstream.{fn}: {name} must be on a CUDA device, got a tensor on {x.device}"
         )
     return tuple(int(s) for s in x.shape)
 
 
-def _rank(name: str, shape: Tuple[int, ...], rank: int, layout: str) -> None:
+def _rank(name: str, shape: Tuple[int, ...], rank: int, layout: str, fn: str = "decode") -> None:
     if len(shape) != rank:
         raise ValueError(
-            f"kvstream.decode: {name} must have {rank} dimensions {layout}, "
+            f"kvstream.{fn}: {name} must have {rank} dimensions {layout}, "
             f"got shape {list(shape)}"
         )
 
 
-def _same_device(name: str, x: Any, dev: Tuple[str, Optional[int]], q: Any) -> None:
+def _same_device(
+    name: str, x: Any, dev: Tuple[str, Optional[int]], q: Any, fn: str = "decode"
+) -> None:
     if _device_key(x) != dev:
         raise ValueError(
-            f"kvstream.decode: {name} is on {x.device}, allowed: {q.device} (the device of q)"
+            f"kvstream.{fn}: {name} is on {x.device}, allowed: {q.device} (the device of q)"
         )
 
 
-def _dtype(name: str, x: Any, allowed: Tuple[str, ...]) -> str:
+def _dtype(name: str, x: Any, allowed: Tuple[str, ...], fn: str = "decode") -> str:
     d = str(x.dtype)
     if d not in allowed:
         raise TypeError(
-            f"kvstream.decode: {name} has dtype {d}, allowed: {', '.join(allowed)}"
+            f"kvstream.{fn}: {name} has dtype {d}, allowed: {', '.join(allowed)}"
         )
     return d
 
@@ -172,25 +174,25 @@ def _device_key(x: Any) -> Tuple[str, Optional[int]]:
     return (str(getattr(dev, "type", dev)), getattr(dev, "index", None))
 
 
-def _aligned(name: str, x: Any) -> None:
+def _aligned(name: str, x: Any, fn: str = "decode") -> None:
     ptr = int(x.data_ptr())
     if ptr % 16 != 0:
         raise ValueError(
-            f"kvstream.decode: {name} starts at address {ptr:#x}, allowed: 16-byte aligned "
+            f"kvstream.{fn}: {name} starts at address {ptr:#x}, allowed: 16-byte aligned "
             f"(a tensor view with a storage offset that is not a multiple of 8 elements)"
         )
 
 
-def _contiguous(name: str, x: Any, shape: Tuple[int, ...]) -> None:
+def _contiguous(name: str, x: Any, shape: Tuple[int, ...], fn: str = "decode") -> None:
     if not x.is_contiguous():
         raise ValueError(
-            f"kvstream.decode: {name} must be contiguous, got shape {list(shape)} with strides "
+            f"kvstream.{fn}: {name} must be contiguous, got shape {list(shape)} with strides "
             f"{list(x.stride())} (call .contiguous() first)"
         )
 
 
 def _cache_strides(
-    name: str, x: Any, shape: Tuple[int, ...], align: int = 8
+    name: str, x: Any, shape: Tuple[int, ...], align: int = 8, fn: str = "decode"
 ) -> Optional[Tuple[int, int, int]]:
     """None for a contiguous cache; else its (batch, token, head) element strides, checked
     (multiples of ``align`` elements: 16 bytes)."""
@@ -204,11 +206,28 @@ def _cache_strides(
     ok = st[3] == 1 and all(s > 0 and s % align == 0 for s in st[:3])
     if not ok:
         raise ValueError(
-            f"kvstream.decode: {name} has strides {list(x.stride())} for shape {list(shape)}, "
+            f"kvstream.{fn}: {name} has strides {list(x.stride())} for shape {list(shape)}, "
             f"allowed: a contiguous last dimension and positive batch, token and head strides "
             f"that are multiples of {align} elements (16 bytes) (call .contiguous() first)"
         )
     return (st[0], st[1], st[2])
+
+
+def _scale(name: str, sc: Any, shapes: Dict[tuple, str], dev: Any, ref: Any,
+           fn: str = "decode") -> Tuple[int, int]:
+    """(pointer, element count) of a float32 scale tensor of one of ``shapes`` (shape ->
+    what it means, for the error)."""
+    ss = _tensor(name, sc, fn)
+    _dtype(name, sc, ("torch.float32",), fn)
+    if ss not in shapes and not (ss == () and (1,) in shapes):
+        allowed = " or ".join(f"{list(shape)} ({what})" for shape, what in shapes.items())
+        raise ValueError(f"kvstream.{fn}: {name} has shape {list(ss)}, allowed: {allowed}")
+    _same_device(name, sc, dev, ref, fn)
+    _contiguous(name, sc, ss, fn)
+    numel = 1
+    for n in ss:
+        numel *= n
+    return int(sc.data_ptr()), numel
 
 
 class _Cached:
@@ -557,24 +576,9 @@ def decode(
                 "device_plan given, allowed: those only with engine='split' or None (they "
                 "configure the split engine)"
             )
-    scale_args = []
-    for name, sc in zip(("k_scale", "v_scale"), scales):
-        if sc is None:
-            scale_args.append(None)
-            continue
-        ss = _tensor(name, sc)
-        _dtype(name, sc, ("torch.float32",))
-        if ss not in ((), (1,), (hkv,), (b, hkv)):
-            raise ValueError(
-                f"kvstream.decode: {name} has shape {list(ss)}, allowed: [1] (per cache), "
-                f"[{hkv}] (per KV head) or [{b}, {hkv}] (per request and KV head)"
-            )
-        _same_device(name, sc, dev, q)
-        _contiguous(name, sc, ss)
-        numel = 1
-        for n in ss:
-            numel *= n
-        scale_args.append((int(sc.data_ptr()), numel))
+    scale_shapes = {(1,): "per cache", (hkv,): "per KV head", (b, hkv): "per request and KV head"}
+    scale_args = [None if sc is None else _scale(name, sc, scale_shapes, dev, q)
+                  for name, sc in zip(("k_scale", "v_scale"), scales)]
     if not isinstance(return_lse, bool):
         raise TypeError(
             f"kvstream.decode: return_lse must be a bool, got {type(return_lse).__name__}"
@@ -663,15 +667,15 @@ def store_kv(
     CUDA graph after one warm-up call per cache shape (replays may change the slots, rows and
     scales, not their addresses).
     """
-    ks = _tensor("k", k)
-    vs = _tensor("v", v)
-    kcs = _tensor("k_cache", k_cache)
-    vcs = _tensor("v_cache", v_cache)
-    _rank("k", ks, 3, "[tokens, hkv, head_dim]")
-    _rank("v", vs, 3, "[tokens, hkv, head_dim]")
-    _rank("k_cache", kcs, 4, "[blocks, block_size, hkv, head_dim]")
-    _rank("v_cache", vcs, 4, "[blocks, block_size, hkv, head_dim]")
-    kd = _dtype("k", k, tuple(SUPPORTED_DTYPES))
+    ks = _tensor("k", k, fn="store_kv")
+    vs = _tensor("v", v, fn="store_kv")
+    kcs = _tensor("k_cache", k_cache, fn="store_kv")
+    vcs = _tensor("v_cache", v_cache, fn="store_kv")
+    _rank("k", ks, 3, "[tokens, hkv, head_dim]", fn="store_kv")
+    _rank("v", vs, 3, "[tokens, hkv, head_dim]", fn="store_kv")
+    _rank("k_cache", kcs, 4, "[blocks, block_size, hkv, head_dim]", fn="store_kv")
+    _rank("v_cache", vcs, 4, "[blocks, block_size, hkv, head_dim]", fn="store_kv")
+    kd = _dtype("k", k, tuple(SUPPORTED_DTYPES), fn="store_kv")
     if str(v.dtype) != kd:
         raise TypeError(f"kvstream.store_kv: v has dtype {v.dtype}, allowed: {kd} (the dtype of k)")
     if vs != ks:
@@ -698,29 +702,29 @@ def store_kv(
     dev = _device_key(k)
     for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("slot_mapping", slot_mapping)):
-        _tensor(name, t)
-        _same_device(name, t, dev, k)
+        _tensor(name, t, fn="store_kv")
+        _same_device(name, t, dev, k, fn="store_kv")
     for name, t, sh in (("k", k, ks), ("v", v, vs)):
-        _contiguous(name, t, sh)
-        _aligned(name, t)
+        _contiguous(name, t, sh, fn="store_kv")
+        _aligned(name, t, fn="store_kv")
     align = 16 if fp8 else 8
-    k_strides = _cache_strides("k_cache", k_cache, kcs, align)
-    v_strides = _cache_strides("v_cache", v_cache, vcs, align)
+    k_strides = _cache_strides("k_cache", k_cache, kcs, align, fn="store_kv")
+    v_strides = _cache_strides("v_cache", v_cache, vcs, align, fn="store_kv")
     if k_strides != v_strides:
         raise ValueError(
             f"kvstream.store_kv: v_cache has strides {list(v_cache.stride())}, allowed: "
             f"k_cache's {list(k_cache.stride())} (one layout for both)"
         )
-    _aligned("k_cache", k_cache)
-    _aligned("v_cache", v_cache)
-    ss = _tensor("slot_mapping", slot_mapping)
-    _dtype("slot_mapping", slot_mapping, ("torch.int64",))
+    _aligned("k_cache", k_cache, fn="store_kv")
+    _aligned("v_cache", v_cache, fn="store_kv")
+    ss = _tensor("slot_mapping", slot_mapping, fn="store_kv")
+    _dtype("slot_mapping", slot_mapping, ("torch.int64",), fn="store_kv")
     if ss != (tokens,):
         raise ValueError(
             f"kvstream.store_kv: slot_mapping has shape {list(ss)}, allowed: [{tokens}] (one "
             f"slot per token of k)"
         )
-    _contiguous("slot_mapping", slot_mapping, ss)
+    _contiguous("slot_mapping", slot_mapping, ss, fn="store_kv")
     scale_args = []
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
         if sc is None:
@@ -731,19 +735,9 @@ def store_kv(
                 f"kvstream.store_kv: {name} is given for {kvd} caches, allowed: None (scales "
                 f"belong to {', '.join(FP8_KV_DTYPES)} caches)"
             )
-        scs = _tensor(name, sc)
-        _dtype(name, sc, ("torch.float32",))
-        if scs not in ((), (1,), (hkv,), (kcs[0], hkv)):
-            raise ValueError(
-                f"kvstream.store_kv: {name} has shape {list(scs)}, allowed: [1], [{hkv}] (per "
-                f"KV head) or [{kcs[0]}, {hkv}] (per request of a contiguous cache)"
-            )
-        _same_device(name, sc, dev, k)
-        _contiguous(name, sc, scs)
-        numel = 1
-        for n in scs:
-            numel *= n
-        scale_args.append((int(sc.data_ptr()), numel))
+        shapes = {(1,): "per cache", (hkv,): "per KV head",
+                  (kcs[0], hkv): "per request of a contiguous cache"}
+        scale_args.append(_scale(name, sc, shapes, dev, k, fn="store_kv"))
 
     import torch
 
@@ -776,9 +770,9 @@ def fp8_scales(cache: Any, per_head: bool = True) -> Any:
     """float32 scales that map a bf16 / fp16 cache ``[blocks, block_size, hkv, d]`` onto e4m3's
     range: amax / 448 per KV head (``[hkv]``), or for the whole cache (``[1]``); 1 where the
     cache is all zeros. For converting an existing cache with :func:`store_kv`."""
-    shape = _tensor("cache", cache)
-    _rank("cache", shape, 4, "[blocks, block_size, hkv, head_dim]")
-    _dtype("cache", cache, tuple(SUPPORTED_DTYPES))
+    shape = _tensor("cache", cache, fn="fp8_scales")
+    _rank("cache", shape, 4, "[blocks, block_size, hkv, head_dim]", fn="fp8_scales")
+    _dtype("cache", cache, tuple(SUPPORTED_DTYPES), fn="fp8_scales")
     amax = cache.abs().amax(dim=(0, 1, 3)) if per_head else cache.abs().amax().reshape(1)
     amax = amax.float()
     return (amax / 448.0).where(amax > 0, amax.new_ones(()))
