@@ -51,6 +51,8 @@
 //   KVS_PRODUCER_WARPS   1; gathering: 1, 2 or 4 warps, each copying its share of every tile
 //   KVS_KV_L2            L2 priority of the K and V loads: 0 evict_first, 1 evict_normal,
 //                        2 evict_last
+//   KVS_SOFTMAX_SLICES   m16 slices of a warp's rows per online-softmax step (1 or 2): one max
+//                        reduction, one rescale of O^T per step
 #include "ptx.cuh"
 #include "decode_params.cuh"
 #include "kv_format.cuh"
@@ -89,6 +91,7 @@ static_assert(PAGED || !GATHER, "only a paged pool is gathered");
 static_assert(PRODUCER_WARPS == 1 || (GATHER && (PRODUCER_WARPS == 2 || PRODUCER_WARPS == 4)),
               "several producer warps only gather");
 constexpr int KV_L2 = KVS_KV_L2;
+constexpr int SOFTMAX_SLICES = KVS_SOFTMAX_SLICES;
 static_assert(KV_L2 >= 0 && KV_L2 <= 2, "L2 priority");
 
 constexpr int GROUP_WARPS = 4;
@@ -153,6 +156,8 @@ static_assert(TILE_TOKENS % 32 == 0, "producer lanes take whole rounds of page r
 static_assert(STAGES % CONSUMER_GROUPS == 0, "a stage must always feed the same group");
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim");
 static_assert(N_TILES >= 1 && N_TILES <= 4, "column blocks of up to 32 rows");
+static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
+              "softmax steps of whole m16 slices of a warp's rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
 // merge_unit stages two floats per column and piece in the epilogue scratch; a unit has at
 // most one piece per CTA of the grid
@@ -936,39 +941,49 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             const int tile_begin = k * TILE_TOKENS;
 
 #pragma unroll
-            for (int ms = 0; ms < M_SLICES; ++ms) {
-                const int slice_row = row0 + ms * 16;
-
-                // ---- S^T = K Q^T for 16 positions x GROUP_PAD columns ----
-                float s[N_TILES][4];
+            for (int ms0 = 0; ms0 < M_SLICES; ms0 += SOFTMAX_SLICES) {
+                // ---- S^T = K Q^T for SOFTMAX_SLICES x 16 positions x GROUP_PAD columns ----
+                float s[SOFTMAX_SLICES][N_TILES][4];
 #pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt)
+                for (int h = 0; h < SOFTMAX_SLICES; ++h) {
+                    const int slice_row = row0 + (ms0 + h) * 16;
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
+                    for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-                for (int kk = 0; kk < D_TILES; kk += 2) {
-                    u32 a0[4], a1[4];
-                    Kv::k_fragments(a0, a1, k_tile, slice_row, kk, lane);
+                        for (int i = 0; i < 4; ++i) s[h][nt][i] = 0.f;
 #pragma unroll
-                    for (int nt = 0; nt < N_TILES; ++nt) {
-                        u32 b[4];
-                        ldmatrix_x4(b, q_base + (nt * 8 + q_row) * SMEM_ROW + (kk * 16 + q_col) * 2);
-                        mma_m16n8k16<MMA_F16>(s[nt], a0, b[0], b[1]);
-                        mma_m16n8k16<MMA_F16>(s[nt], a1, b[2], b[3]);
+                    for (int kk = 0; kk < D_TILES; kk += 2) {
+                        u32 a0[4], a1[4];
+                        Kv::k_fragments(a0, a1, k_tile, slice_row, kk, lane);
+#pragma unroll
+                        for (int nt = 0; nt < N_TILES; ++nt) {
+                            u32 b[4];
+                            ldmatrix_x4(b, q_base + (nt * 8 + q_row) * SMEM_ROW + (kk * 16 + q_col) * 2);
+                            mma_m16n8k16<MMA_F16>(s[h][nt], a0, b[0], b[1]);
+                            mma_m16n8k16<MMA_F16>(s[h][nt], a1, b[2], b[3]);
+                        }
                     }
                 }
 
-                // ---- online softmax over this warp's rows (base 2) ----
-                const int tok_lo = tile_begin + slice_row + lane / 4;  // rows of s[..][0..1]
-                u32 p_frag[N_TILES][2];
+                // ---- online softmax over this warp's rows of the step (base 2) ----
+                u32 p_frag[SOFTMAX_SLICES][N_TILES][2];
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt) {
-                    float x[4];
-                    x[0] = tok_lo < limit[nt][0] ? s[nt][0] * score_scale : neg_inf();
-                    x[1] = tok_lo < limit[nt][1] ? s[nt][1] * score_scale : neg_inf();
-                    x[2] = tok_lo + 8 < limit[nt][0] ? s[nt][2] * score_scale : neg_inf();
-                    x[3] = tok_lo + 8 < limit[nt][1] ? s[nt][3] * score_scale : neg_inf();
-                    float mx[2] = {fmaxf(x[0], x[2]), fmaxf(x[1], x[3])};
+                    float x[SOFTMAX_SLICES][4];
+#pragma unroll
+                    for (int h = 0; h < SOFTMAX_SLICES; ++h) {
+                        const int tok_lo = tile_begin + row0 + (ms0 + h) * 16 + lane / 4;  // rows of s[h][..][0..1]
+                        x[h][0] = tok_lo < limit[nt][0] ? s[h][nt][0] * score_scale : neg_inf();
+                        x[h][1] = tok_lo < limit[nt][1] ? s[h][nt][1] * score_scale : neg_inf();
+                        x[h][2] = tok_lo + 8 < limit[nt][0] ? s[h][nt][2] * score_scale : neg_inf();
+                        x[h][3] = tok_lo + 8 < limit[nt][1] ? s[h][nt][3] * score_scale : neg_inf();
+                    }
+                    float mx[2] = {fmaxf(x[0][0], x[0][2]), fmaxf(x[0][1], x[0][3])};
+#pragma unroll
+                    for (int h = 1; h < SOFTMAX_SLICES; ++h) {
+                        mx[0] = fmaxf(mx[0], fmaxf(x[h][0], x[h][2]));
+                        mx[1] = fmaxf(mx[1], fmaxf(x[h][1], x[h][3]));
+                    }
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -980,9 +995,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                         const float m_use = m_new == neg_inf() ? 0.f : m_new;
                         const float alpha = exp2_approx(m_run[nt][j] - m_use);
                         m_run[nt][j] = m_new;
-                        x[j] = exp2_approx(x[j] - m_use);
-                        x[j + 2] = exp2_approx(x[j + 2] - m_use);
-                        l_run[nt][j] = l_run[nt][j] * alpha + x[j] + x[j + 2];
+#pragma unroll
+                        for (int h = 0; h < SOFTMAX_SLICES; ++h) {
+                            x[h][j] = exp2_approx(x[h][j] - m_use);
+                            x[h][j + 2] = exp2_approx(x[h][j + 2] - m_use);
+                        }
+                        float l = l_run[nt][j] * alpha + x[0][j] + x[0][j + 2];
+#pragma unroll
+                        for (int h = 1; h < SOFTMAX_SLICES; ++h) l += x[h][j] + x[h][j + 2];
+                        l_run[nt][j] = l;
 #pragma unroll
                         for (int dt = 0; dt < D_TILES; ++dt) {
                             o_acc[dt][nt][j] *= alpha;
@@ -991,34 +1012,42 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                     }
                     // P^T as the B operand: the S^T accumulator halves are 8x8 blocks with
                     // positions on rows; transposing each in registers gives the k-major fragment.
-                    p_frag[nt][0] = movmatrix_trans(pack_half2<MMA_F16>(x[0], x[1]));
-                    p_frag[nt][1] = movmatrix_trans(pack_half2<MMA_F16>(x[2], x[3]));
+#pragma unroll
+                    for (int h = 0; h < SOFTMAX_SLICES; ++h) {
+                        p_frag[h][nt][0] = movmatrix_trans(pack_half2<MMA_F16>(x[h][0], x[h][1]));
+                        p_frag[h][nt][1] = movmatrix_trans(pack_half2<MMA_F16>(x[h][2], x[h][3]));
+                    }
                 }
 
                 // ---- O^T += V^T P^T ----
-                if (ms == 0) mbarrier_wait(&v_full[stage], parity);
-                // Positions past the length carry P = 0, but the V rows there may hold anything
-                // (NaN included, and 0 * NaN = NaN): clear them in the request's last tile. Lane
-                // holds V^T columns (positions) 2*(lane%4) + {0,1} in a[0..1] and 8 more in a[2..3].
-                u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
-                if (tile_begin + TILE_TOKENS > pc.len) {
-                    const int t0 = tile_begin + slice_row + 2 * (lane % 4);
-                    keep_lo = (t0 < pc.len ? 0x0000ffffu : 0u) | (t0 + 1 < pc.len ? 0xffff0000u : 0u);
-                    keep_hi = (t0 + 8 < pc.len ? 0x0000ffffu : 0u) | (t0 + 9 < pc.len ? 0xffff0000u : 0u);
-                }
+                if (ms0 == 0) mbarrier_wait(&v_full[stage], parity);
 #pragma unroll
-                for (int dt = 0; dt < D_TILES; dt += 2) {
-                    u32 a[2][4];
-                    Kv::v_fragments(a[0], a[1], v_tile, slice_row, dt, lane);
+                for (int h = 0; h < SOFTMAX_SLICES; ++h) {
+                    const int slice_row = row0 + (ms0 + h) * 16;
+                    // Positions past the length carry P = 0, but the V rows there may hold
+                    // anything (NaN included, and 0 * NaN = NaN): clear them in the request's
+                    // last tile. Lane holds V^T columns (positions) 2*(lane%4) + {0,1} in
+                    // a[0..1] and 8 more in a[2..3].
+                    u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
+                    if (tile_begin + TILE_TOKENS > pc.len) {
+                        const int t0 = tile_begin + slice_row + 2 * (lane % 4);
+                        keep_lo = (t0 < pc.len ? 0x0000ffffu : 0u) | (t0 + 1 < pc.len ? 0xffff0000u : 0u);
+                        keep_hi = (t0 + 8 < pc.len ? 0x0000ffffu : 0u) | (t0 + 9 < pc.len ? 0xffff0000u : 0u);
+                    }
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        a[h][0] &= keep_lo;
-                        a[h][1] &= keep_lo;
-                        a[h][2] &= keep_hi;
-                        a[h][3] &= keep_hi;
+                    for (int dt = 0; dt < D_TILES; dt += 2) {
+                        u32 a[2][4];
+                        Kv::v_fragments(a[0], a[1], v_tile, slice_row, dt, lane);
 #pragma unroll
-                        for (int nt = 0; nt < N_TILES; ++nt)
-                            mma_m16n8k16<MMA_F16>(o_acc[dt + h][nt], a[h], p_frag[nt][0], p_frag[nt][1]);
+                        for (int t = 0; t < 2; ++t) {
+                            a[t][0] &= keep_lo;
+                            a[t][1] &= keep_lo;
+                            a[t][2] &= keep_hi;
+                            a[t][3] &= keep_hi;
+#pragma unroll
+                            for (int nt = 0; nt < N_TILES; ++nt)
+                                mma_m16n8k16<MMA_F16>(o_acc[dt + t][nt], a[t], p_frag[h][nt][0], p_frag[h][nt][1]);
+                        }
                     }
                 }
             }

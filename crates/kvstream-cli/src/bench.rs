@@ -129,6 +129,7 @@ pub struct Ring {
     pub promotion: Option<kvstream::launch::TmaPromotion>,
     pub gather: Option<bool>,
     pub producer_warps: Option<usize>,
+    pub softmax_slices: Option<usize>,
 }
 
 impl Ring {
@@ -142,6 +143,7 @@ impl Ring {
             kv_promotion: self.promotion,
             persistent_paged_gather: self.gather,
             persistent_producer_warps: self.producer_warps,
+            persistent_softmax_slices: self.softmax_slices,
             ..Default::default()
         }
     }
@@ -149,17 +151,19 @@ impl Ring {
 
 /// `g2s4p64`, `s6`, `g1p128l2m2`, ...: letters g, s, p, l, m each followed by a number, at
 /// most once (l: 0 evict_first, 1 evict_normal, 2 evict_last; m: 0 none, 1 64 B, 2 128 B,
-/// 3 256 B; x: paged caches, 0 TMA boxes, 1 gathered pages; w: warps gathering them).
+/// 3 256 B; x: paged caches, 0 TMA boxes, 1 gathered pages; w: warps gathering them; r: m16
+/// slices per softmax step).
 pub fn parse_ring(text: &str) -> Result<Ring, String> {
     let bad = || {
         format!(
             "ring {text:?}: expected g<groups>s<stages>p<positions>l<L2 priority: 0 first, \
              1 normal, 2 last>m<L2 promotion: 0 none, 1 64 B, 2 128 B, 3 256 B>x<pages: 0 TMA \
-             boxes, 1 gathered>w<gathering warps>, each part optional, e.g. g1s6p64"
+             boxes, 1 gathered>w<gathering warps>r<m16 slices per softmax step>, each part \
+             optional, e.g. g1s6p64"
         )
     };
-    const KEYS: &str = "gsplmxw";
-    let mut parts = [None::<usize>; 7];
+    const KEYS: &str = "gsplmxwr";
+    let mut parts = [None::<usize>; 8];
     let mut rest = text;
     while let Some(key) = rest.chars().next() {
         let slot = KEYS.find(key).ok_or_else(bad)?;
@@ -170,7 +174,8 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         }
         rest = &rest[1 + digits..];
     }
-    let [groups, stages, tile_tokens, l2, promotion, gather, producer_warps] = parts;
+    let [groups, stages, tile_tokens, l2, promotion, gather, producer_warps, softmax_slices] =
+        parts;
     let kv_l2 = l2
         .map(|c| kvstream::kernels::L2Hint::from_code(c).ok_or_else(bad))
         .transpose()?;
@@ -196,6 +201,7 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         promotion,
         gather,
         producer_warps,
+        softmax_slices,
     })
 }
 

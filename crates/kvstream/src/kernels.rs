@@ -281,6 +281,8 @@ pub struct PersistentVariant {
     pub producer_warps: usize,
     /// L2 eviction priority of the K and V loads.
     pub kv_l2: L2Hint,
+    /// m16 slices of a warp's rows per online-softmax step (`KVS_SOFTMAX_SLICES`: 1 or 2).
+    pub softmax_slices: usize,
 }
 
 /// How the persistent decode's producer brings K and V into the ring (`KVS_PAGED`,
@@ -372,8 +374,12 @@ impl Variant for PersistentVariant {
                 String::new()
             } else {
                 format!(".w{}", self.producer_warps)
-            }
-        )
+            },
+        ) + &if self.softmax_slices == 1 {
+            String::new()
+        } else {
+            format!(".sm{}", self.softmax_slices)
+        }
     }
     fn source(&self) -> &'static str {
         DECODE_SRC
@@ -401,6 +407,7 @@ impl Variant for PersistentVariant {
             u8::from(self.kv_source == KvSource::PagedGather).to_string(),
         ));
         d.push(("KVS_PRODUCER_WARPS".into(), self.producer_warps.to_string()));
+        d.push(("KVS_SOFTMAX_SLICES".into(), self.softmax_slices.to_string()));
         d
     }
 }

@@ -20,7 +20,8 @@
 //! A knob of one engine selects it: `num_splits`, `reduction`, `device_plan`, `stages`,
 //! `consumer_groups`, `resident_ctas` the split engine; `persistent_ctas`, `min_tiles_per_cta`,
 //! `persistent_stages`, `persistent_groups`, `persistent_tile_tokens`, `persistent_kv_l2`,
-//! `persistent_paged_gather`, `persistent_producer_warps` the persistent one.
+//! `persistent_paged_gather`, `persistent_producer_warps`, `persistent_softmax_slices` the
+//! persistent one.
 //!
 //! # Split engine: split count and reduction mode
 //!
@@ -81,6 +82,7 @@ pub fn persistent_variant(
         kv_source,
         producer_warps: default_producer_warps(kv_source),
         kv_l2: crate::kernels::L2Hint::default(),
+        softmax_slices: 1,
     };
     with_deepest_ring(v, max_stages)
 }
@@ -165,12 +167,28 @@ pub fn persistent_variant_forced(
             ))
         }
     };
-    let v = persistent_variant_with_ring(
+    let mut v = persistent_variant_with_ring(
         v,
         o.persistent_groups,
         o.persistent_stages,
         o.persistent_tile_tokens,
     )?;
+    if let Some(m) = o.persistent_softmax_slices {
+        // m16 slices of one warp's rows of a tile (four warps share a tile)
+        let slices = v.tile_tokens / 4 / 16;
+        if !(1..=2).contains(&m) || slices % m != 0 {
+            return Err(Error::invalid(
+                "persistent_softmax_slices",
+                m,
+                format!(
+                    "1, or 2 where a warp holds an even number of m16 slices of a tile ({slices} \
+                     at {} positions per tile)",
+                    v.tile_tokens
+                ),
+            ));
+        }
+        v.softmax_slices = m;
+    }
     Ok(PersistentVariant {
         kv_l2: o.persistent_kv_l2.unwrap_or(v.kv_l2),
         ..v
@@ -581,6 +599,10 @@ impl PlanOptions {
                 "persistent_producer_warps",
                 self.persistent_producer_warps.is_some(),
             ),
+            (
+                "persistent_softmax_slices",
+                self.persistent_softmax_slices.is_some(),
+            ),
         ]
         .into_iter()
         .find_map(|(name, set)| set.then_some(name))
@@ -792,6 +814,9 @@ pub struct PlanOptions {
     /// Persistent engine, tuning knob, gathered pages: producer warps issuing the copies (1, 2
     /// or 4) instead of [`PERSISTENT_GATHER_WARPS`].
     pub persistent_producer_warps: Option<usize>,
+    /// Persistent engine, tuning knob: m16 slices of a warp's rows per online-softmax step (1
+    /// or 2; two share one max reduction and one rescale of the accumulators). `None`: 1.
+    pub persistent_softmax_slices: Option<usize>,
     /// Tuning knob of both engines: the L2 promotion of the K and V tensor maps instead of
     /// [`crate::launch::TmaPromotion::default`].
     pub kv_promotion: Option<crate::launch::TmaPromotion>,
@@ -1860,6 +1885,40 @@ mod tests {
                 .kv_source,
             KvSource::PagedGather
         );
+    }
+
+    #[test]
+    fn softmax_slices_are_checked_against_the_tile() {
+        let p = DecodeProblem::new(16, 32, 8, 64, 4096, DType::Bf16).unwrap();
+        let knob = |m, tile| PlanOptions {
+            persistent_softmax_slices: Some(m),
+            persistent_tile_tokens: tile,
+            ..Default::default()
+        };
+        // d 64: 128-position tiles, two m16 slices per warp
+        assert_eq!(
+            persistent(&p, knob(2, None))
+                .unwrap()
+                .variant
+                .softmax_slices,
+            2
+        );
+        assert_eq!(
+            persistent(&p, PlanOptions::default())
+                .unwrap()
+                .variant
+                .softmax_slices,
+            1
+        );
+        for (m, tile) in [(2, Some(64)), (3, None), (0, None)] {
+            let msg = choose(&p, DeviceFacts::H200, knob(m, tile))
+                .unwrap_err()
+                .to_string();
+            assert!(msg.contains("persistent_softmax_slices"), "{msg}");
+        }
+        // a knob of the persistent engine: it selects that engine
+        let b1 = DecodeProblem::new(1, 16, 2, 128, 4096, DType::Bf16).unwrap();
+        assert!(persistent(&b1, knob(2, Some(128))).is_ok());
     }
 
     #[test]

@@ -1401,6 +1401,12 @@ fn paged_cache_equals_contiguous() {
                     persistent_paged_gather: Some(false),
                     ..persistent
                 },
+                // the paired softmax step (a tuning knob), on 128-position tiles
+                PlanOptions {
+                    persistent_softmax_slices: Some(2),
+                    persistent_tile_tokens: Some(128),
+                    ..persistent
+                },
                 split(3, Reduction::Kernel),
                 split(4, Reduction::Cluster),
             ] {
@@ -2154,7 +2160,15 @@ fn fp8_cases_match_reference() {
             lens[batch - 1] = 0;
         }
         let layout = layouts[i % 3];
-        let mut problems = vec![(base.clone(), PlanOptions::default())];
+        let paired = PlanOptions {
+            persistent_softmax_slices: Some(2),
+            persistent_tile_tokens: Some(128),
+            ..Default::default()
+        };
+        let mut problems = vec![
+            (base.clone(), PlanOptions::default()),
+            (base.clone(), paired),
+        ];
         for page in [1, 16, 64] {
             let paged = base
                 .clone()

@@ -65,6 +65,40 @@ fn every_variant_compiles_to_sm90a_without_spills() {
     println!("{report}");
 }
 
+/// The paired online-softmax step (`PlanOptions::persistent_softmax_slices`, a tuning knob the
+/// plan does not choose yet) compiles without spills where a sweep would use it: d 64's default
+/// tiles and d 128 with 128-position tiles, 2-byte and e4m3 caches, one and two column tiles.
+#[test]
+fn paired_softmax_steps_compile_without_spills() {
+    use kvstream::plan::{persistent_variant, persistent_variant_forced, PlanOptions};
+    use kvstream::{DType, KvDType};
+    for (d, tile) in [(64, None), (128, Some(128))] {
+        for kv in [KvDType::AsQuery, KvDType::Fp8E4m3] {
+            for n_tiles in [1, 2] {
+                let v = persistent_variant(
+                    DType::Bf16,
+                    kv,
+                    d,
+                    n_tiles,
+                    kvstream::kernels::KvSource::Contiguous,
+                );
+                let o = PlanOptions {
+                    persistent_softmax_slices: Some(2),
+                    persistent_tile_tokens: tile,
+                    ..Default::default()
+                };
+                let v = persistent_variant_forced(v, &o).unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(v.softmax_slices, 2);
+                let c = compile::compile(&v).unwrap_or_else(|e| panic!("{e}"));
+                let r = c.report();
+                let name = kvstream::kernels::Variant::name(&v);
+                assert!(name.ends_with(".sm2"), "{name}");
+                assert_eq!(r.spill_stores + r.spill_loads, 0, "{name}: spills ({r})");
+            }
+        }
+    }
+}
+
 /// The phase-trace build (decode_gqa.cu `KVS_TRACE`, `KVSTREAM_TRACE=<dir> kvstream bench`) of
 /// the batch-1 serving variants keeps compiling, without spills, and exports the record ring the
 /// bench reads by name.
