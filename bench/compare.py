@@ -52,6 +52,7 @@ Without a GPU (needs only matplotlib)::
 
     python3 bench/compare.py --plot-only bench/results/h200-latest.json     # plots again
     python3 bench/compare.py --report-only bench/results/h200-latest.json   # RESULTS.md + plots
+    python3 bench/compare.py --merge a.json b.json    # runs of parts of the matrix (--ids) as one
 """
 
 from __future__ import annotations
@@ -1003,6 +1004,10 @@ def parse_args(argv=None):
                     help="only draw the plots of an existing results file (next to it)")
     ap.add_argument("--report-only", metavar="JSON",
                     help="only rewrite --md and the plots from an existing results file")
+    ap.add_argument("--merge", metavar="JSON", nargs="+",
+                    help="combine results files of the same commit run over parts of the matrix "
+                         "(each shape once, in --matrix order) into the latest and dated files, "
+                         "--md and the plots")
     args = ap.parse_args(argv)
     args.prefix = "h200" if args.kv_dtype == "bf16" else "h200-fp8"
     if args.kv_dtype == "fp8_e4m3":
@@ -1018,8 +1023,8 @@ def parse_args(argv=None):
         ap.error("--impls must include kvstream (speedups are relative to it)")
     if not args.quick and args.rounds < MIN_ROUNDS:
         ap.error(f"--rounds must be >= {MIN_ROUNDS} (docs/benchmarking.md); use --quick for a smoke test")
-    if args.plot_only and args.report_only:
-        ap.error("--plot-only and --report-only exclude each other")
+    if sum(bool(x) for x in (args.plot_only, args.report_only, args.merge)) > 1:
+        ap.error("--plot-only, --report-only and --merge exclude each other")
     return args
 
 
@@ -1037,8 +1042,44 @@ def shown(path):
         return path
 
 
+def merge_docs(docs, matrix_ids):
+    """One results document from runs over parts of the matrix: the first run's header, every
+    shape once (a shape in two runs is an error), rows in matrix order, notes of all runs."""
+    commits = {d.get("commit") for d in docs}
+    if len(commits) != 1:
+        raise SystemExit(f"compare.py --merge: runs of different commits {sorted(map(str, commits))}")
+    rows, notes = {}, []
+    for d in docs:
+        for r in d["rows"]:
+            if r["id"] in rows:
+                raise SystemExit(f"compare.py --merge: shape {r['id']} is in two runs")
+            rows[r["id"]] = r
+        notes += [n for n in d.get("notes", []) if n not in notes]
+    order = {i: k for k, i in enumerate(matrix_ids)}
+    doc = dict(docs[0])
+    doc["rows"] = sorted(rows.values(), key=lambda r: order.get(r["id"], len(order)))
+    doc["notes"] = notes + [f"merged from {len(docs)} runs over parts of the matrix"]
+    doc["summary"] = summarize(doc["rows"])
+    doc["elapsed_s"] = round(sum(d.get("elapsed_s", 0) for d in docs), 1)
+    return doc
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.merge:
+        docs = [json.loads(Path(p).read_text()) for p in args.merge]
+        ids = [s["id"] for s in json.loads(Path(args.matrix).read_text())["shapes"]]
+        doc = merge_docs(docs, ids)
+        fp8 = any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"])
+        if fp8:
+            use_fp8_impls()
+            if args.md == str(REPO / "bench" / "RESULTS.md"):
+                args.md = str(REPO / "bench" / "RESULTS-fp8.md")
+        for line in summary_lines(doc["summary"]):
+            print(line)
+        for p in write_outputs(doc, args.results_dir, args.md, "h200-fp8" if fp8 else "h200"):
+            print(f"wrote {shown(p)}")
+        return 0
     if args.plot_only or args.report_only:
         path = Path(args.plot_only or args.report_only)
         doc = json.loads(path.read_text())
