@@ -4,12 +4,13 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 serving ab (default:
+# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep serving ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
 # FA3 wheel travels in .whl/); both pack their outputs into $OUT/<part>-results.tar.gz;
-# `compare8` is compare.py's FP8 comparison (e4m3 caches, FA3's fp8 path).
+# `compare8` is compare.py's FP8 comparison (e4m3 caches, FA3's fp8 path); `fp8sweep` the FP8
+# tuning sweep of `kvstream bench` (FP8_IDS, FP8_RINGS).
 # `trace` runs the serving rows TRACE_IDS with the phase-trace kernels (prepare with TRACE=1)
 # and summarises them with bench/trace.py into $OUT/trace (timings there carry the stamps).
 # `serving` runs bench/serving.json (SERVING_ARGS) and bench/serving_peers.py (PEERS_ARGS, e.g.
@@ -93,6 +94,13 @@ if want compare8; then
     python3 bench/compare.py --kv-dtype fp8_e4m3 --matrix bench/matrix.json --commit "${COMMIT:-unknown}" ${COMPARE_ARGS:-} \
     2>&1 | tee $O/compare-fp8.txt | tail -80
   tar czf $O/compare-fp8-results.tar.gz bench/results/h200-fp8-* bench/results/plot-fp8-* bench/RESULTS-fp8.md 2>/dev/null
+fi
+if want fp8sweep; then
+  # FP8 tuning sweep: rings (paired softmax steps r2, 128-position tiles), grid and fewest tiles
+  # per CTA on the rows that decide the FP8 plan (FP8_IDS)
+  timeout 500 $B bench --kv-dtype fp8_e4m3 --ids "${FP8_IDS:-gqa-d128-L131072,mha-d64-L131072,mha-d128-L65536,batch-b16-L32768,batch-b128-L4096}" \
+    --rings "${FP8_RINGS:-g2s4,r2,g2s2p128r2,g2s2p128,g1s4p128r2}" --min-tiles 4,16 --ctas 66 --no-plots \
+    --json $O/fp8-sweep.json 2>&1 | tee $O/fp8-sweep.txt | tail -40
 fi
 if want trace; then
   mkdir -p $O/trace

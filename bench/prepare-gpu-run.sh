@@ -4,6 +4,7 @@
 # AB_REFS="c790eea 1ca18d6" also builds those commits (and this tree) for bench/ab.sh
 # into .carry/ab/<commit>/ with every bf16 kernel in their caches (this tree under its own short
 # commit, `-dirty` when crates/ or kernels/ differ from it), packed as .carry/ab.tar.gz.
+# RINGS="g2s4,r2" also compiles the persistent variants of those forced rings (bench --rings).
 # Carry .carry and .whl (the FA3 wheel) together: about 55 MB; with AB_REFS, .carry alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +23,7 @@ cp "$exe" .carry/bin/gpu-tests
 if [ -n "${DUMP_CUBINS:-}" ]; then
   KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --dump .carry/cubins
 else
-  KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels > /dev/null
+  KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels ${RINGS:+--rings "$RINGS"} > /dev/null
 fi
 # TRACE=1: the phase-trace builds too (gpu-run.sh's `trace` part; their cache keys differ).
 # Any KVSTREAM_TRACE value turns the trace on; `kernels` only compiles, so nothing is written.
