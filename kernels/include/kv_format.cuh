@@ -56,7 +56,6 @@ struct KvHalf : SwizzledRows<128, HEAD_DIM * 2 / 128, TILE_TOKENS> {
     static constexpr bool MMA_F16 = IS_F16;
     static constexpr bool QUERY_PERMUTED = false;
     static_assert(HEAD_DIM % DIMS_PER_BOX == 0, "whole boxes per position");
-    __device__ static __forceinline__ int query_pair(int p) { return p; }
 
     // K as the row-major A operand, k-steps kstep and kstep + 1 (head dims 16 kstep .. + 32) of
     // positions row .. row + 15.

@@ -657,24 +657,24 @@ __device__ __forceinline__ float kv_scale(const float* scale, int batch_stride, 
 // The consumers' pass over a piece's query rows where the K fragments want them in another
 // type or order (Kv::QUERY_PERMUTED): every 16-dim k-step of every row becomes f16 pairs in
 // the order Kv::query_pair gives, in place; the caller synchronises the consumers after it.
-// Values beyond f16's range saturate to +-65504.
+// Values beyond f16's range saturate to +-65504. (A template, so that only formats with
+// QUERY_PERMUTED need query_pair.)
+template <class Fmt>
 __device__ __forceinline__ void permute_query_rows(u32 q_base, int count) {
-    if constexpr (Kv::QUERY_PERMUTED) {
-        constexpr int STEPS = HEAD_DIM / 16;
-        for (int i = threadIdx.x; i < count * STEPS; i += CONSUMER_THREADS) {
-            const u32 at = q_base + (i / STEPS) * SMEM_ROW + (i % STEPS) * 32;
-            u32 in[8], out[8];
-            ld_shared_v4(in, at);
-            ld_shared_v4(in + 4, at + 16);
+    constexpr int STEPS = HEAD_DIM / 16;
+    for (int i = threadIdx.x; i < count * STEPS; i += CONSUMER_THREADS) {
+        const u32 at = q_base + (i / STEPS) * SMEM_ROW + (i % STEPS) * 32;
+        u32 in[8], out[8];
+        ld_shared_v4(in, at);
+        ld_shared_v4(in + 4, at + 16);
 #pragma unroll
-            for (int pr = 0; pr < 8; ++pr) {
-                float lo, hi;
-                unpack_half2<IS_F16>(in[Kv::query_pair(pr)], lo, hi);
-                out[pr] = pack_half2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
-            }
-            st_shared_v4(at, out);
-            st_shared_v4(at + 16, out + 4);
+        for (int pr = 0; pr < 8; ++pr) {
+            float lo, hi;
+            unpack_half2<IS_F16>(in[Fmt::query_pair(pr)], lo, hi);
+            out[pr] = pack_half2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
         }
+        st_shared_v4(at, out);
+        st_shared_v4(at + 16, out + 4);
     }
 }
 
@@ -905,7 +905,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         const u32 q_base = q_base0 + q_buf * Q_BYTES;
         mbarrier_wait(&q_full[q_buf], (pieces_done / Q_BUFFERS) & 1);
         if constexpr (Kv::QUERY_PERMUTED) {
-            permute_query_rows(q_base, cols.count);
+            permute_query_rows<Kv>(q_base, cols.count);
             named_barrier_sync(1, CONSUMER_THREADS);
         }
         if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);

@@ -548,18 +548,7 @@ fn scale_arg(
     let Some((ptr, len)) = given else {
         return Ok(None);
     };
-    let layout = KvScaleLayout::from_len(len, p.batch, p.hkv).ok_or_else(|| {
-        to_py(Error::invalid(
-            arg,
-            format!("{len} elements"),
-            format!(
-                "1 (per tensor), hkv = {} (per KV head) or batch x hkv = {} (per request and \
-                 KV head)",
-                p.hkv,
-                p.batch * p.hkv
-            ),
-        ))
-    })?;
+    let layout = KvScaleLayout::of_tensor(arg, len, p.batch, p.hkv).map_err(to_py)?;
     Ok(Some(KvScale { ptr, layout }))
 }
 

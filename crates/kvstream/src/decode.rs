@@ -339,18 +339,10 @@ impl Decoder {
             (None, None) => {}
         }
         for (arg, scale) in [("k_scale", t.k_scale), ("v_scale", t.v_scale)] {
-            let Some(scale) = scale else { continue };
-            if self.problem.kv_dtype == KvDType::AsQuery {
-                return Err(Error::invalid(
-                    arg,
-                    "a scale tensor",
-                    format!(
-                        "none: the caches are {} (scales belong to fp8 caches)",
-                        self.problem.dtype.name()
-                    ),
-                ));
+            self.problem.check_scale_given(arg, scale.is_some())?;
+            if let Some(scale) = scale {
+                rt.check_pointer(arg, scale.ptr, 4)?;
             }
-            rt.check_pointer(arg, scale.ptr, 4)?;
         }
         rt.bind()?;
         match &self.engine {
@@ -453,21 +445,9 @@ impl Decoder {
             ));
         }
         let scale_of = |arg: &'static str, s: &CudaSlice<f32>| -> Result<KvScale> {
-            let layout = KvScaleLayout::from_len(s.len(), p.batch, p.hkv).ok_or_else(|| {
-                Error::invalid(
-                    arg,
-                    format!("{} elements", s.len()),
-                    format!(
-                        "1 (per tensor), hkv = {} (per KV head) or batch x hkv = {} (per \
-                         request and KV head)",
-                        p.hkv,
-                        p.batch * p.hkv
-                    ),
-                )
-            })?;
             Ok(KvScale {
                 ptr: s.device_ptr(stream).0,
-                layout,
+                layout: KvScaleLayout::of_tensor(arg, s.len(), p.batch, p.hkv)?,
             })
         };
         let (k_scale, v_scale) = match scales {

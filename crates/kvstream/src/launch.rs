@@ -183,19 +183,17 @@ pub fn kv_tensor_map(
         sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B
     };
     let box_dims = [(row_bytes / elem.bytes) as u32, 1, box_tokens as u32, 1];
-    let elem_bytes = elem.bytes;
-    let elem = (elem, swizzle);
     encode_tiled(
         arg,
         ptr,
-        elem,
+        (elem, swizzle),
         promotion,
         [head_dim as u64, hkv as u64, max_len as u64, batch as u64],
         // byte strides of dims 1.. (dim 0 is contiguous)
         &[
-            strides.head as u64 * elem_bytes,
-            strides.token as u64 * elem_bytes,
-            strides.batch as u64 * elem_bytes,
+            strides.head as u64 * elem.bytes,
+            strides.token as u64 * elem.bytes,
+            strides.batch as u64 * elem.bytes,
         ],
         box_dims,
     )

@@ -120,6 +120,21 @@ impl KvScaleLayout {
             .into_iter()
             .find(|l| l.len(batch, hkv) == len)
     }
+
+    /// [`Self::from_len`] for argument `arg`, or the error that says which lengths are allowed.
+    pub fn of_tensor(arg: &'static str, len: usize, batch: usize, hkv: usize) -> Result<Self> {
+        Self::from_len(len, batch, hkv).ok_or_else(|| {
+            Error::invalid(
+                arg,
+                format!("{len} elements"),
+                format!(
+                    "1 (per tensor), hkv = {hkv} (per KV head) or batch x hkv = {} (per request \
+                     and KV head)",
+                    batch * hkv
+                ),
+            )
+        })
+    }
 }
 
 /// Head dimensions the kernels are built for.
@@ -251,6 +266,21 @@ impl DecodeProblem {
     /// Bytes per K or V element.
     pub fn kv_elem_bytes(&self) -> usize {
         self.kv_dtype.size(self.dtype)
+    }
+
+    /// `Ok` unless a scale tensor `arg` is given for caches that take none (2-byte ones).
+    pub fn check_scale_given(&self, arg: &'static str, given: bool) -> Result<()> {
+        if given && self.kv_dtype == KvDType::AsQuery {
+            return Err(Error::invalid(
+                arg,
+                "a scale tensor",
+                format!(
+                    "none: the caches are {} (scales belong to fp8 caches)",
+                    self.dtype.name()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Same problem with an explicit softmax scale.

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{AnyVariant, StoreKvVariant};
 use crate::launch::{launch, LaunchConfig};
 use crate::params::StoreKvParams;
-use crate::problem::{DecodeProblem, KvDType, KvScaleLayout};
+use crate::problem::{DecodeProblem, KvScaleLayout};
 use crate::runtime::{LoadedKernel, Runtime};
 
 /// Device pointers of one write: `k_new` and `v_new` `[tokens, hkv, d]` contiguous in the
@@ -118,17 +118,8 @@ impl KvWriter {
             ),
         };
         let scale = |arg: &'static str, s: Option<KvScale>| -> Result<(u64, i32, i32)> {
+            p.check_scale_given(arg, s.is_some())?;
             let Some(s) = s else { return Ok((0, 0, 0)) };
-            if p.kv_dtype == KvDType::AsQuery {
-                return Err(Error::invalid(
-                    arg,
-                    "a scale tensor",
-                    format!(
-                        "none: the caches are {} (scales belong to fp8 caches)",
-                        p.dtype.name()
-                    ),
-                ));
-            }
             if p.paged.is_some() && s.layout == KvScaleLayout::PerRequestHead {
                 return Err(Error::invalid(
                     arg,
