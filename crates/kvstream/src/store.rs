@@ -8,9 +8,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys;
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::decode::KvScale;
+use crate::decode::{Element, Fp8Scales, KvElement, KvScale};
 use crate::error::{Error, Result};
 use crate::kernels::{AnyVariant, StoreKvVariant};
 use crate::launch::{launch, LaunchConfig};
@@ -205,5 +205,102 @@ impl KvWriter {
             cluster: None,
         };
         launch(self.kernel.func, &cfg, stream, &params, "the cache write")
+    }
+
+    /// Safe form of [`KvWriter::run`] on cudarc slices: `k_new` / `v_new` hold `tokens` rows
+    /// `[hkv, d]` (their length decides `tokens`), `slots` one int64 per token, the caches the
+    /// problem's layout ([`crate::Decoder::run_slices`]'s), `scales` an fp8 cache's (told apart
+    /// by their lengths, as there). Checks dtypes and lengths, then enqueues on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_slices<T: Element, K: KvElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        k_new: &CudaSlice<T>,
+        v_new: &CudaSlice<T>,
+        slots: &CudaSlice<i64>,
+        k_cache: &mut CudaSlice<K>,
+        v_cache: &mut CudaSlice<K>,
+        scales: Option<Fp8Scales<'_>>,
+    ) -> Result<()> {
+        let p = &self.problem;
+        if T::DTYPE != p.dtype {
+            return Err(Error::invalid(
+                "k_new, v_new",
+                T::DTYPE.name(),
+                format!("{} (the problem's dtype)", p.dtype.name()),
+            ));
+        }
+        if K::kv_dtype_with(T::DTYPE) != Some(p.kv_dtype) {
+            return Err(Error::invalid(
+                "k_cache, v_cache",
+                std::any::type_name::<K>(),
+                format!("elements of the problem's kv_dtype ({})", p.kv_dtype.name()),
+            ));
+        }
+        let row = p.hkv * p.head_dim;
+        let tokens = k_new.len() / row;
+        let cache = match p.paged {
+            Some(pg) => pg.num_pages * pg.page_size * row,
+            None => {
+                let s = p.k_strides;
+                (p.batch as i64 - 1) as usize * s.batch as usize
+                    + (p.max_len - 1) * s.token as usize
+                    + (p.hkv - 1) * s.head as usize
+                    + p.head_dim
+            }
+        };
+        if k_new.len() % row != 0 || v_new.len() != k_new.len() {
+            return Err(Error::invalid(
+                "k_new, v_new",
+                format!("{} and {} elements", k_new.len(), v_new.len()),
+                format!("the same whole number of rows of hkv x d = {row}"),
+            ));
+        }
+        // at least: a larger slot buffer or cache is fine
+        let checks: [(&'static str, usize, usize); 3] = [
+            ("slot_mapping", slots.len(), tokens),
+            ("k_cache", k_cache.len(), cache),
+            ("v_cache", v_cache.len(), cache),
+        ];
+        for (arg, have, need) in checks {
+            if have < need {
+                return Err(Error::invalid(
+                    arg,
+                    format!("{have} elements"),
+                    format!("at least {need}"),
+                ));
+            }
+        }
+        let scale_of = |arg: &'static str, s: &CudaSlice<f32>| -> Result<KvScale> {
+            Ok(KvScale {
+                ptr: s.device_ptr(stream).0,
+                layout: KvScaleLayout::of_tensor(arg, s.len(), p.batch, p.hkv)?,
+            })
+        };
+        let (k_scale, v_scale) = match scales {
+            Some(sc) => (
+                Some(scale_of("k_scale", sc.k)?),
+                Some(scale_of("v_scale", sc.v)?),
+            ),
+            None => (None, None),
+        };
+        let (kn, _g1) = k_new.device_ptr(stream);
+        let (vn, _g2) = v_new.device_ptr(stream);
+        let (sl, _g3) = slots.device_ptr(stream);
+        let (kc, _g4) = k_cache.device_ptr_mut(stream);
+        let (vc, _g5) = v_cache.device_ptr_mut(stream);
+        let t = StoreTensors {
+            tokens,
+            k_new: kn,
+            v_new: vn,
+            slots: sl,
+            k_cache: kc,
+            v_cache: vc,
+            k_scale,
+            v_scale,
+        };
+        // SAFETY: lengths checked above; the slices outlive the enqueue and cudarc's guards
+        // record the stream use.
+        unsafe { self.run(&t, stream.cu_stream()) }
     }
 }

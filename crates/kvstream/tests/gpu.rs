@@ -2448,6 +2448,31 @@ fn store_case<T: Half>(
         &format!("{what}, V"),
     )?;
 
+    // the safe slice API writes the same bytes (fp8 caches as E4m3 slices)
+    if p.kv_dtype == KvDType::Fp8E4m3 {
+        let mut k8 = upload(stream, &vec![E4m3(CACHE_POISON); bytes]);
+        let mut v8 = upload(stream, &vec![E4m3(CACHE_POISON); bytes]);
+        let scales = layout.map(|_| kvstream::Fp8Scales { k: &dks, v: &dvs });
+        writer
+            .run_slices(stream, &dk, &dv, &dslots, &mut k8, &mut v8, scales)
+            .map_err(|e| format!("{what}: run_slices: {e}"))?;
+        let bytes_of =
+            |c: &CudaSlice<E4m3>| -> Vec<u8> { download(stream, c).iter().map(|e| e.0).collect() };
+        if bytes_of(&k8) != download(stream, &kc) || bytes_of(&v8) != download(stream, &vc) {
+            return Err(format!("{what}: run_slices wrote other bytes than run"));
+        }
+        let short = stream.alloc_zeros::<i64>(tokens - 1).expect("allocating");
+        let e = writer.run_slices(stream, &dk, &dv, &short, &mut k8, &mut v8, scales);
+        if !e
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("slot_mapping"))
+        {
+            return Err(format!(
+                "{what}: a short slot_mapping was not refused: {e:?}"
+            ));
+        }
+    }
+
     // captured once, replayed with other slots written into the same buffer
     overwrite(stream, &vec![CACHE_POISON; bytes], &mut kc);
     overwrite(stream, &vec![CACHE_POISON; bytes], &mut vc);
