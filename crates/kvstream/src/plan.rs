@@ -103,6 +103,17 @@ pub fn persistent_gather_below_page(row_bytes: usize) -> usize {
         _ => PERSISTENT_GATHER_BELOW_PAGE_D128,
     }
 }
+/// The L2 promotion of the K and V boxes for rows of `row_bytes` (head dim x element bytes):
+/// 128 bytes, a row's line, where rows are 128 bytes or more; 64 bytes for 64-byte rows (d 64
+/// e4m3), where 128 bytes fetched the next KV head's row as well and read the cache twice from
+/// DRAM (ncu: 529 MB for a 268 MB cache; docs/tuning.md, "L2 promotion").
+pub fn kv_promotion_for(row_bytes: usize) -> crate::launch::TmaPromotion {
+    if row_bytes <= 64 {
+        crate::launch::TmaPromotion::B64
+    } else {
+        crate::launch::TmaPromotion::B128
+    }
+}
 /// (see [`persistent_gather_below_page`])
 pub const PERSISTENT_GATHER_BELOW_PAGE_D64: usize = 32;
 /// (see [`persistent_gather_below_page`])
@@ -390,7 +401,9 @@ pub fn plan_persistent(
         min_tiles_per_cta,
         col_blocks: variant.column_blocks(problem),
         pdl: !options.disable_pdl,
-        kv_promotion: options.kv_promotion.unwrap_or_default(),
+        kv_promotion: options
+            .kv_promotion
+            .unwrap_or_else(|| kv_promotion_for(problem.head_dim * problem.kv_elem_bytes())),
     })
 }
 
@@ -1835,6 +1848,19 @@ mod tests {
             (d64.consumer_groups, d64.stages, d64.tile_tokens),
             (2, 8, 128)
         );
+        // 64-byte rows promote to 64 bytes (128 read the next head's row too), 128-byte ones
+        // to 128, unless forced
+        use crate::launch::TmaPromotion;
+        let promotion = |p: &DecodeProblem, o| persistent(p, o).unwrap().kv_promotion;
+        assert_eq!(promotion(&fp8(16, 64, 32), PlanOptions::default()), TmaPromotion::B64);
+        assert_eq!(promotion(&fp8(16, 128, 32), PlanOptions::default()), TmaPromotion::B128);
+        let bf16_d64 = DecodeProblem::new(16, 32, 8, 64, 4096, DType::Bf16).unwrap();
+        assert_eq!(promotion(&bf16_d64, PlanOptions::default()), TmaPromotion::B128);
+        let forced = PlanOptions {
+            kv_promotion: Some(TmaPromotion::None),
+            ..Default::default()
+        };
+        assert_eq!(promotion(&fp8(16, 64, 32), forced), TmaPromotion::None);
         // 32 query rows per KV head: one group, four stages
         let wide = persistent(&fp8(16, 128, 256), PlanOptions::default())
             .unwrap()
