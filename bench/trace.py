@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summarises the decode kernel's phase trace (decode_gqa.cu `KVS_TRACE`).
+"""Summarises the decode kernels' phase trace (`KVS_TRACE` in decode_gqa.cu and decode.cu).
 
     KVSTREAM_TRACE=<dir> kvstream bench --ids ...   # writes <dir>/<shape>.<variant>.csv
     python3 bench/trace.py <dir> [--json out.json]
@@ -71,7 +71,10 @@ def summarise(path):
                  ("producer_ready", "first_issue"), ("first_issue", "first_tile"),
                  ("waited", "q_issued"), ("q_issued", "q_staged"), ("first_tile", "second_tile"),
                  ("first_tile", "last_tile"), ("last_tile", "loop_done"), ("loop_done", "merged"),
-                 ("merged", "exit"), ("waited", "exit")]:
+                 ("merged", "exit"), ("waited", "exit"),
+                 # the persistent kernel's points (decode.cu)
+                 ("waited", "scheduled"), ("scheduled", "first_tile"), ("first_tile", "first_loop"),
+                 ("first_loop", "parked"), ("parked", "merged")]:
         vals = [r[b + "_ns"] - r[a + "_ns"] for c in calls for r in c if r.get(a + "_ns") and r.get(b + "_ns")]
         if vals:
             own[f"{a}->{b}"] = statistics.median(vals)

@@ -1,6 +1,7 @@
-//! The decode kernel's phase trace (`KVSTREAM_TRACE=<dir>`, decode_gqa.cu `KVS_TRACE`): after a
-//! shape's timing, every loaded decode module's records are written to
-//! `<dir>/<shape id>.<variant>.csv`, one line per CTA, for `bench/trace.py`.
+//! The decode kernels' phase trace (`KVSTREAM_TRACE=<dir>`, `KVS_TRACE` in decode_gqa.cu and
+//! decode.cu): after a shape's timing, every loaded decode module's records are written to
+//! `<dir>/<shape id>.<variant>.csv`, one line per CTA, each column named after its kernel's trace
+//! point, for `bench/trace.py`.
 //!
 //! A debugging aid only: the traced kernels carry the stamps, so their timings are not results.
 
@@ -13,8 +14,8 @@ use kvstream::{Error, Runtime};
 
 use crate::timing::driver;
 
-/// Trace points of decode_gqa.cu's `TracePoint`, in order.
-pub const POINTS: [&str; 16] = [
+/// Trace points of decode_gqa.cu's `TracePoint` (the split engine), in order.
+const SPLIT_POINTS: [&str; 16] = [
     "entry",
     "waited",
     "producer_waited",
@@ -29,6 +30,21 @@ pub const POINTS: [&str; 16] = [
     "second_tile",
     "last_tile",
     "loop_done",
+    "merged",
+    "exit",
+];
+/// Trace points of decode.cu's `TracePoint` (the persistent engine), in order.
+const PERSISTENT_POINTS: [&str; 12] = [
+    "entry",
+    "waited",
+    "scheduled",
+    "first_issue",
+    "last_issue",
+    "q_staged",
+    "first_tile",
+    "first_loop",
+    "last_loop",
+    "parked",
     "merged",
     "exit",
 ];
@@ -91,15 +107,26 @@ pub fn dump(
         if n == 0 {
             continue;
         }
+        let points: &[&str] = if variant.starts_with("decode_gqa.") {
+            &SPLIT_POINTS
+        } else {
+            &PERSISTENT_POINTS
+        };
+        // the persistent kernel's `splits` field counts its pieces
+        let tail = if variant.starts_with("decode_gqa.") {
+            "tiles,splits,len,flags"
+        } else {
+            "tiles,pieces,range_tiles,flags"
+        };
         let mut csv = String::new();
         let _ = write!(csv, "seq");
-        for p in POINTS {
+        for p in points {
             let _ = write!(csv, ",{p}_ns");
         }
-        for p in POINTS {
+        for p in points {
             let _ = write!(csv, ",{p}_cycles");
         }
-        let _ = writeln!(csv, ",block_x,block_y,block_z,sm,tiles,splits,len,flags");
+        let _ = writeln!(csv, ",block_x,block_y,block_z,sm,{tail}");
         // oldest kept record first
         for seq in n.saturating_sub(RECORDS)..n {
             let r = &raw[(seq % RECORDS) * RECORD_BYTES..][..RECORD_BYTES];
@@ -109,10 +136,10 @@ pub fn dump(
                 u32::from_le_bytes(r[at..at + 4].try_into().unwrap())
             };
             let _ = write!(csv, "{seq}");
-            for i in 0..POINTS.len() {
+            for i in 0..points.len() {
                 let _ = write!(csv, ",{}", u64_at(i));
             }
-            for i in 0..POINTS.len() {
+            for i in 0..points.len() {
                 let _ = write!(csv, ",{}", u32_at(i));
             }
             for i in SLOTS..SLOTS + 8 {
