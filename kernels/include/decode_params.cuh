@@ -25,9 +25,8 @@ struct alignas(128) PersistentParams {
     const void* v_cache;      //   producer (KVS_GATHER); the tensor maps serve every other source
     float* o_partial;         // [2 * grid, block_cols, d] cut pieces' unnormalised O (schedule.cuh)
     float* ml_partial;        // [2 * grid, block_cols, 2] their base-2 max and denominator
-    int* arrivals;            // [batch * hkv * col_blocks + 2 * grid] arrivals per unit, then per
-                              //   merge block (decode.cu, MERGE_BLOCK): zero between calls
-                              //   (zeroed once at allocation, reset by the merging CTA)
+    int* arrivals;            // [batch * hkv * col_blocks] pieces parked per unit: zero between
+                              //   calls (zeroed once at allocation, reset by the merging CTA)
     int* schedule_log;        // tests: [grid, SCHEDULE_LOG_PIECES, 4] pieces per CTA, or null
     long long q_batch_stride, q_token_stride, q_head_stride;
     long long o_batch_stride, o_token_stride, o_head_stride;

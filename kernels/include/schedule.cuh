@@ -16,9 +16,8 @@
 //             unit is cut (a cut costs its pieces a park and a merge, about that many tiles).
 //   piece     the part of one unit inside one CTA's range. A unit lying in one CTA is written
 //             out by it directly; a unit cut by CTA boundaries has one piece per CTA it touches,
-//             each parked as FP32 partials in a slot and merged by the CTAs whose pieces
-//             complete them, in a fixed tree over CTA order (decode.cu, MERGE_BLOCK; deterministic
-//             whatever the arrival order).
+//             each parked as FP32 partials in a slot, and the CTA whose piece arrives last
+//             merges them in CTA order (deterministic whatever the arrival order).
 //   slot      only the first and the last piece of a CTA can be cut: a cut piece that starts at
 //             B(c) takes slot 2c, one that starts later (so it ends at B(c + 1)) slot 2c + 1.
 #pragma once

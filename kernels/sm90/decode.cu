@@ -22,9 +22,8 @@
 //              CTA's tiles n = g, g + G, ...; each warp keeps a private online softmax over its
 //              rows of each tile), then the epilogue;
 //   epilogue   the warps' softmax states merged in shared memory; a whole unit is normalised
-//              and written to `out` (and LSE); a cut one parks FP32 partials, and the CTA whose
-//              piece completes the unit (or a block of its pieces) merges them
-//              (count_in_and_merge).
+//              and written to `out` (and LSE); a cut one parks FP32 partials and, if its piece
+//              is the unit's last to arrive, merges all of the unit's pieces (merge_unit).
 //
 // Ring protocol, n = the CTA's running tile count, stage s = n % STAGES, parity (n / STAGES) & 1:
 //   producer  wait empty[s] (from the second lap); K boxes on k_full[s], V boxes on v_full[s]
@@ -73,7 +72,7 @@ enum TracePoint {
     TRACE_FIRST_TILE,   // thread 0, first K tile landed
     TRACE_FIRST_LOOP,   // thread 0, first piece's KV loop done
     TRACE_LAST_LOOP,    // thread 0, last piece's KV loop done
-    TRACE_PARKED,       // thread 0, last cut piece parked
+    TRACE_PARKED,       // thread 0, last cut piece counted in
     TRACE_MERGED,       // thread 0, last merge written
     TRACE_EXIT,         // thread 0, every consumer done
 };
@@ -160,7 +159,7 @@ static_assert(N_TILES >= 1 && N_TILES <= 4, "column blocks of up to 32 rows");
 static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
               "softmax steps of whole m16 slices of a warp's rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
-// merge_parked stages two floats per column and piece in the epilogue scratch; a unit has at
+// merge_unit stages two floats per column and piece in the epilogue scratch; a unit has at
 // most one piece per CTA of the grid
 constexpr int MAX_GRID = 132;
 static_assert(2 * MAX_GRID * GROUP_PAD <= CONSUMER_WARPS * MERGE_WARP_FLOATS, "merge scratch");
@@ -691,53 +690,31 @@ __device__ __forceinline__ void store_normalised(const PersistentParams& p, cons
     if (p.lse && d == 0) p.lse[cols.row(p, g)] = l > 0.f ? (m + __log2f(l)) * 0.69314718055994531f : neg_inf();
 }
 
-// A cut unit's pieces: piece i is CTA c0 + i's; only the first can sit in its CTA's second slot.
-struct UnitPieces {
-    int c0, count, first_slot;
-    __device__ __forceinline__ UnitPieces(const Schedule& s, const Piece& pc)
-        : c0(s.cta_of(pc.start)),
-          count(s.cta_of(pc.start + pc.tiles - 1) - s.cta_of(pc.start) + 1),
-          first_slot(s.slot(s.cta_of(pc.start), pc.start)) {}
-    __device__ __forceinline__ int slot(int i) const { return i == 0 ? first_slot : 2 * (c0 + i); }
-};
-
-// Merge tree of a cut unit: pieces in blocks of MERGE_BLOCK consecutive ones. A unit of at most
-// MERGE_BLOCK pieces is merged by the CTA that parks its last piece; a longer one first per
-// block (the CTA that parks a block's last piece merges the block into the slot of its first
-// piece), then the block results by the CTA that parks the last of them. Each level is one
-// round of loads on one SM, and the blocks' merges run on as many SMs at once: a unit of 132
-// pieces costs two short merges rather than one long one (one SM streams its partials at a
-// fraction of the L2's rate). The order is fixed, so the result is bitwise reproducible.
-constexpr int MERGE_BLOCK = 8;
-// Counters: per unit (pieces, or blocks for a two-level unit) at arrivals[batch * units +
-// unit], per block at arrivals[batch * units + slot of its first piece] (slots are unique in a
-// call; the host sizes the array for both).
-
-// `count` parked partials (slot_at(i), i = 0 .. count - 1) merged in order: written out
-// normalised (dst_slot < 0), or parked again as one partial in dst_slot (its max, denominator
-// and unnormalised O, as a piece parks them). The partials' statistics go to shared memory first
-// (the epilogue scratch, free again: the caller has synchronised). Then `split` adjacent threads
-// share each group of four head dims (as many as the threads allow, up to a warp), thread j of
-// them summing partials j, j + split, ... with MERGE_LOADS loads in flight, and a butterfly over
-// the `split` lanes adds their sums in a fixed order. A thread reads its elements of every
-// partial before it writes them, so dst_slot may be one of the slots merged. Not inlined: the
-// merges are rare, and their registers stay out of the KV loop's allocation.
+// The unit's cut pieces, merged in CTA order by the CTA that parked the last of them. Piece i
+// of the unit is CTA c0 + i's; only the first can sit in its CTA's second slot. The pieces'
+// statistics go to shared memory first (the epilogue scratch, free again: the caller has
+// synchronised). Then `split` adjacent threads share each group of four head dims (as many
+// as the threads allow, up to a warp), thread j of them summing pieces j, j + split, ...
+// with MERGE_LOADS loads in flight, and a butterfly over the `split` lanes adds their sums in
+// a fixed order: one L2 round trip per MERGE_LOADS x split pieces, bitwise reproducible.
 constexpr int MERGE_LOADS = 16;
-template <typename SlotAt>
-__device__ __noinline__ void merge_parked(const PersistentParams& p, const Columns& cols, SlotAt slot_at,
-                                             int count, int dst_slot, float v_scale, float* scratch) {
-    float* piece_m = scratch;                       // [cols][count]
-    float* piece_l = scratch + cols.count * count;  // [cols][count]
-    for (int j = threadIdx.x; j < cols.count * count; j += CONSUMER_THREADS) {
-        const int g = j / count, i = j % count;
-        const long long row = (long long)slot_at(i) * GROUP_PAD + g;
+__device__ __forceinline__ void merge_unit(const PersistentParams& p, const Schedule& s, const Piece& pc,
+                                           const Columns& cols, float v_scale, float* scratch) {
+    const int c0 = s.cta_of(pc.start), pieces = s.cta_of(pc.start + pc.tiles - 1) - c0 + 1;
+    const int first_slot = s.slot(c0, pc.start);
+    auto slot_of = [&](int i) { return 2 * (c0 + i) + (i == 0 ? first_slot - 2 * c0 : 0); };
+    float* piece_m = scratch;                        // [count][pieces]
+    float* piece_l = scratch + cols.count * pieces;  // [count][pieces]
+    for (int j = threadIdx.x; j < cols.count * pieces; j += CONSUMER_THREADS) {
+        const int g = j / pieces, i = j % pieces;
+        const long long row = (long long)slot_of(i) * GROUP_PAD + g;
         piece_m[j] = ld_global_l2(p.ml_partial + row * 2);
         piece_l[j] = ld_global_l2(p.ml_partial + row * 2 + 1);
     }
     named_barrier_sync(1, CONSUMER_THREADS);
     const int elements = cols.count * (HEAD_DIM / 4);
     int split = 1;
-    while (split < 32 && split * 2 * elements <= CONSUMER_THREADS && split < count) split *= 2;
+    while (split < 32 && split * 2 * elements <= CONSUMER_THREADS && split < pieces) split *= 2;
     const int part = threadIdx.x % split;
     // every thread of a group of `split` runs the same trips, so the butterfly's lanes match
     for (int e0 = threadIdx.x / split; e0 < (elements + CONSUMER_THREADS / split - 1) / (CONSUMER_THREADS / split) *
@@ -746,28 +723,28 @@ __device__ __noinline__ void merge_parked(const PersistentParams& p, const Colum
         const bool valid = e0 < elements;
         const int e = valid ? e0 : 0;
         const int g = e / (HEAD_DIM / 4), d = (e % (HEAD_DIM / 4)) * 4;
-        const float* m = piece_m + g * count;
-        const float* l = piece_l + g * count;
+        const float* m = piece_m + g * pieces;
+        const float* l = piece_l + g * pieces;
         float m_max = neg_inf();
-        for (int i = 0; i < count; ++i) m_max = fmaxf(m_max, m[i]);
+        for (int i = 0; i < pieces; ++i) m_max = fmaxf(m_max, m[i]);
         const float m_use = m_max == neg_inf() ? 0.f : m_max;
         float l_sum = 0.f;
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int i0 = part; i0 < count; i0 += MERGE_LOADS * split) {
-            // every load leaves before the first use: an index past the end reads the last
-            // partial again and gets weight 0
+        for (int i0 = part; i0 < pieces; i0 += MERGE_LOADS * split) {
+            // every load leaves before the first use: a piece index past the end reads the last
+            // piece again and gets weight 0
             float4 v[MERGE_LOADS];
 #pragma unroll
             for (int u = 0; u < MERGE_LOADS; ++u) {
-                const int i = min(i0 + u * split, count - 1);
+                const int i = min(i0 + u * split, pieces - 1);
                 v[u] = ld_global_l2(reinterpret_cast<const float4*>(
-                    p.o_partial + ((long long)slot_at(i) * GROUP_PAD + g) * HEAD_DIM + d));
+                    p.o_partial + ((long long)slot_of(i) * GROUP_PAD + g) * HEAD_DIM + d));
             }
 #pragma unroll
             for (int u = 0; u < MERGE_LOADS; ++u) {
                 const int i = i0 + u * split;
-                const float w = i < count ? exp2_approx(m[min(i, count - 1)] - m_use) : 0.f;
-                l_sum += w * l[min(i, count - 1)];
+                const float w = i < pieces ? exp2_approx(m[min(i, pieces - 1)] - m_use) : 0.f;
+                l_sum += w * l[min(i, pieces - 1)];
                 o.x += w * v[u].x;
                 o.y += w * v[u].y;
                 o.z += w * v[u].z;
@@ -781,64 +758,8 @@ __device__ __noinline__ void merge_parked(const PersistentParams& p, const Colum
             o.z += __shfl_xor_sync(0xffffffffu, o.z, off);
             o.w += __shfl_xor_sync(0xffffffffu, o.w, off);
         }
-        if (!valid || part != 0) continue;
-        if (dst_slot < 0) {
-            store_normalised(p, cols, g, d, o, m_max, l_sum, v_scale);
-        } else {
-            const long long row = (long long)dst_slot * GROUP_PAD + g;
-            *reinterpret_cast<float4*>(p.o_partial + row * HEAD_DIM + d) = o;
-            if (d == 0) {
-                p.ml_partial[row * 2] = m_max;
-                p.ml_partial[row * 2 + 1] = l_sum;
-            }
-        }
+        if (valid && part == 0) store_normalised(p, cols, g, d, o, m_max, l_sum, v_scale);
     }
-}
-
-// Thread 0: counts one arrival on `counter` of `expected`; true for the last (which resets it
-// for the next call). Acquire-release at GPU scope: the caller's barrier before orders every
-// thread's parked partials ahead of the release, and its barrier after orders the merge's
-// reads after every other arrival's release.
-__device__ __forceinline__ bool arrive_last(int* counter, int expected) {
-    const bool last = atom_add_acq_rel_gpu(counter, 1) == expected - 1;
-    if (last) *counter = 0;
-    return last;
-}
-
-// After a cut piece is parked (every consumer thread; the caller has synchronised): counts it
-// in and runs whatever merge its arrival completes (MERGE_BLOCK). `flag` is one int of shared
-// memory. Returns whether this CTA wrote the unit's output.
-__device__ __forceinline__ bool count_in_and_merge(const PersistentParams& p, const Schedule& s, const Piece& pc,
-                                                   const Columns& cols, float v_scale, float* scratch, int* flag) {
-    const UnitPieces up(s, pc);
-    const int blocks = (up.count + MERGE_BLOCK - 1) / MERGE_BLOCK;
-    int* unit_counter = p.arrivals + (long long)pc.batch * units_per_request(p) + pc.unit;
-    const int i = (int)blockIdx.x - up.c0;
-    const int first = i / MERGE_BLOCK * MERGE_BLOCK;  // this piece's block
-    const int in_block = min(MERGE_BLOCK, up.count - first);
-    if (threadIdx.x == 0) {
-        if (blocks == 1) {
-            *flag = arrive_last(unit_counter, up.count) ? 2 : 0;
-        } else {
-            int* block_counter = p.arrivals + (long long)p.batch * units_per_request(p) + up.slot(first);
-            *flag = arrive_last(block_counter, in_block) ? 1 : 0;
-        }
-    }
-    named_barrier_sync(1, CONSUMER_THREADS);
-    const int level = *flag;
-    if (level == 0) return false;
-    if (level == 2) {
-        merge_parked(p, cols, [&](int j) { return up.slot(j); }, up.count, -1, v_scale, scratch);
-        return true;
-    }
-    // this block, into the slot of its first piece; then count the block in
-    merge_parked(p, cols, [&](int j) { return up.slot(first + j); }, in_block, up.slot(first), v_scale, scratch);
-    named_barrier_sync(1, CONSUMER_THREADS);
-    if (threadIdx.x == 0) *flag = arrive_last(unit_counter, blocks) ? 2 : 0;
-    named_barrier_sync(1, CONSUMER_THREADS);
-    if (*flag == 0) return false;
-    merge_parked(p, cols, [&](int k) { return up.slot(k * MERGE_BLOCK); }, blocks, -1, v_scale, scratch);
-    return true;
 }
 
 // Zero-length requests own no tiles: the CTAs write their output (0, LSE -inf) by request
@@ -1213,12 +1134,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             }
         }
         if (!whole) {
-            // Park, then count this piece in (count_in_and_merge: the CTA whose arrival
-            // completes a block or the unit merges it).
+            // Park, then count this piece in; the CTA that brings the count to the unit's piece
+            // count merges (and resets the counter for the next call). The barrier orders every
+            // thread's partials before thread 0's release; its acquire, and the barrier after
+            // it, order the merge's reads after every other piece's release.
+            named_barrier_sync(1, CONSUMER_THREADS);
+            if (threadIdx.x == 0) {
+                const int pieces = sched.cta_of(pc.start + pc.tiles - 1) - sched.cta_of(pc.start) + 1;
+                int* counter = p.arrivals + (long long)pc.batch * units_per_request(p) + pc.unit;
+                const int last = atom_add_acq_rel_gpu(counter, 1) == pieces - 1;
+                if (last) *counter = 0;
+                *merge_flag = last;
+            }
             named_barrier_sync(1, CONSUMER_THREADS);
             if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
-            if (count_in_and_merge(p, sched, pc, cols, v_scale, merge, merge_flag) && TRACE && threadIdx.x == 0)
-                trace_stamp(TRACE_MERGED);
+            if (*merge_flag) {
+                merge_unit(p, sched, pc, cols, v_scale, merge);
+                if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);
+            }
         }
     }
     write_empty_requests(p);

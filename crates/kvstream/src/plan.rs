@@ -341,8 +341,7 @@ impl PersistentPlan {
         let o = 0;
         let ml = align(slots * columns * problem.head_dim * 4);
         let arrivals = ml + align(slots * columns * 2 * 4);
-        // a counter per unit, then one per slot (the merge tree's blocks, decode.cu)
-        let end = arrivals + align((problem.batch * problem.hkv * self.col_blocks + slots) * 4);
+        let end = arrivals + align(problem.batch * problem.hkv * self.col_blocks * 4);
         (o, ml, arrivals, end)
     }
 }
