@@ -176,7 +176,10 @@ def pool_sets(shape):
 
 
 def parse_plan(plan):
-    """(splits, mode) from a kvstream plan string (``format!("{plan:?}")`` of ``DecodePlan``)."""
+    """(splits, mode) from a kvstream plan string (``format!("{plan:?}")`` of ``Plan``): the split
+    engine's split count and reduction, or ``(None, "persistent")``."""
+    if plan.lstrip().startswith("Persistent"):
+        return None, "persistent"
     m = re.search(r"\bnum_splits:\s*(\d+)", plan)
     if not m:
         raise ValueError(f"no num_splits in plan {plan[:200]!r}")
@@ -1085,6 +1088,8 @@ def main(argv=None):
         doc = json.loads(path.read_text())
         if any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"]):
             use_fp8_impls()
+            if args.md == str(REPO / "bench" / "RESULTS.md"):
+                args.md = str(REPO / "bench" / "RESULTS-fp8.md")
         if args.report_only:
             doc.setdefault("summary", summarize(doc["rows"]))
             Path(args.md).write_text(markdown(doc))
