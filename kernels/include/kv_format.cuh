@@ -1,7 +1,7 @@
-// How a KV cache element type sits in a ring stage and reaches the tensor cores: the persistent
-// decode's mainloop and producer take everything element-specific from one of these policies,
-// so a cache of another element type changes this file, not the scheduler, the ring or the
-// epilogue.
+// How a KV cache element type sits in a ring stage and reaches the tensor cores: both decode
+// kernels' mainloops and producers take everything element-specific from one of these policies
+// (the split engine's joined-halves pages excepted: 2-byte only), so a cache of another element
+// type changes this file, not the schedulers, the rings or the epilogues.
 //
 // A tile is TILE_TOKENS positions of one KV head. Each position's HEAD_DIM elements arrive as
 // BOXES rows of ROW_BYTES (one TMA box each, at most 128 bytes, swizzled at its own width:
@@ -131,5 +131,36 @@ template <int HEAD_DIM, int TILE_TOKENS, bool IS_F16>
 struct KvFormatOf<true, HEAD_DIM, TILE_TOKENS, IS_F16> {
     using type = KvE4m3<HEAD_DIM, TILE_TOKENS>;
 };
+
+// A KV head's dequantisation scale for request b: one per tensor, per KV head or per (request,
+// KV head), through the strides; no tensor (or a 2-byte cache) means 1.
+template <bool KV_FP8>
+__device__ __forceinline__ float kv_scale(const float* scale, int batch_stride, int head_stride, int b, int h) {
+    return KV_FP8 && scale ? ld_global_l2(scale + (long long)b * batch_stride + (long long)h * head_stride) : 1.f;
+}
+
+// The consumers' pass over the staged query rows (`count` rows of SMEM_ROW bytes from q_base,
+// THREADS threads) where the K fragments want them in another type or order
+// (Fmt::QUERY_PERMUTED): every 16-dim k-step of every row becomes f16 pairs in the order
+// Fmt::query_pair gives, in place; the caller synchronises the threads after it. Values beyond
+// f16's range saturate to +-65504.
+template <class Fmt, int HEAD_DIM, int SMEM_ROW, int THREADS, bool IS_F16>
+__device__ __forceinline__ void permute_query_rows(u32 q_base, int count) {
+    constexpr int STEPS = HEAD_DIM / 16;
+    for (int i = threadIdx.x; i < count * STEPS; i += THREADS) {
+        const u32 at = q_base + (i / STEPS) * SMEM_ROW + (i % STEPS) * 32;
+        u32 in[8], out[8];
+        ld_shared_v4(in, at);
+        ld_shared_v4(in + 4, at + 16);
+#pragma unroll
+        for (int pr = 0; pr < 8; ++pr) {
+            float lo, hi;
+            unpack_half2<IS_F16>(in[Fmt::query_pair(pr)], lo, hi);
+            out[pr] = pack_half2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
+        }
+        st_shared_v4(at, out);
+        st_shared_v4(at + 16, out + 4);
+    }
+}
 
 }  // namespace kvs

@@ -58,11 +58,17 @@ struct alignas(128) DecodeParams {
     const void* v_cache;
     long long k_batch_stride, v_batch_stride;
     int k_token_stride, k_head_stride, v_token_stride, v_head_stride;
+    // e4m3 caches (KVS_KV_FP8): dequantisation scales, request b and KV head h at
+    // scale[b * batch_stride + h * head_stride] (kv_format.cuh, kv_scale); null: 1
+    const float* k_scale;
+    const float* v_scale;
+    int k_scale_batch_stride, k_scale_head_stride;
+    int v_scale_batch_stride, v_scale_head_stride;
 };
 
 // params.rs asserts the same size, and its tests lay this struct out from this file's text and
 // compare every field's offset with the Rust mirror's.
-static_assert(sizeof(DecodeParams) == 512, "DecodeParams must match params.rs");
+static_assert(sizeof(DecodeParams) == 640, "DecodeParams must match params.rs");
 
 // Token range [begin, end) of one split. The cache is cut into whole tiles and split s takes
 // tiles [s * tiles / splits, (s + 1) * tiles / splits): run lengths differ by at most one tile,

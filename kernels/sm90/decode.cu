@@ -647,37 +647,6 @@ __device__ __forceinline__ void fill_columns(const PersistentParams& p, const Pi
     reinterpret_cast<int*>(smem + SharedPlan::col_visible)[c] = pc.len - p.q_len + 1 + token;
 }
 
-// ================================ dequantisation scales ====================================
-// A KV head's scale for request b: one per tensor, per KV head or per (request, KV head),
-// through the strides; no tensor means 1.
-__device__ __forceinline__ float kv_scale(const float* scale, int batch_stride, int head_stride, int b, int h) {
-    return KV_FP8 && scale ? ld_global_l2(scale + (long long)b * batch_stride + (long long)h * head_stride) : 1.f;
-}
-
-// The consumers' pass over a piece's query rows where the K fragments want them in another
-// type or order (Kv::QUERY_PERMUTED): every 16-dim k-step of every row becomes f16 pairs in
-// the order Kv::query_pair gives, in place; the caller synchronises the consumers after it.
-// Values beyond f16's range saturate to +-65504. (A template, so that only formats with
-// QUERY_PERMUTED need query_pair.)
-template <class Fmt>
-__device__ __forceinline__ void permute_query_rows(u32 q_base, int count) {
-    constexpr int STEPS = HEAD_DIM / 16;
-    for (int i = threadIdx.x; i < count * STEPS; i += CONSUMER_THREADS) {
-        const u32 at = q_base + (i / STEPS) * SMEM_ROW + (i % STEPS) * 32;
-        u32 in[8], out[8];
-        ld_shared_v4(in, at);
-        ld_shared_v4(in + 4, at + 16);
-#pragma unroll
-        for (int pr = 0; pr < 8; ++pr) {
-            float lo, hi;
-            unpack_half2<IS_F16>(in[Fmt::query_pair(pr)], lo, hi);
-            out[pr] = pack_half2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
-        }
-        st_shared_v4(at, out);
-        st_shared_v4(at + 16, out + 4);
-    }
-}
-
 // ================================ epilogue =================================================
 // The one place where a softmax state (max m in base 2, denominator l, unnormalised O) becomes
 // output: O v_scale / l in the output dtype, LSE = (m + log2 l) ln 2; l = 0 (nothing visible)
@@ -898,14 +867,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         // the KV head's dequantisation scales (their loads overlap the wait for the rows)
         const int kv_head = pc.unit / p.col_blocks;
         const float score_scale =
-            p.scale_log2 * kv_scale(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride, pc.batch, kv_head);
-        const float v_scale = kv_scale(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, pc.batch, kv_head);
+            p.scale_log2 * kv_scale<KV_FP8>(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride, pc.batch, kv_head);
+        const float v_scale = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, pc.batch, kv_head);
         // this piece's query rows, loaded by the producer
         const int q_buf = pieces_done % Q_BUFFERS;
         const u32 q_base = q_base0 + q_buf * Q_BYTES;
         mbarrier_wait(&q_full[q_buf], (pieces_done / Q_BUFFERS) & 1);
         if constexpr (Kv::QUERY_PERMUTED) {
-            permute_query_rows<Kv>(q_base, cols.count);
+            permute_query_rows<Kv, HEAD_DIM, SMEM_ROW, CONSUMER_THREADS, IS_F16>(q_base, cols.count);
             named_barrier_sync(1, CONSUMER_THREADS);
         }
         if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);

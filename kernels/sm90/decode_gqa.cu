@@ -47,7 +47,9 @@
 //                      cluster_splits of them in one cluster that never synchronises.
 //
 // Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
-//   KVS_IS_F16       0: bf16, 1: f16 (Q, K, V and out share it)
+//   KVS_IS_F16       0: bf16, 1: f16 (Q and out; K and V too unless KVS_KV_FP8)
+//   KVS_KV_FP8       1: K and V are float8 e4m3 with FP32 scales (kv_format.cuh; not with
+//                    joined halves)
 //   KVS_HEAD_DIM     64 or 128
 //   KVS_N_TILES      ceil(group / 8): n8 tiles of query heads
 //   KVS_TILE_TOKENS  KV positions per ring stage (multiple of 16 * 4)
@@ -63,12 +65,14 @@
 //   KVS_TRACE        1: debug build with the phase trace (see below); never in a plan
 #include "ptx.cuh"
 #include "params.cuh"
+#include "kv_format.cuh"
 #include "trace.cuh"
 
 
 namespace kvs {
 
 constexpr bool IS_F16 = KVS_IS_F16;
+constexpr bool KV_FP8 = KVS_KV_FP8;
 constexpr int HEAD_DIM = KVS_HEAD_DIM;
 constexpr int N_TILES = KVS_N_TILES;
 constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
@@ -101,15 +105,18 @@ constexpr int D_TILES = HEAD_DIM / 16;
 constexpr int MIN_CTAS_PER_SM =
     PAGED && STAGES == 2 && (CONSUMER_GROUPS == 1 ? N_TILES <= 2 : N_TILES == 1 && HEAD_DIM == 128) ? 2 : 1;
 
-static_assert(!JOINED_HALVES || (PAGED && HEAD_DIM == 128), "joined halves: paged d128 only");
+static_assert(!JOINED_HALVES || (PAGED && HEAD_DIM == 128 && !KV_FP8), "joined halves: paged 2-byte d128 only");
 static_assert(PRODUCER_WARPS == (JOINED_HALVES ? 2 : 1), "producer warps: 2 for joined halves, else 1");
 
-// K and V tiles arrive as TMA boxes of 64 head dims (128 bytes) x TILE_TOKENS positions, one box
-// per 64 dims, with the 128-byte swizzle: 16-byte chunk c of position t sits at chunk c ^ (t % 8)
-// of its 128-byte line, so the 8 rows one ldmatrix phase reads hit 8 different bank groups.
-constexpr int BOXES = HEAD_DIM / 64;
-constexpr int BOX_BYTES = TILE_TOKENS * 128;
-constexpr int TILE_BYTES = BOXES * BOX_BYTES;
+// K and V tiles: the cache's element format (kv_format.cuh). They arrive as TMA boxes of one row
+// (up to 128 bytes) x TILE_TOKENS positions, swizzled so that the 8 rows one ldmatrix phase reads
+// hit 8 different bank groups (joined-halves pages: see kv_chunk).
+using Kv = typename KvFormatOf<KV_FP8, HEAD_DIM, TILE_TOKENS, IS_F16>::type;
+constexpr bool MMA_F16 = Kv::MMA_F16;  // the MMAs' (and P's) 16-bit type
+constexpr int BOXES = Kv::BOXES;
+constexpr int BOX_BYTES = Kv::BOX_BYTES;
+constexpr int TILE_BYTES = Kv::TILE_BYTES;
+constexpr int ROW_BYTES = Kv::ROW_BYTES;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;  // K tile then V tile
 constexpr int TILE_TX_BYTES = TILE_BYTES;  // out-of-range rows are zero-filled, still counted
 // Paged caches: a tile is loaded as up to TILE_TOKENS runs of whole pages, spread over the
@@ -163,16 +170,14 @@ static_assert(TILE_TOKENS % 32 == 0, "producer lanes copy whole rounds of rows")
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
 static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern boundary");
 
-// Shared address of 16-byte chunk `chunk` (head dims 8*chunk .. 8*chunk+7) of position `t` in a
-// K or V tile.
-// Pages of 8-32 positions at d128 (JOINED_HALVES; launch.rs, joined_page_map): one TMA box per
-// page run holds both 64-dim halves, so the tile is [run][half][position in run][128 bytes]
-// rather than [half][position][128 bytes], and a tile takes half the boxes. Runs of 8+ positions
-// keep every 8-row group on one swizzle phase, so the ldmatrix reads stay conflict-free.
-// `run_rows` is the page size there (unused otherwise).
+// Joined-halves pages (pages of 8-32 positions at d128, bf16/f16; launch.rs, joined_page_map):
+// one TMA box per page run holds both 64-dim halves, so the tile is [run][half][position in
+// run][128 bytes] rather than the [half][position][128 bytes] of Kv's layout, and a tile takes
+// half the boxes. Shared address of 16-byte chunk `chunk` (head dims 8 chunk .. 8 chunk + 7) of
+// position `t` there; `run_rows` is the page size. Runs of 8+ positions keep every 8-row group
+// on one swizzle phase, so the ldmatrix reads stay conflict-free.
 __device__ __forceinline__ u32 kv_chunk(u32 tile, int t, int chunk, int run_rows) {
     const u32 swizzled = ((chunk % 8) ^ (t % 8)) << 4;
-    if constexpr (!JOINED_HALVES) return tile + (chunk / 8) * BOX_BYTES + t * 128 + swizzled;
     return tile + (t & -run_rows) * (BOXES * 128) + (t & (run_rows - 1)) * 128 +
            (chunk / 8) * run_rows * 128 + swizzled;
 }
@@ -383,12 +388,12 @@ __device__ __forceinline__ void produce_contiguous(const DecodeParams& p, const 
         mbarrier_arrive_expect_tx(&r.k_full[stage], TILE_TX_BYTES);
 #pragma unroll
         for (int box = 0; box < BOXES; ++box)
-            tma_load_4d(k_dst + box * BOX_BYTES, &p.k_map, box * 64, kv_head, tile_begin, batch,
+            tma_load_4d(k_dst + box * BOX_BYTES, &p.k_map, box * Kv::DIMS_PER_BOX, kv_head, tile_begin, batch,
                         &r.k_full[stage], r.policy);
         mbarrier_arrive_expect_tx(&r.v_full[stage], TILE_TX_BYTES);
 #pragma unroll
         for (int box = 0; box < BOXES; ++box)
-            tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * 64, kv_head, tile_begin, batch,
+            tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * Kv::DIMS_PER_BOX, kv_head, tile_begin, batch,
                         &r.v_full[stage], r.policy);
         if (TRACE && tile == 0) trace_stamp(TRACE_FIRST_ISSUE);
     }
@@ -537,7 +542,8 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
                         }
 #pragma unroll
                         for (int box = 0; box < BOXES; ++box)
-                            tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * 128, map[kv], box * 64,
+                            tma_load_4d(dst[kv] + box * BOX_BYTES + rr * run * ROW_BYTES, map[kv],
+                                        box * Kv::DIMS_PER_BOX,
                                         kv_head, in_page, ids[b][i], bar[kv], r.policy);
                     }
                 }
@@ -570,7 +576,8 @@ __device__ __forceinline__ void produce_paged(const DecodeParams& p, const Produ
 constexpr int WARM_TILES = 2;
 // (not where two CTAs share the SM: the n1 g2 variant then spills under its 96-register cap)
 constexpr bool WARMS_PAGES = JOINED_HALVES && MIN_CTAS_PER_SM == 1;
-constexpr int LINES_PER_ROW = HEAD_DIM * 2 / 128;  // 128-byte lines per K or V row
+constexpr int LINES_PER_ROW = HEAD_DIM * 2 / 128;  // 128-byte lines per query row
+constexpr int KV_LINES_PER_ROW = (HEAD_DIM * Kv::ELEM_BYTES + 127) / 128;  // per K or V row
 
 // `item` and `range`: the static plan's, for a request of max_len positions.
 __device__ __forceinline__ void warm_first_tiles(const DecodeParams& p, const WorkItem& item,
@@ -590,9 +597,10 @@ __device__ __forceinline__ void warm_first_tiles(const DecodeParams& p, const Wo
         const long long element =
             is_v ? outer * p.v_batch_stride + inner * p.v_token_stride + (long long)item.kv_head * p.v_head_stride
                  : outer * p.k_batch_stride + inner * p.k_token_stride + (long long)item.kv_head * p.k_head_stride;
-        const unsigned char* row = static_cast<const unsigned char*>(is_v ? p.v_cache : p.k_cache) + element * 2;
+        const unsigned char* row =
+            static_cast<const unsigned char*>(is_v ? p.v_cache : p.k_cache) + element * Kv::ELEM_BYTES;
 #pragma unroll
-        for (int line = 0; line < LINES_PER_ROW; ++line) prefetch_l2(row + line * 128);
+        for (int line = 0; line < KV_LINES_PER_ROW; ++line) prefetch_l2(row + line * 128);
     }
 }
 
@@ -832,12 +840,20 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             if (i < Q_CHUNKS) *reinterpret_cast<uint4*>(q_smem + g * SMEM_ROW + c * 16) = val[k];
         }
         named_barrier_sync(1, CONSUMER_THREADS);
+        if constexpr (Kv::QUERY_PERMUTED) {
+            permute_query_rows<Kv, HEAD_DIM, SMEM_ROW, CONSUMER_THREADS, IS_F16>(smem_addr(q_smem), cols.count);
+            named_barrier_sync(1, CONSUMER_THREADS);
+        }
         if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_Q_STAGED);
     }
 
     const int group = warp / GROUP_WARPS;
     const int row0 = (warp % GROUP_WARPS) * ROWS_PER_WARP;  // first row of this warp in a tile
     const u32 q_base = smem_addr(q_smem);
+    // the KV head's dequantisation scales (1 for 2-byte caches)
+    const float score_scale =
+        p.scale_log2 * kv_scale<KV_FP8>(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride, batch, kv_head);
+    const float v_scale = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, batch, kv_head);
     const u32 ring_base = smem_addr(ring);
 
     // Per-thread state. Fragment columns (query heads) of S^T and O^T coincide: lane holds
@@ -868,7 +884,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
             limit[nt][j] = c < cols.count ? min(range.end, cols.visible(c)) : range.end;
         }
 
-    // ldmatrix lane addressing (see ptx.cuh): K as row-major A, V^T via .trans, Q as col B.
+    // ldmatrix lane addressing (see ptx.cuh): joined-halves K as row-major A and V^T via .trans
+    // (every other tile through Kv's fragment loads), Q as col B.
     const int a_row = lane % 16, a_col = (lane / 16) * 8;                       // K
     const int v_row = (lane / 16) * 8 + lane % 8, v_col = ((lane / 8) % 2) * 8;  // V^T
     const int q_row = lane % 8, q_col = (lane / 8) * 8;                          // Q, 2 k-steps
@@ -896,14 +913,18 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int kk = 0; kk < D_TILES; kk += 2) {
                 u32 a0[4], a1[4];
-                ldmatrix_x4(a0, kv_chunk(k_tile, slice_row + a_row, 2 * kk + a_col / 8, p.page_size));
-                ldmatrix_x4(a1, kv_chunk(k_tile, slice_row + a_row, 2 * (kk + 1) + a_col / 8, p.page_size));
+                if constexpr (JOINED_HALVES) {
+                    ldmatrix_x4(a0, kv_chunk(k_tile, slice_row + a_row, 2 * kk + a_col / 8, p.page_size));
+                    ldmatrix_x4(a1, kv_chunk(k_tile, slice_row + a_row, 2 * (kk + 1) + a_col / 8, p.page_size));
+                } else {
+                    Kv::k_fragments(a0, a1, k_tile, slice_row, kk, lane);
+                }
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt) {
                     u32 b[4];
                     ldmatrix_x4(b, q_base + (nt * 8 + q_row) * SMEM_ROW + (kk * 16 + q_col) * 2);
-                    mma_m16n8k16<IS_F16>(s[nt], a0, b[0], b[1]);
-                    mma_m16n8k16<IS_F16>(s[nt], a1, b[2], b[3]);
+                    mma_m16n8k16<MMA_F16>(s[nt], a0, b[0], b[1]);
+                    mma_m16n8k16<MMA_F16>(s[nt], a1, b[2], b[3]);
                 }
             }
 
@@ -913,10 +934,10 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int nt = 0; nt < N_TILES; ++nt) {
                 float x[4];
-                x[0] = tok_lo < limit[nt][0] ? s[nt][0] * p.scale_log2 : neg_inf();
-                x[1] = tok_lo < limit[nt][1] ? s[nt][1] * p.scale_log2 : neg_inf();
-                x[2] = tok_lo + 8 < limit[nt][0] ? s[nt][2] * p.scale_log2 : neg_inf();
-                x[3] = tok_lo + 8 < limit[nt][1] ? s[nt][3] * p.scale_log2 : neg_inf();
+                x[0] = tok_lo < limit[nt][0] ? s[nt][0] * score_scale : neg_inf();
+                x[1] = tok_lo < limit[nt][1] ? s[nt][1] * score_scale : neg_inf();
+                x[2] = tok_lo + 8 < limit[nt][0] ? s[nt][2] * score_scale : neg_inf();
+                x[3] = tok_lo + 8 < limit[nt][1] ? s[nt][3] * score_scale : neg_inf();
                 float mx[2] = {fmaxf(x[0], x[2]), fmaxf(x[1], x[3])};
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
@@ -940,8 +961,8 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                 }
                 // P^T as the B operand: the S^T accumulator halves are 8x8 blocks with tokens on
                 // rows; transposing each in registers gives the k-major B fragment.
-                p_frag[nt][0] = movmatrix_trans(pack_half2<IS_F16>(x[0], x[1]));
-                p_frag[nt][1] = movmatrix_trans(pack_half2<IS_F16>(x[2], x[3]));
+                p_frag[nt][0] = movmatrix_trans(pack_half2<MMA_F16>(x[0], x[1]));
+                p_frag[nt][1] = movmatrix_trans(pack_half2<MMA_F16>(x[2], x[3]));
             }
 
             // ---- O^T += V^T P^T ----
@@ -958,16 +979,26 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
                 keep_hi = (t0 + 8 < range.end ? 0x0000ffffu : 0u) | (t0 + 9 < range.end ? 0xffff0000u : 0u);
             }
 #pragma unroll
-            for (int dt = 0; dt < D_TILES; ++dt) {
-                u32 a[4];
-                ldmatrix_x4_trans(a, kv_chunk(v_tile, slice_row + v_row, 2 * dt + v_col / 8, p.page_size));
-                a[0] &= keep_lo;
-                a[1] &= keep_lo;
-                a[2] &= keep_hi;
-                a[3] &= keep_hi;
+            for (int dt = 0; dt < D_TILES; dt += 2) {
+                u32 a[2][4];
+                if constexpr (JOINED_HALVES) {
 #pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt)
-                    mma_m16n8k16<IS_F16>(o_acc[dt][nt], a, p_frag[nt][0], p_frag[nt][1]);
+                    for (int t = 0; t < 2; ++t)
+                        ldmatrix_x4_trans(a[t], kv_chunk(v_tile, slice_row + v_row, 2 * (dt + t) + v_col / 8,
+                                                         p.page_size));
+                } else {
+                    Kv::v_fragments(a[0], a[1], v_tile, slice_row, dt, lane);
+                }
+#pragma unroll
+                for (int t = 0; t < 2; ++t) {
+                    a[t][0] &= keep_lo;
+                    a[t][1] &= keep_lo;
+                    a[t][2] &= keep_hi;
+                    a[t][3] &= keep_hi;
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt)
+                        mma_m16n8k16<MMA_F16>(o_acc[dt + t][nt], a[t], p_frag[nt][0], p_frag[nt][1]);
+                }
             }
         }
         __syncwarp();
@@ -1008,12 +1039,14 @@ kvs_decode_gqa(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + col]);
             const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
-            const float factor = exp2_approx(m_run[nt][j] - m_use);
+            // the V scale rides on the rescale factor: every output path below (normalised,
+            // FP32 partials, cluster pushes) then carries dequantised values
+            const float factor = exp2_approx(m_run[nt][j] - m_use) * v_scale;
             float* dst = merge + warp * MERGE_WARP_FLOATS + col * MERGE_ROW;
 #pragma unroll
             for (int dt = 0; dt < D_TILES; ++dt) {
-                dst[dt * 16 + lane / 4] = o_acc[dt][nt][j] * factor;
-                dst[dt * 16 + lane / 4 + 8] = o_acc[dt][nt][j + 2] * factor;
+                dst[Kv::o_dim(dt, lane / 4)] = o_acc[dt][nt][j] * factor;
+                dst[Kv::o_dim(dt, lane / 4 + 8)] = o_acc[dt][nt][j + 2] * factor;
             }
         }
     named_barrier_sync(1, CONSUMER_THREADS);

@@ -687,6 +687,12 @@ impl SplitEngine {
             k_head_stride: k_warm.head as i32,
             v_token_stride: v_warm.token as i32,
             v_head_stride: v_warm.head as i32,
+            k_scale: t.k_scale.map_or(0, |s| s.ptr),
+            v_scale: t.v_scale.map_or(0, |s| s.ptr),
+            k_scale_batch_stride: scale_strides(t.k_scale, p.hkv).0,
+            k_scale_head_stride: scale_strides(t.k_scale, p.hkv).1,
+            v_scale_batch_stride: scale_strides(t.v_scale, p.hkv).0,
+            v_scale_head_stride: scale_strides(t.v_scale, p.hkv).1,
         };
         if let Some(planner) = &self.planner {
             let cfg = LaunchConfig {

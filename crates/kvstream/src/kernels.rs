@@ -60,8 +60,10 @@ pub trait Variant {
 /// One specialisation of `decode_gqa.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DecodeVariant {
-    /// Element type.
+    /// Element type of q and out (and of the caches unless `kv_dtype` says otherwise).
     pub dtype: DType,
+    /// Element type of the K and V caches.
+    pub kv_dtype: KvDType,
     /// 64 or 128.
     pub head_dim: usize,
     /// ceil(group / 8).
@@ -76,7 +78,8 @@ pub struct DecodeVariant {
     pub paged: bool,
     /// Paged d128 cache with pages of 8 positions up to a tile: one TMA box per page run holds
     /// both 64-dim halves ([`crate::launch::joined_page_map`]), half the boxes of the two-box
-    /// layout; decode_gqa.cu lays the tile out to match (`kv_chunk`). See [`Self::joins_halves`].
+    /// layout; decode_gqa.cu lays the tile out to match (`kv_chunk`). 2-byte caches only. See
+    /// [`Self::joins_halves`].
     pub joined_halves: bool,
 }
 
@@ -85,6 +88,7 @@ impl DecodeVariant {
     pub fn for_problem(problem: &DecodeProblem) -> Self {
         DecodeVariant {
             dtype: problem.dtype,
+            kv_dtype: problem.kv_dtype,
             head_dim: problem.head_dim,
             n_tiles: problem.columns().div_ceil(8).min(MAX_N_TILES),
             tile_tokens: plan::tile_tokens(problem.head_dim),
@@ -94,6 +98,7 @@ impl DecodeVariant {
             joined_halves: problem.paged.is_some_and(|pg| {
                 Self::joins_halves(
                     problem.head_dim,
+                    problem.kv_dtype,
                     plan::tile_tokens(problem.head_dim),
                     pg.page_size,
                 )
@@ -101,11 +106,17 @@ impl DecodeVariant {
         }
     }
 
-    /// Whether pages of `page_size` positions are read with joined halves: d128 (two 64-dim
-    /// halves per position) and pages of at least 8 positions (one swizzle phase) but smaller
-    /// than a tile (larger pages already take one box per half and tile).
-    pub fn joins_halves(head_dim: usize, tile_tokens: usize, page_size: usize) -> bool {
-        head_dim == 128 && (8..tile_tokens).contains(&page_size)
+    /// Whether pages of `page_size` positions are read with joined halves: d128 2-byte caches
+    /// (two 64-dim halves per position; an e4m3 position is one 128-byte row already) and pages
+    /// of at least 8 positions (one swizzle phase) but smaller than a tile (larger pages already
+    /// take one box per half and tile).
+    pub fn joins_halves(
+        head_dim: usize,
+        kv_dtype: KvDType,
+        tile_tokens: usize,
+        page_size: usize,
+    ) -> bool {
+        head_dim == 128 && kv_dtype == KvDType::AsQuery && (8..tile_tokens).contains(&page_size)
     }
 
     /// CTAs along the query rows of one KV head: the rows (q_len x group) in blocks of at most
@@ -140,7 +151,11 @@ impl DecodeVariant {
     /// Dynamic shared memory of one CTA; mirrors `SharedPlan` in decode_gqa.cu (plus the slack
     /// that lets the kernel align its base to 1024 bytes).
     pub fn shared_bytes(&self) -> usize {
-        let ring = self.stages * 2 * self.tile_tokens * self.head_dim * 2;
+        let kv_bytes = match self.kv_dtype {
+            KvDType::AsQuery => 2,
+            KvDType::Fp8E4m3 => 1,
+        };
+        let ring = self.stages * 2 * self.tile_tokens * self.head_dim * kv_bytes;
         let merge = self.consumer_groups * 4 * self.n_tiles * 8 * (self.head_dim + 4) * 4;
         let ring_region = ring.max(merge).div_ceil(128) * 128;
         let q = self.n_tiles * 8 * (self.head_dim * 2 + 16);
@@ -162,8 +177,12 @@ impl DecodeVariant {
 impl Variant for DecodeVariant {
     fn name(&self) -> String {
         format!(
-            "decode_gqa.{}.d{}.n{}.t{}.s{}.g{}{}",
+            "decode_gqa.{}{}.d{}.n{}.t{}.s{}.g{}{}",
             self.dtype.name(),
+            match self.kv_dtype {
+                KvDType::AsQuery => "",
+                KvDType::Fp8E4m3 => ".kv_e4m3",
+            },
             self.head_dim,
             self.n_tiles,
             self.tile_tokens,
@@ -193,6 +212,10 @@ impl Variant for DecodeVariant {
             self.paged,
         );
         d.extend([
+            (
+                "KVS_KV_FP8".into(),
+                u8::from(self.kv_dtype == KvDType::Fp8E4m3).to_string(),
+            ),
             (
                 "KVS_JOINED_HALVES".into(),
                 u8::from(self.joined_halves).to_string(),
@@ -619,15 +642,22 @@ pub fn all_variants() -> Vec<AnyVariant> {
                     if !DecodeVariant::groups_fit(n_tiles, consumer_groups) {
                         continue;
                     }
-                    for stages in plan::SUPPORTED_STAGES {
+                    for two_byte_stages in plan::SUPPORTED_STAGES {
                         // contiguous, paged, and paged with joined halves where it applies
-                        for (paged, joined_halves) in [(false, false), (true, false), (true, true)]
-                        {
+                        for (paged, joined_halves, kv_dtype) in [
+                            (false, false, KvDType::AsQuery),
+                            (true, false, KvDType::AsQuery),
+                            (true, true, KvDType::AsQuery),
+                            (false, false, KvDType::Fp8E4m3),
+                            (true, false, KvDType::Fp8E4m3),
+                        ] {
                             if joined_halves && head_dim != 128 {
                                 continue;
                             }
+                            let stages = plan::split_stages(kv_dtype, two_byte_stages);
                             out.push(AnyVariant::Decode(DecodeVariant {
                                 dtype,
+                                kv_dtype,
                                 head_dim,
                                 n_tiles,
                                 tile_tokens: plan::tile_tokens(head_dim),

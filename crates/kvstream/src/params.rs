@@ -57,10 +57,16 @@ pub struct DecodeParams {
     pub k_head_stride: i32,
     pub v_token_stride: i32,
     pub v_head_stride: i32,
+    pub k_scale: u64,
+    pub v_scale: u64,
+    pub k_scale_batch_stride: i32,
+    pub k_scale_head_stride: i32,
+    pub v_scale_batch_stride: i32,
+    pub v_scale_head_stride: i32,
 }
 
 // Same number as the static_assert in params.cuh; the tests below compare every field's offset.
-const _: () = assert!(std::mem::size_of::<DecodeParams>() == 512);
+const _: () = assert!(std::mem::size_of::<DecodeParams>() == 640);
 
 /// Launch parameters of the persistent decode kernel (`decode_params.cuh`, documented there
 /// field by field).
@@ -245,6 +251,12 @@ mod tests {
             k_head_stride,
             v_token_stride,
             v_head_stride,
+            k_scale,
+            v_scale,
+            k_scale_batch_stride,
+            k_scale_head_stride,
+            v_scale_batch_stride,
+            v_scale_head_stride,
         );
         let header = include_str!("../../../kernels/include/params.cuh");
         let (cuda, size) = cuda_layout(header, "DecodeParams");

@@ -449,20 +449,16 @@ impl std::str::FromStr for Engine {
 /// persistent engine balances every call whatever the lengths, at 0-11% over the split engine
 /// on uniform lengths; on smaller batches every request is split and the split engine measured
 /// 1.05-3.3x faster (a cut unit costs the persistent engine its partials, an arrival and a
-/// merge by one CTA). The measurements: docs/tuning.md, "Engine choice".
+/// merge by one CTA). The measurements: docs/tuning.md, "Engine choice". fp8 caches
+/// ([`KvDType::Fp8E4m3`]) follow the same rule.
 ///
 /// Pages smaller than [`PERSISTENT_GATHER_ALWAYS_BELOW_PAGE`] take the persistent engine at
 /// any batch: its gathering producer streams them several times faster than the split engine's
-/// boxes (pages of 1 at batch 1: 49 against 133 us at d 128, L 32768). fp8 caches
-/// ([`KvDType::Fp8E4m3`]) run on the persistent engine only.
+/// boxes (pages of 1 at batch 1: 49 against 133 us at d 128, L 32768).
 ///
 /// Worked example: 16 requests of 32/8 heads, d 128: 128 units, 128 x 4 >= 132: persistent;
 /// 4 such requests: 32 units, 128 < 132: split; with pages of 8: persistent.
 pub fn persistent_by_default(problem: &DecodeProblem, device: DeviceFacts) -> bool {
-    // fp8 caches have one engine
-    if problem.kv_dtype != KvDType::AsQuery {
-        return true;
-    }
     if problem
         .paged
         .is_some_and(|pg| pg.page_size < PERSISTENT_GATHER_ALWAYS_BELOW_PAGE)
@@ -556,16 +552,6 @@ pub fn choose(problem: &DecodeProblem, device: DeviceFacts, options: PlanOptions
         (None, None, None) if persistent_by_default(problem, device) => Engine::Persistent,
         (None, None, None) => Engine::Split,
     };
-    if engine == Engine::Split && problem.kv_dtype != KvDType::AsQuery {
-        return Err(Error::invalid(
-            split_knob.unwrap_or("engine"),
-            "the split engine",
-            format!(
-                "the persistent engine for a {} cache (drop the split engine's knobs)",
-                problem.kv_dtype.name()
-            ),
-        ));
-    }
     match engine {
         Engine::Persistent => plan_persistent(problem, device, options).map(Plan::Persistent),
         Engine::Split => plan(problem, device, options).map(Plan::Split),
@@ -663,7 +649,12 @@ pub fn takes_paged_plan(problem: &DecodeProblem) -> bool {
     problem.paged.is_some_and(|pg| {
         pg.page_size < tile
             && !(pg.page_size >= JOINED_CONTIGUOUS_PLAN_MIN_PAGE
-                && DecodeVariant::joins_halves(problem.head_dim, tile, pg.page_size))
+                && DecodeVariant::joins_halves(
+                    problem.head_dim,
+                    problem.kv_dtype,
+                    tile,
+                    pg.page_size,
+                ))
     })
 }
 
@@ -856,6 +847,18 @@ pub fn resident_shared_bytes(needed: usize, resident: Option<usize>) -> usize {
 
 /// Ring depths a decode kernel can be built with.
 pub const SUPPORTED_STAGES: [usize; 2] = [2, STAGES];
+/// Ring depths of the split engine for e4m3 caches: twice the 2-byte depths, so that a ring
+/// holds the same bytes in flight ([`split_stages`]).
+pub const SUPPORTED_FP8_STAGES: [usize; 2] = [2 * SUPPORTED_STAGES[0], 2 * SUPPORTED_STAGES[1]];
+
+/// The split engine's ring depth for a cache of `kv_dtype` where a 2-byte cache takes
+/// `two_byte_stages`: e4m3 tiles are half the bytes, so twice the stages.
+pub fn split_stages(kv_dtype: KvDType, two_byte_stages: usize) -> usize {
+    match kv_dtype {
+        KvDType::AsQuery => two_byte_stages,
+        KvDType::Fp8E4m3 => 2 * two_byte_stages,
+    }
+}
 
 /// Groups of consumer warps for a split of `tiles_per_split` tiles with `n_tiles` head tiles:
 /// two from two tiles a split on, where they fit (docs/tuning.md, `consumer_groups`).
@@ -1102,7 +1105,9 @@ pub fn plan(
         device_plan: None,
         workspace,
         pdl: !options.disable_pdl,
-        kv_promotion: options.kv_promotion.unwrap_or_default(),
+        kv_promotion: options
+            .kv_promotion
+            .unwrap_or_else(|| kv_promotion_for(problem.head_dim * problem.kv_elem_bytes())),
         reduction,
         decode_shared_bytes: resident_shared_bytes(decode.shared_bytes(), resident),
     })
@@ -1131,10 +1136,20 @@ fn decode_variant(
         }
         None => consumer_groups(decode.n_tiles, tiles_per_split),
     };
+    let supported = match problem.kv_dtype {
+        KvDType::AsQuery => SUPPORTED_STAGES,
+        KvDType::Fp8E4m3 => SUPPORTED_FP8_STAGES,
+    };
     decode.stages = match options.stages {
-        None => default_stages,
-        Some(s) if SUPPORTED_STAGES.contains(&s) => s,
-        Some(s) => return Err(Error::invalid("stages", s, format!("{SUPPORTED_STAGES:?}"))),
+        None => split_stages(problem.kv_dtype, default_stages),
+        Some(s) if supported.contains(&s) => s,
+        Some(s) => {
+            return Err(Error::invalid(
+                "stages",
+                s,
+                format!("{supported:?} for a {} cache", problem.kv_dtype.name()),
+            ))
+        }
     };
     Ok(decode)
 }
@@ -1207,7 +1222,9 @@ fn plan_on_device(
             request_plan: 2 * problem.batch,
         },
         pdl: !options.disable_pdl,
-        kv_promotion: options.kv_promotion.unwrap_or_default(),
+        kv_promotion: options
+            .kv_promotion
+            .unwrap_or_else(|| kv_promotion_for(problem.head_dim * problem.kv_elem_bytes())),
         reduction: if cluster.is_some() {
             Reduction::Cluster
         } else {
@@ -1826,7 +1843,7 @@ mod tests {
     }
 
     #[test]
-    fn fp8_caches_take_the_persistent_engine_with_two_groups_and_twice_the_stages() {
+    fn fp8_caches_take_the_engine_rule_of_2_byte_caches_with_twice_the_stages() {
         use crate::problem::KvDType;
         let fp8 = |batch, d, hq| {
             DecodeProblem::new(batch, hq, 8, d, 4096, DType::Bf16)
@@ -1834,9 +1851,41 @@ mod tests {
                 .with_kv_dtype(KvDType::Fp8E4m3)
                 .unwrap()
         };
-        // batch 1 would take the split engine with a 2-byte cache
+        // batch 1: the split engine, as a 2-byte cache, with twice its ring
         let p = fp8(1, 128, 32);
-        let v = persistent(&p, PlanOptions::default()).unwrap().variant;
+        let two_byte = DecodeProblem::new(1, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        let split = |p: &DecodeProblem, o| match choose(p, DeviceFacts::H200, o).unwrap() {
+            Plan::Split(sp) => sp,
+            Plan::Persistent(_) => panic!("persistent engine chosen for {o:?}"),
+        };
+        let (s8, s2) = (
+            split(&p, PlanOptions::default()),
+            split(&two_byte, PlanOptions::default()),
+        );
+        assert_eq!(s8.decode.kv_dtype, KvDType::Fp8E4m3);
+        assert_eq!(s8.decode.stages, 2 * s2.decode.stages);
+        assert_eq!(s8.num_splits, s2.num_splits);
+        assert!(s8.decode_shared_bytes < s2.decode_shared_bytes * 2);
+        let two = PlanOptions {
+            num_splits: Some(2),
+            ..Default::default()
+        };
+        assert_eq!(split(&p, two).num_splits, 2);
+        let bad = PlanOptions {
+            stages: Some(2),
+            ..Default::default()
+        };
+        let msg = choose(&p, DeviceFacts::H200, bad).unwrap_err().to_string();
+        assert!(msg.contains("[4, 8] for a fp8_e4m3 cache"), "{msg}");
+        // a paged fp8 cache never joins halves (a d 128 position is one 128-byte row)
+        let paged16 = fp8(1, 128, 32).with_paged(16, 256 + 3, None).unwrap();
+        assert!(!split(&paged16, PlanOptions::default()).decode.joined_halves);
+        // the persistent engine where asked for (or where the batch fills the GPU)
+        let on_persistent = PlanOptions {
+            engine: Some(Engine::Persistent),
+            ..Default::default()
+        };
+        let v = persistent(&p, on_persistent).unwrap().variant;
         assert_eq!(
             (v.kv_dtype, v.consumer_groups, v.stages, v.tile_tokens),
             (KvDType::Fp8E4m3, 2, 4, 64)
@@ -1849,13 +1898,27 @@ mod tests {
             (2, 8, 128)
         );
         // 64-byte rows promote to 64 bytes (128 read the next head's row too), 128-byte ones
-        // to 128, unless forced
+        // to 128, unless forced; on both engines
         use crate::launch::TmaPromotion;
+        assert_eq!(
+            split(&fp8(1, 64, 32), PlanOptions::default()).kv_promotion,
+            TmaPromotion::B64
+        );
+        assert_eq!(s8.kv_promotion, TmaPromotion::B128);
         let promotion = |p: &DecodeProblem, o| persistent(p, o).unwrap().kv_promotion;
-        assert_eq!(promotion(&fp8(16, 64, 32), PlanOptions::default()), TmaPromotion::B64);
-        assert_eq!(promotion(&fp8(16, 128, 32), PlanOptions::default()), TmaPromotion::B128);
+        assert_eq!(
+            promotion(&fp8(16, 64, 32), PlanOptions::default()),
+            TmaPromotion::B64
+        );
+        assert_eq!(
+            promotion(&fp8(16, 128, 32), PlanOptions::default()),
+            TmaPromotion::B128
+        );
         let bf16_d64 = DecodeProblem::new(16, 32, 8, 64, 4096, DType::Bf16).unwrap();
-        assert_eq!(promotion(&bf16_d64, PlanOptions::default()), TmaPromotion::B128);
+        assert_eq!(
+            promotion(&bf16_d64, PlanOptions::default()),
+            TmaPromotion::B128
+        );
         let forced = PlanOptions {
             kv_promotion: Some(TmaPromotion::None),
             ..Default::default()
@@ -1872,19 +1935,6 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(persistent(&p, forced).unwrap().variant.consumer_groups, 2);
-        for o in [
-            PlanOptions {
-                num_splits: Some(2),
-                ..Default::default()
-            },
-            PlanOptions {
-                engine: Some(Engine::Split),
-                ..Default::default()
-            },
-        ] {
-            let msg = choose(&p, DeviceFacts::H200, o).unwrap_err().to_string();
-            assert!(msg.contains("persistent engine"), "{msg}");
-        }
         // boxes need 128-byte page runs: pages of 1 at d 64 fp8 are gathered only
         let paged = fp8(2, 64, 32).with_paged(1, 8192 + 3, None).unwrap();
         let boxes = PlanOptions {
@@ -1902,13 +1952,11 @@ mod tests {
                 .kv_source,
             KvSource::PagedGather
         );
-        // 64-byte rows gather pages below 64
+        // 64-byte rows gather pages below 64 (on the persistent engine; batch 2 takes the
+        // split engine by default)
         let p32 = fp8(2, 64, 32).with_paged(32, 256 + 3, None).unwrap();
         assert_eq!(
-            persistent(&p32, PlanOptions::default())
-                .unwrap()
-                .variant
-                .kv_source,
+            persistent(&p32, on_persistent).unwrap().variant.kv_source,
             KvSource::PagedGather
         );
     }

@@ -2170,15 +2170,58 @@ fn fp8_cases_match_reference() {
             persistent_tile_tokens: Some(128),
             ..Default::default()
         };
+        // the default (split engine below a GPU-filling batch), both engines forced, both
+        // reductions of the split engine, its device plan
         let mut problems = vec![
             (base.clone(), PlanOptions::default()),
             (base.clone(), paired),
+            (
+                base.clone(),
+                PlanOptions {
+                    engine: Some(kvstream::Engine::Persistent),
+                    ..Default::default()
+                },
+            ),
+            (
+                base.clone(),
+                PlanOptions {
+                    num_splits: Some(3),
+                    reduction: Some(Reduction::Kernel),
+                    ..Default::default()
+                },
+            ),
+            (
+                base.clone(),
+                PlanOptions {
+                    num_splits: Some(4),
+                    reduction: Some(Reduction::Cluster),
+                    ..Default::default()
+                },
+            ),
+            (
+                base.clone(),
+                PlanOptions {
+                    device_plan: true,
+                    ..Default::default()
+                },
+            ),
         ];
         for page in [1, 16, 64] {
             let paged = base
                 .clone()
                 .with_paged(page, pool_pages(batch, len, page), None)
                 .expect("a valid paged problem");
+            if page >= 16 {
+                // pages of 16 and more on the split engine too (pages of 1 take the persistent
+                // engine at any batch)
+                problems.push((
+                    paged.clone(),
+                    PlanOptions {
+                        engine: Some(kvstream::Engine::Split),
+                        ..Default::default()
+                    },
+                ));
+            }
             for gather in [None, Some(true), Some(false)] {
                 let opts = PlanOptions {
                     persistent_paged_gather: gather,

@@ -82,13 +82,7 @@ fn decode_variants_use_tensor_cores_and_tma_and_no_local_memory() {
         match v {
             AnyVariant::Decode(d) => {
                 let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
-                check_decode_sass(
-                    &d.name(),
-                    &c.cubin,
-                    d.n_tiles,
-                    KvCopies::Tma,
-                    KvDType::AsQuery,
-                );
+                check_decode_sass(&d.name(), &c.cubin, d.n_tiles, KvCopies::Tma, d.kv_dtype);
             }
             AnyVariant::Persistent(d) => {
                 let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
