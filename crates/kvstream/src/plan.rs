@@ -615,6 +615,11 @@ pub const MIN_TILES_PER_SPLIT: usize = 1;
 /// Streaming CTAs per SM the heuristic aims for (as a fraction: numerator / denominator); half
 /// the SMs saturate HBM on the H200.
 pub const TARGET_CTAS_PER_SM: (usize, usize) = (1, 2);
+/// Streaming CTAs per SM for an e4m3 cache: a CTA consumes positions at the 2-byte rate, so it
+/// pulls half the bytes, and twice the CTAs are needed for the same bandwidth (with the 2-byte
+/// target, batch-b4-L32768 ran 96.9 us on 64 CTAs where the persistent engine took 74.2;
+/// bench/NOTES.md, "FP8 on the split engine").
+pub const FP8_TARGET_CTAS_PER_SM: usize = 1;
 /// Streaming CTAs per SM for multi-token decode: q_len x group query rows per CTA multiply the
 /// MMA and softmax work per byte (q_len 4 at 32/8 heads: one CTA per (request, KV head) pulled
 /// 27 GB/s where single-token CTAs pull 55-70), so these aim for a full wave.
@@ -992,6 +997,8 @@ pub fn heuristic_splits(problem: &DecodeProblem, device: DeviceFacts) -> usize {
         device.sm_count * MULTI_TOKEN_CTAS_PER_SM
     } else if takes_paged_plan(problem) {
         device.sm_count * PAGED_CTAS_PER_SM
+    } else if problem.kv_dtype == KvDType::Fp8E4m3 {
+        device.sm_count * FP8_TARGET_CTAS_PER_SM
     } else {
         device.sm_count * TARGET_CTAS_PER_SM.0 / TARGET_CTAS_PER_SM.1
     };
@@ -1864,7 +1871,8 @@ mod tests {
         );
         assert_eq!(s8.decode.kv_dtype, KvDType::Fp8E4m3);
         assert_eq!(s8.decode.stages, 2 * s2.decode.stages);
-        assert_eq!(s8.num_splits, s2.num_splits);
+        // twice the CTAs: a CTA pulls half the bytes (FP8_TARGET_CTAS_PER_SM)
+        assert_eq!(s8.num_splits, 2 * s2.num_splits);
         assert!(s8.decode_shared_bytes < s2.decode_shared_bytes * 2);
         let two = PlanOptions {
             num_splits: Some(2),
