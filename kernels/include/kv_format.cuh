@@ -163,4 +163,22 @@ __device__ __forceinline__ void permute_query_rows(u32 q_base, int count) {
     }
 }
 
+// O^T m-tiles dt, dt + 1 += V^T (a: their two fragments, as v_fragments gives them) x P^T
+// (p_frag: N_TILES n8 tiles), after clearing the V^T columns (positions) the keep masks drop:
+// P is 0 there, but the V rows past the length may hold anything (NaN included, 0 x NaN = NaN).
+template <bool MMA_F16, int D_TILES, int N_TILES>
+__device__ __forceinline__ void accumulate_o(float (&o_acc)[D_TILES][N_TILES][4], int dt, u32 (&a)[2][4],
+                                             u32 keep_lo, u32 keep_hi, const u32 (&p_frag)[N_TILES][2]) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        a[t][0] &= keep_lo;
+        a[t][1] &= keep_lo;
+        a[t][2] &= keep_hi;
+        a[t][3] &= keep_hi;
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+            mma_m16n8k16<MMA_F16>(o_acc[dt + t][nt], a[t], p_frag[nt][0], p_frag[nt][1]);
+    }
+}
+
 }  // namespace kvs

@@ -1007,16 +1007,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                     for (int dt = 0; dt < D_TILES; dt += 2) {
                         u32 a[2][4];
                         Kv::v_fragments(a[0], a[1], v_tile, slice_row, dt, lane);
-#pragma unroll
-                        for (int t = 0; t < 2; ++t) {
-                            a[t][0] &= keep_lo;
-                            a[t][1] &= keep_lo;
-                            a[t][2] &= keep_hi;
-                            a[t][3] &= keep_hi;
-#pragma unroll
-                            for (int nt = 0; nt < N_TILES; ++nt)
-                                mma_m16n8k16<MMA_F16>(o_acc[dt + t][nt], a[t], p_frag[h][nt][0], p_frag[h][nt][1]);
-                        }
+                        accumulate_o<MMA_F16>(o_acc, dt, a, keep_lo, keep_hi, p_frag[h]);
                     }
                 }
             }

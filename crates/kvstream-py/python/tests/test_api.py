@@ -632,13 +632,18 @@ def test_fp8_cache_strides_are_16_bytes():
 
 
 def test_fp8_validates_through_the_native_layer():
+    # the engine rule of 2-byte caches: 32 units on 132 SMs take the split engine, 128 the
+    # persistent one; either engine's knobs apply
     plan = _native.validate(4, 32, 8, 128, 4096, "bf16", kv_dtype="fp8_e4m3")
-    assert "Fp8E4m3" in plan
-    assert "Persistent" in plan
+    assert "Fp8E4m3" in plan and plan.startswith("Split("), plan
+    plan = _native.validate(16, 32, 8, 128, 4096, "bf16", kv_dtype="fp8_e4m3")
+    assert "Fp8E4m3" in plan and plan.startswith("Persistent("), plan
+    plan = _native.validate(4, 32, 8, 128, 4096, "bf16", num_splits=2, kv_dtype="fp8_e4m3")
+    assert "num_splits: 2" in plan, plan
+    plan = _native.validate(4, 32, 8, 128, 4096, "bf16", engine="persistent", kv_dtype="fp8_e4m3")
+    assert plan.startswith("Persistent("), plan
     with pytest.raises(ValueError, match="kv_dtype"):
         _native.validate(4, 32, 8, 128, 4096, "bf16", kv_dtype="e5m2")
-    with pytest.raises(ValueError, match="persistent engine"):
-        _native.validate(4, 32, 8, 128, 4096, "bf16", num_splits=2, kv_dtype="fp8_e4m3")
 
 
 def store_args(**over):
