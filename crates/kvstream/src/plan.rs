@@ -209,8 +209,9 @@ pub fn persistent_variant_forced(
 /// (consumer groups, deepest ring) of the persistent variant (see [`persistent_variant`]).
 /// fp8 caches: the same tiles (a larger one spills at four column tiles), two consumer groups
 /// where they fit (twice the elements per byte to compute: one group streamed 6% slower at
-/// d 128), and twice the stages, so that the ring holds the bytes measured best for 2-byte
-/// caches (docs/tuning.md, "FP8 caches").
+/// d 128); at d 128 [`PERSISTENT_FP8_D128_STAGES`] stages, elsewhere twice the 2-byte stages,
+/// so that the ring holds the bytes measured best for 2-byte caches (docs/tuning.md, "FP8
+/// caches").
 fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, usize) {
     if kv_dtype == KvDType::Fp8E4m3 {
         let groups = if DecodeVariant::groups_fit(n_tiles, 2) {
@@ -218,6 +219,9 @@ fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, u
         } else {
             1
         };
+        if head_dim == 128 {
+            return (groups, PERSISTENT_FP8_D128_STAGES);
+        }
         let (_, stages) = default_ring(KvDType::AsQuery, head_dim, n_tiles);
         return (groups, 2 * stages.max(groups));
     }
@@ -229,6 +233,11 @@ fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, u
         (1, PERSISTENT_MAX_STAGES)
     }
 }
+
+/// Ring depth of the persistent engine for e4m3 caches at d 128: eight 16 KB stages (128 KB in
+/// flight, twice what 2-byte caches measured best) ran 0.4-2.4% faster than four on the
+/// batch-filling rows in two runs (b16 L32768, b128 L4096; docs/tuning.md, "FP8 caches").
+pub const PERSISTENT_FP8_D128_STAGES: usize = 8;
 
 /// `v` with the deepest ring of at most `max_stages` stages (a multiple of its consumer groups)
 /// that fits one SM's shared memory; one lap of its groups at least.
@@ -1896,7 +1905,7 @@ mod tests {
         let v = persistent(&p, on_persistent).unwrap().variant;
         assert_eq!(
             (v.kv_dtype, v.consumer_groups, v.stages, v.tile_tokens),
-            (KvDType::Fp8E4m3, 2, 4, 64)
+            (KvDType::Fp8E4m3, 2, PERSISTENT_FP8_D128_STAGES, 64)
         );
         let d64 = persistent(&fp8(16, 64, 32), PlanOptions::default())
             .unwrap()
@@ -1932,11 +1941,16 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(promotion(&fp8(16, 64, 32), forced), TmaPromotion::None);
-        // 32 query rows per KV head: one group, four stages
+        // 32 query rows per KV head: one group, the deepest ring of up to eight stages that fits
         let wide = persistent(&fp8(16, 128, 256), PlanOptions::default())
             .unwrap()
             .variant;
-        assert_eq!((wide.consumer_groups, wide.stages), (1, 4));
+        assert_eq!(wide.consumer_groups, 1);
+        assert!(
+            (4..=PERSISTENT_FP8_D128_STAGES).contains(&wide.stages),
+            "{}",
+            wide.stages
+        );
         // a forced tile keeps the fp8 ring
         let forced = PlanOptions {
             persistent_tile_tokens: Some(128),
