@@ -4,14 +4,15 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep storekv serving ab (default:
+# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
 # FA3 wheel travels in .whl/); both pack their outputs into $OUT/<part>-results.tar.gz;
 # `compare8` is compare.py's FP8 comparison (e4m3 caches, FA3's fp8 path); `fp8sweep` the FP8
 # tuning sweep of `kvstream bench` (FP8_IDS, FP8_RINGS); `storekv` times the cache write against
-# copies of the same bytes (bench/store_kv_bench.py -> $OUT/store-kv-latest.json).
+# copies of the same bytes (bench/store_kv_bench.py -> $OUT/store-kv-latest.json); `fp8splits` times
+# the split engine's fp8 rows at the 2-byte split count and at the plan's (FP8_TARGET_CTAS_PER_SM).
 # `trace` runs the serving rows TRACE_IDS with the phase-trace kernels (prepare with TRACE=1)
 # and summarises them with bench/trace.py into $OUT/trace (timings there carry the stamps).
 # `serving` runs bench/serving.json (SERVING_ARGS) and bench/serving_peers.py (PEERS_ARGS, e.g.
@@ -102,6 +103,16 @@ if want fp8sweep; then
   timeout 500 $B bench --kv-dtype fp8_e4m3 --ids "${FP8_IDS:-gqa-d128-L131072,mha-d64-L131072,mha-d128-L65536,batch-b16-L32768,batch-b128-L4096}" \
     --rings "${FP8_RINGS:-g2s4,r2,g2s2p128r2,g2s2p128,g1s4p128r2}" --min-tiles 4,16 --ctas 66 --no-plots \
     --json $O/fp8-sweep.json 2>&1 | tee $O/fp8-sweep.txt | tail -40
+fi
+if want fp8splits; then
+  # (shape, the 2-byte target's split count): the default plan, then that count forced
+  for row in "--batch 4 --hq 32 --hkv 8 --len 32768:2" "--batch 1 --hq 32 --hkv 8 --len 32768:8" \
+             "--len 131072:33" "--hq 16 --hkv 16 --head-dim 64 --len 131072:4" \
+             "--head-dim 64 --len 131072:33"; do
+    shape=${row%:*}
+    timeout 60 $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 | grep -E 'plan|RESULT' | tee -a $O/fp8-splits.txt
+    timeout 60 $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 --splits ${row##*:} | grep RESULT | tee -a $O/fp8-splits.txt
+  done
 fi
 if want storekv; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
