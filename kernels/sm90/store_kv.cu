@@ -4,11 +4,9 @@
 // into a 2-byte cache or quantised into an e4m3 one (KVS_KV_FP8): value / scale, rounded to the
 // nearest e4m3, saturating to +-448 (a finite input never becomes NaN).
 //
-// One thread per 16 head dims of one row, K rows in blockIdx.y 0 and V rows in 1: two 16-byte
-// loads and two 16-byte stores (2-byte cache) or one (e4m3) each. Index arithmetic is 32-bit (the
-// host keeps the thread count below 2^31; slots above 2^31 take a 64-bit path): 64-bit divisions
-// per thread cost more than the bytes. Nothing is read from the cache, so a replayed graph may
-// write any slots.
+// One thread per 8 head dims of one row, K rows in blockIdx.y 0 and V rows in 1: a 16-byte load
+// and a 16-byte (2-byte cache) or 8-byte (e4m3) store each. Nothing is read from the cache, so
+// a replayed graph may write any slots.
 //
 // Parameters mirrored by `StoreKvParams` in crates/kvstream/src/params.rs.
 //
@@ -21,9 +19,9 @@ constexpr bool IS_F16 = KVS_IS_F16;
 constexpr int HEAD_DIM = KVS_HEAD_DIM;
 constexpr bool KV_FP8 = KVS_KV_FP8;
 constexpr int THREADS = 256;
-constexpr int CHUNK = 16;  // head dims per thread
+constexpr int CHUNK = 8;  // head dims per thread
 constexpr int CHUNKS = HEAD_DIM / CHUNK;
-static_assert(HEAD_DIM % CHUNK == 0, "whole chunks of 16 dims per row");
+static_assert(HEAD_DIM % CHUNK == 0, "whole 16-byte chunks per row");
 
 struct alignas(128) StoreKvParams {
     const void* k_new;        // [tokens, hkv, d], strides below
@@ -42,13 +40,13 @@ struct alignas(128) StoreKvParams {
 };
 static_assert(sizeof(StoreKvParams) == 256, "StoreKvParams must match params.rs");
 
-// Sixteen 2-byte values to sixteen e4m3 bytes: value / scale, round to nearest even, saturating
+// Eight 2-byte values to eight e4m3 bytes: value / scale, round to nearest even, saturating
 // (PTX ISA 9.7.9.21 cvt .e4m3x2 .satfinite; the division is IEEE, as the host reference's).
-__device__ __forceinline__ uint4 quantise16(uint4 a, uint4 b, float scale) {
-    const u32 in[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    u32 out[4];
+__device__ __forceinline__ uint2 quantise8(uint4 x, float scale) {
+    const u32 in[4] = {x.x, x.y, x.z, x.w};
+    u32 out[2];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
+    for (int w = 0; w < 2; ++w) {
         u32 word = 0;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -60,7 +58,7 @@ __device__ __forceinline__ uint4 quantise16(uint4 a, uint4 b, float scale) {
         }
         out[w] = word;
     }
-    return make_uint4(out[0], out[1], out[2], out[3]);
+    return make_uint2(out[0], out[1]);
 }
 
 }  // namespace kvs
@@ -68,30 +66,21 @@ __device__ __forceinline__ uint4 quantise16(uint4 a, uint4 b, float scale) {
 using namespace kvs;
 
 extern "C" __global__ void __launch_bounds__(THREADS) kvs_store_kv(const __grid_constant__ StoreKvParams p) {
-    const u32 i = blockIdx.x * THREADS + threadIdx.x;
-    const u32 rows = (u32)p.tokens * (u32)p.hkv;
-    if (i >= rows * CHUNKS) return;
+    const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
+    if (i >= (long long)p.tokens * p.hkv * CHUNKS) return;
     const bool is_v = blockIdx.y == 1;
-    const u32 row = i / CHUNKS;  // token * hkv + head
-    const int token = (int)(row / (u32)p.hkv);
-    const int h = (int)(row - (u32)token * (u32)p.hkv);
+    const int token = (int)(i / (p.hkv * CHUNKS));
+    const int h = (int)(i / CHUNKS % p.hkv);
     const int c = (int)(i % CHUNKS);
     // Nothing below reads what a previous kernel in the stream may still write before this.
     pdl_wait_for_producer();
     const long long slot = p.slots[token];
     if (slot < 0 || slot >= p.num_slots) return;
-    long long block, offset;
-    if (slot <= 0x7fffffffLL) {
-        block = (u32)slot / (u32)p.block_slots;
-        offset = (u32)slot - (u32)block * (u32)p.block_slots;
-    } else {
-        block = slot / p.block_slots;
-        offset = slot - block * p.block_slots;
-    }
-    const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(is_v ? p.v_new : p.k_new) +
-                                                      token * p.new_token_stride + h * p.new_head_stride + c * CHUNK);
-    const uint4 x0 = src[0], x1 = src[1];
-    const long long at = block * p.block_stride + offset * p.slot_stride + h * p.head_stride + c * CHUNK;
+    const long long block = slot / p.block_slots;
+    const u16* src = reinterpret_cast<const u16*>(is_v ? p.v_new : p.k_new) + token * p.new_token_stride +
+                     h * p.new_head_stride + c * CHUNK;
+    const uint4 x = *reinterpret_cast<const uint4*>(src);
+    const long long at = block * p.block_stride + (slot % p.block_slots) * p.slot_stride + h * p.head_stride + c * CHUNK;
     if constexpr (KV_FP8) {
         const float* scales = is_v ? p.v_scale : p.k_scale;
         const float scale =
@@ -99,10 +88,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) kvs_store_kv(const __grid_
                             (long long)h * (is_v ? p.v_scale_head_stride : p.k_scale_head_stride)]
                    : 1.f;
         unsigned char* dst = reinterpret_cast<unsigned char*>(is_v ? p.v_cache : p.k_cache) + at;
-        *reinterpret_cast<uint4*>(dst) = quantise16(x0, x1, scale);
+        *reinterpret_cast<uint2*>(dst) = quantise8(x, scale);
     } else {
-        uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(is_v ? p.v_cache : p.k_cache) + at);
-        dst[0] = x0;
-        dst[1] = x1;
+        u16* dst = reinterpret_cast<u16*>(is_v ? p.v_cache : p.k_cache) + at;
+        *reinterpret_cast<uint4*>(dst) = x;
     }
 }

@@ -532,10 +532,10 @@ pub struct StoreKvVariant {
 }
 
 impl StoreKvVariant {
-    /// Threads per CTA (one per 16 head dims of a row).
+    /// Threads per CTA (one per 8 head dims of a row).
     pub const THREADS: u32 = 256;
     /// Head dims one thread writes.
-    pub const CHUNK: usize = 16;
+    pub const CHUNK: usize = 8;
 }
 
 impl Variant for StoreKvVariant {

@@ -114,6 +114,12 @@ pub fn kv_promotion_for(row_bytes: usize) -> crate::launch::TmaPromotion {
         crate::launch::TmaPromotion::B128
     }
 }
+/// The forced promotion, else [`kv_promotion_for`] the problem's rows (every engine's plan).
+fn kv_promotion(problem: &DecodeProblem, options: PlanOptions) -> crate::launch::TmaPromotion {
+    options
+        .kv_promotion
+        .unwrap_or_else(|| kv_promotion_for(problem.head_dim * problem.kv_elem_bytes()))
+}
 /// (see [`persistent_gather_below_page`])
 pub const PERSISTENT_GATHER_BELOW_PAGE_D64: usize = 32;
 /// (see [`persistent_gather_below_page`])
@@ -410,9 +416,7 @@ pub fn plan_persistent(
         min_tiles_per_cta,
         col_blocks: variant.column_blocks(problem),
         pdl: !options.disable_pdl,
-        kv_promotion: options
-            .kv_promotion
-            .unwrap_or_else(|| kv_promotion_for(problem.head_dim * problem.kv_elem_bytes())),
+        kv_promotion: kv_promotion(problem, options),
     })
 }
 
@@ -1121,9 +1125,7 @@ pub fn plan(
         device_plan: None,
         workspace,
         pdl: !options.disable_pdl,
-        kv_promotion: options
-            .kv_promotion
-            .unwrap_or_else(|| kv_promotion_for(problem.head_dim * problem.kv_elem_bytes())),
+        kv_promotion: kv_promotion(problem, options),
         reduction,
         decode_shared_bytes: resident_shared_bytes(decode.shared_bytes(), resident),
     })
@@ -1238,9 +1240,7 @@ fn plan_on_device(
             request_plan: 2 * problem.batch,
         },
         pdl: !options.disable_pdl,
-        kv_promotion: options
-            .kv_promotion
-            .unwrap_or_else(|| kv_promotion_for(problem.head_dim * problem.kv_elem_bytes())),
+        kv_promotion: kv_promotion(problem, options),
         reduction: if cluster.is_some() {
             Reduction::Cluster
         } else {

@@ -189,19 +189,14 @@ impl KvWriter {
         let threads = t.tokens as u64
             * self.problem.hkv as u64
             * (self.problem.head_dim / StoreKvVariant::CHUNK) as u64;
-        // the kernel's index arithmetic is 32-bit
-        if threads > i32::MAX as u64 {
-            return Err(Error::invalid(
+        let blocks = threads.div_ceil(StoreKvVariant::THREADS as u64);
+        let grid_x = u32::try_from(blocks).map_err(|_| {
+            Error::invalid(
                 "tokens",
                 t.tokens,
-                format!(
-                    "at most {} (tokens x hkv x head_dim / {} below 2^31)",
-                    i32::MAX as u64 / (threads / t.tokens.max(1) as u64).max(1),
-                    StoreKvVariant::CHUNK
-                ),
-            ));
-        }
-        let grid_x = threads.div_ceil(StoreKvVariant::THREADS as u64) as u32;
+                "fewer than 2^31 x 256 / (hkv x d / 8) (one CTA per 256 chunks of 8 head dims)",
+            )
+        })?;
         let cfg = LaunchConfig {
             grid: [grid_x, 2, 1],
             block: [StoreKvVariant::THREADS, 1, 1],
