@@ -12,7 +12,8 @@
 # `compare8` is compare.py's FP8 comparison (e4m3 caches, FA3's fp8 path); `fp8sweep` the FP8
 # tuning sweep of `kvstream bench` (FP8_IDS, FP8_RINGS); `storekv` times the cache write against
 # copies of the same bytes (bench/store_kv_bench.py -> $OUT/store-kv-latest.json); `fp8splits` times
-# the split engine's fp8 rows at the 2-byte split count and at the plan's (FP8_TARGET_CTAS_PER_SM).
+# the split engine's fp8 rows at the plan's split count (FP8_TARGET_CTAS_PER_SM), the 2-byte one and
+# twice the plan's.
 # `trace` runs the serving rows TRACE_IDS with the phase-trace kernels (prepare with TRACE=1)
 # and summarises them with bench/trace.py into $OUT/trace (timings there carry the stamps).
 # `serving` runs bench/serving.json (SERVING_ARGS) and bench/serving_peers.py (PEERS_ARGS, e.g.
@@ -111,7 +112,10 @@ if want fp8splits; then
              "--head-dim 64 --len 131072:33"; do
     shape=${row%:*}
     timeout 60 $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 | grep -E 'plan|RESULT' | tee -a $O/fp8-splits.txt
-    timeout 60 $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 --splits ${row##*:} | grep RESULT | tee -a $O/fp8-splits.txt
+    n=${row##*:}
+    for s in $n $((4 * n)); do  # the 2-byte count, and twice the plan's (a second CTA per SM)
+      timeout 60 $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 --splits $s | grep RESULT | tee -a $O/fp8-splits.txt
+    done
   done
 fi
 if want storekv; then
