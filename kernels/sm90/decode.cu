@@ -29,9 +29,12 @@
 //   producer  wait empty[s] (from the second lap); K boxes on k_full[s], V boxes on v_full[s]
 //             (gathered pages: every lane's K copies, then its V copies, each arriving when
 //             they have landed, so a full barrier counts 32 arrivals instead of bytes)
-//   consumer  wait k_full[s], S^T and softmax, wait v_full[s], O^T, lane 0 arrives on empty[s]
+//   consumer  wait k_full[s], S^T and softmax, wait v_full[s], O^T, every lane arrives on
+//             empty[s]: each lane releases its own shared-memory reads, an order that
+//             compute-sanitizer's racecheck can follow (a warp barrier and one lane's arrive is
+//             as correct but reported as a race against the gathered refills; both time the same)
 //   (STAGES is a multiple of CONSUMER_GROUPS: a stage always feeds the same group, whose four
-//   warps its `empty` barrier counts)
+//   warps' lanes its `empty` barrier counts)
 // Query rows, j = the CTA's piece count, buffer b = j % Q_BUFFERS, parity (j / Q_BUFFERS) & 1:
 //   producer  at piece j - 1 (at the start for piece 0): wait q_empty[b] (from the second lap),
 //             the rows as bulk copies on q_full[b]
@@ -782,7 +785,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(&k_full[s], GATHER ? 32 * PRODUCER_WARPS : 1);
             mbarrier_init(&v_full[s], GATHER ? 32 * PRODUCER_WARPS : 1);
-            mbarrier_init(&empty[s], GROUP_WARPS);
+            mbarrier_init(&empty[s], 32 * GROUP_WARPS);
         }
         for (int b = 0; b < Q_BUFFERS; ++b) {
             mbarrier_init(&q_full[b], 1);
@@ -1012,7 +1015,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                 }
             }
             __syncwarp();
-            if (lane == 0) mbarrier_arrive(&empty[stage]);
+            mbarrier_arrive(&empty[stage]);
         }
         __syncwarp();
         if (lane == 0) mbarrier_arrive(&q_empty[q_buf]);
