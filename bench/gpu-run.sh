@@ -13,7 +13,7 @@
 # tuning sweep of `kvstream bench` (FP8_IDS, FP8_RINGS); `storekv` times the cache write against
 # copies of the same bytes (bench/store_kv_bench.py -> $OUT/store-kv-latest.json); `fp8splits` times
 # the split engine's fp8 rows at the plan's split count (FP8_TARGET_CTAS_PER_SM), the 2-byte one and
-# twice the plan's.
+# twice the plan's (at most 128).
 # `trace` runs the serving rows TRACE_IDS with the phase-trace kernels (prepare with TRACE=1)
 # and summarises them with bench/trace.py into $OUT/trace (timings there carry the stamps).
 # `serving` runs bench/serving.json (SERVING_ARGS) and bench/serving_peers.py (PEERS_ARGS, e.g.
@@ -113,7 +113,8 @@ if want fp8splits; then
     shape=${row%:*}
     timeout 60 $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 | grep -E 'plan|RESULT' | tee -a $O/fp8-splits.txt
     n=${row##*:}
-    for s in $n $((4 * n)); do  # the 2-byte count, and twice the plan's (a second CTA per SM)
+    # the 2-byte count, and twice the plan's (a second CTA per SM; the kernel reduction takes <= 128)
+    for s in $n $((4 * n > 128 ? 128 : 4 * n)); do
       timeout 60 $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 --splits $s | grep RESULT | tee -a $O/fp8-splits.txt
     done
   done
