@@ -1014,7 +1014,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                     }
                 }
             }
-            __syncwarp();
             mbarrier_arrive(&empty[stage]);
         }
         __syncwarp();
