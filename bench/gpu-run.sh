@@ -68,9 +68,9 @@ if want gputests; then
   G=.carry/bin/gpu-tests
   KVSTREAM_GPU_SUMMARY=$O/gpu-summary.json timeout 400 $G --ignored --test-threads=1 2>&1 | tee $O/gpu-tests.log | tail -25
   for tool in ${SUITE_SANITIZERS-memcheck racecheck}; do  # SUITE_SANITIZERS= skips them, SANITIZE_TESTS narrows them
-    echo "== $tool on the GPU suite (24 random cases, graphs, zero lengths, cluster reduction, paged, multi-token, device plan, fp8, store_kv)"
+    echo "== $tool on the GPU suite (24 random cases, graphs, zero lengths, cluster reduction, paged, multi-token, device plan, fp8, store_kv, paired heads)"
     KVSTREAM_GPU_CASES=24 KVSTREAM_GPU_SERIALISED=1 timeout 400 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
-      ${SANITIZE_TESTS:-random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan resident fp8 store_kv} 2>&1 | tail -6
+      ${SANITIZE_TESTS:-random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan resident fp8 store_kv paired_heads} 2>&1 | tail -6
   done
 fi
 if want pytests; then

@@ -12,7 +12,9 @@ namespace kvs {
 // Query rows: request b's new token i (0 <= i < q_len) with query head h is output row
 // (b * q_len + i) * hq + h; it sees cache positions [0, len_b - q_len + i] (causal among the
 // new tokens). The q_len * group rows of one KV head are the MMA N dimension ("columns",
-// token-major), in column blocks of up to 32.
+// token-major), in column blocks of up to 32. With paired heads (decode.cu, KVS_HEADS_PER_ROW 2)
+// hkv, group and cols describe the pairs (hkv / 2 rows of 128 dims, 2 x group query rows each)
+// and d below is 64; the scales are still indexed by the real KV head.
 struct alignas(128) PersistentParams {
     TensorMap k_map;          // contiguous: K as {d, hkv, max_len, batch}; paged: the pool
     TensorMap v_map;          //   {d, hkv, page_size, num_pages}; boxes of one row (kv_format.cuh)

@@ -44,7 +44,9 @@
 // Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
 //   KVS_IS_F16           0: bf16, 1: f16 (Q and out; K and V too unless KVS_KV_FP8)
 //   KVS_KV_FP8           1: K and V are float8 e4m3 with FP32 scales (kv_format.cuh)
-//   KVS_HEAD_DIM         64 or 128
+//   KVS_HEAD_DIM         64 or 128: the width of one K / V tile row
+//   KVS_HEADS_PER_ROW    1, or 2: two adjacent d 64 KV heads side by side in one d 128 row (see
+//                        "Paired heads")
 //   KVS_N_TILES          n8 tiles of query rows per column block (1..4)
 //   KVS_TILE_TOKENS      KV positions per ring stage (multiple of 64)
 //   KVS_STAGES           ring depth
@@ -56,6 +58,18 @@
 //                        2 evict_last
 //   KVS_SOFTMAX_SLICES   m16 slices of a warp's rows per online-softmax step (1 or 2): one max
 //                        reduction, one rescale of O^T per step
+//
+// Paired heads (KVS_HEADS_PER_ROW 2): a cache of d 64 heads stored next to each other
+// ([.., hkv, 64] with head stride 64) is the same memory as [.., hkv / 2, 128], so the engine
+// streams it as d 128 rows and a unit owns KV heads 2u and 2u + 1. Their query rows are the
+// unit's columns (p.group = 2 x the real group: the first half of a block's heads belong to
+// head 2u, the second half to 2u + 1), each row holding its q in its own head's 64 dims and
+// zeros in the other's, so S^T = K Q^T scores each column against its own head only; O^T
+// rows of the other head's dims are computed and dropped. Where the real group fills less
+// than half of an n8 tile (MHA, groups up to 4) this halves the softmax, rescale and
+// epilogue work per KV position, which is what sets the d 64 rate. The zero halves are
+// written once: every column slot of a buffer belongs to the same head of its pair on every
+// piece (the host pairs only where a column block starts on a multiple of p.group).
 #include "ptx.cuh"
 #include "decode_params.cuh"
 #include "kv_format.cuh"
@@ -83,6 +97,9 @@ enum TracePoint {
 constexpr bool IS_F16 = KVS_IS_F16;
 constexpr bool KV_FP8 = KVS_KV_FP8;
 constexpr int HEAD_DIM = KVS_HEAD_DIM;
+constexpr int HEADS_PER_ROW = KVS_HEADS_PER_ROW;
+constexpr int Q_DIM = HEAD_DIM / HEADS_PER_ROW;  // head dim of q, out and of one KV head
+static_assert(HEADS_PER_ROW == 1 || (HEADS_PER_ROW == 2 && HEAD_DIM == 128), "paired heads: two d 64 heads");
 constexpr int N_TILES = KVS_N_TILES;
 constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
 constexpr int STAGES = KVS_STAGES;
@@ -347,6 +364,12 @@ struct Ring {
     __device__ __forceinline__ u32 stage(int s) const { return base + s * STAGE_BYTES; }
 };
 
+// Which head of its row query head h of a unit's group (0 ..< p.group) attends: its dims of the
+// K and V rows are [part * Q_DIM, (part + 1) * Q_DIM).
+__device__ __forceinline__ int row_part(const PersistentParams& p, int h) {
+    return HEADS_PER_ROW == 1 ? 0 : (h >= p.group / 2 ? 1 : 0);
+}
+
 // One thread: the query rows of piece j (columns of its column block, token-major) as one bulk
 // copy per row into buffer j % Q_BUFFERS, once the consumers are done with that buffer's
 // previous piece. Rows past the block's valid columns are not loaded; their columns are
@@ -359,12 +382,12 @@ __device__ __forceinline__ void load_query_rows(const PersistentParams& p, const
     const int kv_head = pc.unit / p.col_blocks, first = (pc.unit % p.col_blocks) * GROUP_PAD;
     const int count = min(GROUP_PAD, p.cols - first);
     const u32 bar = r.q_full + 8 * b, dst = r.q + b * Q_BYTES;
-    mbarrier_arrive_expect_tx(bar, count * HEAD_DIM * 2);
+    mbarrier_arrive_expect_tx(bar, count * Q_DIM * 2);
     int token = first / p.group, h = first % p.group;  // of column 0; then stepped
     for (int c = 0; c < count; ++c) {
         const u16* src = reinterpret_cast<const u16*>(p.q) + pc.batch * p.q_batch_stride +
                          (long long)token * p.q_token_stride + (long long)(kv_head * p.group + h) * p.q_head_stride;
-        bulk_load(dst + c * SMEM_ROW, src, HEAD_DIM * 2, bar);
+        bulk_load(dst + c * SMEM_ROW + row_part(p, h) * Q_DIM * 2, src, Q_DIM * 2, bar);
         if (++h == p.group) {
             h = 0;
             ++token;
@@ -608,7 +631,7 @@ __device__ __forceinline__ void produce_gathered(const PersistentParams& p, cons
 struct Columns {
     int count;          // valid columns (<= GROUP_PAD)
     bool single_token;  // q_len == 1: column c is head first_head + c of token 0
-    int batch, first_head, len;
+    int batch, first_head, first_col, len;
     const long long* out_off;
     const long long* out_row;
     const int* visible_len;
@@ -623,12 +646,16 @@ struct Columns {
     }
     // Cache positions column c may see: [0, len - q_len + token] (causal among the new tokens).
     __device__ __forceinline__ int visible(int c) const { return single_token ? len : visible_len[c]; }
+    // The head of its row column c attends (row_part)
+    __device__ __forceinline__ int part(const PersistentParams& p, int c) const {
+        return HEADS_PER_ROW == 1 ? 0 : row_part(p, (first_col + c) % p.group);
+    }
 };
 
 __device__ __forceinline__ Columns piece_columns(const PersistentParams& p, const Piece& pc,
                                                  unsigned char* smem) {
     const int kv_head = pc.unit / p.col_blocks, first_col = (pc.unit % p.col_blocks) * GROUP_PAD;
-    return {min(GROUP_PAD, p.cols - first_col), p.q_len == 1, pc.batch, kv_head * p.group + first_col,
+    return {min(GROUP_PAD, p.cols - first_col), p.q_len == 1, pc.batch, kv_head * p.group + first_col, first_col,
             pc.len,
             reinterpret_cast<long long*>(smem + SharedPlan::col_out),
             reinterpret_cast<long long*>(smem + SharedPlan::col_row),
@@ -671,7 +698,8 @@ __device__ __forceinline__ void store_normalised(const PersistentParams& p, cons
 // a fixed order: one L2 round trip per MERGE_LOADS x split pieces, bitwise reproducible.
 constexpr int MERGE_LOADS = 16;
 __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Schedule& s, const Piece& pc,
-                                           const Columns& cols, float v_scale, float* scratch) {
+                                           const Columns& cols, const float (&v_scale)[HEADS_PER_ROW],
+                                           float* scratch) {
     const int c0 = s.cta_of(pc.start), pieces = s.cta_of(pc.start + pc.tiles - 1) - c0 + 1;
     const int first_slot = s.slot(c0, pc.start);
     auto slot_of = [&](int i) { return 2 * (c0 + i) + (i == 0 ? first_slot - 2 * c0 : 0); };
@@ -684,7 +712,7 @@ __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Sche
         piece_l[j] = ld_global_l2(p.ml_partial + row * 2 + 1);
     }
     named_barrier_sync(1, CONSUMER_THREADS);
-    const int elements = cols.count * (HEAD_DIM / 4);
+    const int elements = cols.count * (Q_DIM / 4);
     int split = 1;
     while (split < 32 && split * 2 * elements <= CONSUMER_THREADS && split < pieces) split *= 2;
     const int part = threadIdx.x % split;
@@ -694,7 +722,7 @@ __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Sche
          e0 += CONSUMER_THREADS / split) {
         const bool valid = e0 < elements;
         const int e = valid ? e0 : 0;
-        const int g = e / (HEAD_DIM / 4), d = (e % (HEAD_DIM / 4)) * 4;
+        const int g = e / (Q_DIM / 4), d = (e % (Q_DIM / 4)) * 4;
         const float* m = piece_m + g * pieces;
         const float* l = piece_l + g * pieces;
         float m_max = neg_inf();
@@ -710,7 +738,7 @@ __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Sche
             for (int u = 0; u < MERGE_LOADS; ++u) {
                 const int i = min(i0 + u * split, pieces - 1);
                 v[u] = ld_global_l2(reinterpret_cast<const float4*>(
-                    p.o_partial + ((long long)slot_of(i) * GROUP_PAD + g) * HEAD_DIM + d));
+                    p.o_partial + ((long long)slot_of(i) * GROUP_PAD + g) * Q_DIM + d));
             }
 #pragma unroll
             for (int u = 0; u < MERGE_LOADS; ++u) {
@@ -730,7 +758,7 @@ __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Sche
             o.z += __shfl_xor_sync(0xffffffffu, o.z, off);
             o.w += __shfl_xor_sync(0xffffffffu, o.w, off);
         }
-        if (valid && part == 0) store_normalised(p, cols, g, d, o, m_max, l_sum, v_scale);
+        if (valid && part == 0) store_normalised(p, cols, g, d, o, m_max, l_sum, v_scale[cols.part(p, g)]);
     }
 }
 
@@ -740,8 +768,8 @@ __device__ __forceinline__ void write_empty_requests(const PersistentParams& p) 
     const int rows = p.q_len * p.hq;
     for (int b = blockIdx.x; b < p.batch; b += gridDim.x) {
         if (request_len(p, b) > 0) continue;
-        for (int i = threadIdx.x; i < rows * (HEAD_DIM / 8); i += CONSUMER_THREADS) {
-            const int r = i / (HEAD_DIM / 8), e = (i % (HEAD_DIM / 8)) * 8;
+        for (int i = threadIdx.x; i < rows * (Q_DIM / 8); i += CONSUMER_THREADS) {
+            const int r = i / (Q_DIM / 8), e = (i % (Q_DIM / 8)) * 8;
             const int token = r / p.hq, head = r % p.hq;
             u16* o = reinterpret_cast<u16*>(p.out) + b * p.o_batch_stride + token * p.o_token_stride +
                      head * p.o_head_stride + e;
@@ -798,6 +826,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     pdl_release_dependents();
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
     if (warp == 0) schedule_start(p, start);
+    if constexpr (HEADS_PER_ROW > 1) {
+        // the other head's half of every query row: zero for good (the bulk copies write only
+        // their own half, and a column slot keeps its half on every piece)
+        for (int i = threadIdx.x; i < Q_BUFFERS * Q_BYTES / 16; i += THREADS)
+            *reinterpret_cast<uint4*>(smem + SharedPlan::q + 16 * i) = make_uint4(0, 0, 0, 0);
+    }
     __syncthreads();
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_SCHEDULED);
     const StartShared st = *start;
@@ -867,11 +901,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             fill_columns(p, pc, smem);
             named_barrier_sync(1, CONSUMER_THREADS);
         }
-        // the KV head's dequantisation scales (their loads overlap the wait for the rows)
-        const int kv_head = pc.unit / p.col_blocks;
-        const float score_scale =
-            p.scale_log2 * kv_scale<KV_FP8>(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride, pc.batch, kv_head);
-        const float v_scale = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, pc.batch, kv_head);
+        // the KV heads' dequantisation scales (their loads overlap the wait for the rows)
+        const int kv_head = pc.unit / p.col_blocks;  // of the row (its first head when paired)
+        float head_score_scale[HEADS_PER_ROW], v_scale[HEADS_PER_ROW];
+#pragma unroll
+        for (int r = 0; r < HEADS_PER_ROW; ++r) {
+            const int h = kv_head * HEADS_PER_ROW + r;
+            head_score_scale[r] =
+                p.scale_log2 * kv_scale<KV_FP8>(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride, pc.batch, h);
+            v_scale[r] = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, pc.batch, h);
+        }
         // this piece's query rows, loaded by the producer
         const int q_buf = pieces_done % Q_BUFFERS;
         const u32 q_base = q_base0 + q_buf * Q_BYTES;
@@ -885,6 +924,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         float o_acc[D_TILES][N_TILES][4];
         float m_run[N_TILES][2], l_run[N_TILES][2];
         int limit[N_TILES][2];  // positions (exclusive) each of this lane's columns may see
+        float score_scale[N_TILES][2];  // softmax scale x the K scale of each column's head
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt) {
 #pragma unroll
@@ -893,6 +933,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                 l_run[nt][j] = 0.f;
                 const int c = nt * 8 + 2 * (lane % 4) + j;
                 limit[nt][j] = c < cols.count ? cols.visible(c) : pc.len;
+                score_scale[nt][j] = head_score_scale[cols.part(p, c)];
             }
 #pragma unroll
             for (int dt = 0; dt < D_TILES; ++dt)
@@ -945,10 +986,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 #pragma unroll
                     for (int h = 0; h < SOFTMAX_SLICES; ++h) {
                         const int tok_lo = tile_begin + row0 + (ms0 + h) * 16 + lane / 4;  // rows of s[h][..][0..1]
-                        x[h][0] = tok_lo < limit[nt][0] ? s[h][nt][0] * score_scale : neg_inf();
-                        x[h][1] = tok_lo < limit[nt][1] ? s[h][nt][1] * score_scale : neg_inf();
-                        x[h][2] = tok_lo + 8 < limit[nt][0] ? s[h][nt][2] * score_scale : neg_inf();
-                        x[h][3] = tok_lo + 8 < limit[nt][1] ? s[h][nt][3] * score_scale : neg_inf();
+                        x[h][0] = tok_lo < limit[nt][0] ? s[h][nt][0] * score_scale[nt][0] : neg_inf();
+                        x[h][1] = tok_lo < limit[nt][1] ? s[h][nt][1] * score_scale[nt][1] : neg_inf();
+                        x[h][2] = tok_lo + 8 < limit[nt][0] ? s[h][nt][2] * score_scale[nt][0] : neg_inf();
+                        x[h][3] = tok_lo + 8 < limit[nt][1] ? s[h][nt][3] * score_scale[nt][1] : neg_inf();
                     }
                     float mx[2] = {fmaxf(x[0][0], x[0][2]), fmaxf(x[0][1], x[0][3])};
 #pragma unroll
@@ -1068,8 +1109,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         const long long piece_start = pc.start + pc.first;
         const long long slot_row =
             whole ? 0 : (long long)sched.slot(blockIdx.x, piece_start) * GROUP_PAD;
-        for (int i = threadIdx.x; i < cols.count * (HEAD_DIM / 4); i += CONSUMER_THREADS) {
-            const int g = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
+        for (int i = threadIdx.x; i < cols.count * (Q_DIM / 4); i += CONSUMER_THREADS) {
+            const int g = i / (Q_DIM / 4), d = (i % (Q_DIM / 4)) * 4;  // d: of the column's head
+            const int part = cols.part(p, g);
             float m_cta = neg_inf();
 #pragma unroll
             for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + g]);
@@ -1079,16 +1121,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 #pragma unroll
             for (int w = 0; w < CONSUMER_WARPS; ++w) {
                 l_cta += warp_l[w * GROUP_PAD + g] * exp2_approx(warp_m[w * GROUP_PAD + g] - m_use);
-                const float4 v = *reinterpret_cast<const float4*>(merge + w * MERGE_WARP_FLOATS + g * MERGE_ROW + d);
+                const float4 v =
+                    *reinterpret_cast<const float4*>(merge + w * MERGE_WARP_FLOATS + g * MERGE_ROW + part * Q_DIM + d);
                 o.x += v.x;
                 o.y += v.y;
                 o.z += v.z;
                 o.w += v.w;
             }
             if (whole) {
-                store_normalised(p, cols, g, d, o, m_cta, l_cta, v_scale);
+                store_normalised(p, cols, g, d, o, m_cta, l_cta, v_scale[part]);
             } else {
-                *reinterpret_cast<float4*>(p.o_partial + (slot_row + g) * HEAD_DIM + d) = o;
+                *reinterpret_cast<float4*>(p.o_partial + (slot_row + g) * Q_DIM + d) = o;
                 if (d == 0) {
                     p.ml_partial[(slot_row + g) * 2] = m_cta;
                     p.ml_partial[(slot_row + g) * 2 + 1] = l_cta;

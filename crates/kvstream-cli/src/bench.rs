@@ -130,6 +130,7 @@ pub struct Ring {
     pub gather: Option<bool>,
     pub producer_warps: Option<usize>,
     pub softmax_slices: Option<usize>,
+    pub pair_heads: Option<bool>,
 }
 
 impl Ring {
@@ -144,6 +145,7 @@ impl Ring {
             persistent_paged_gather: self.gather,
             persistent_producer_warps: self.producer_warps,
             persistent_softmax_slices: self.softmax_slices,
+            persistent_pair_heads: self.pair_heads,
             ..Default::default()
         }
     }
@@ -152,18 +154,18 @@ impl Ring {
 /// `g2s4p64`, `s6`, `g1p128l2m2`, ...: letters g, s, p, l, m each followed by a number, at
 /// most once (l: 0 evict_first, 1 evict_normal, 2 evict_last; m: 0 none, 1 64 B, 2 128 B,
 /// 3 256 B; x: paged caches, 0 TMA boxes, 1 gathered pages; w: warps gathering them; r: m16
-/// slices per softmax step).
+/// slices per softmax step; h: KV heads per streamed row, 1 or 2 for paired d 64 heads).
 pub fn parse_ring(text: &str) -> Result<Ring, String> {
     let bad = || {
         format!(
             "ring {text:?}: expected g<groups>s<stages>p<positions>l<L2 priority: 0 first, \
              1 normal, 2 last>m<L2 promotion: 0 none, 1 64 B, 2 128 B, 3 256 B>x<pages: 0 TMA \
-             boxes, 1 gathered>w<gathering warps>r<m16 slices per softmax step>, each part \
-             optional, e.g. g1s6p64"
+             boxes, 1 gathered>w<gathering warps>r<m16 slices per softmax step>h<KV heads per \
+             row: 1, or 2 paired>, each part optional, e.g. g1s6p64"
         )
     };
-    const KEYS: &str = "gsplmxwr";
-    let mut parts = [None::<usize>; 8];
+    const KEYS: &str = "gsplmxwrh";
+    let mut parts = [None::<usize>; 9];
     let mut rest = text;
     while let Some(key) = rest.chars().next() {
         let slot = KEYS.find(key).ok_or_else(bad)?;
@@ -174,7 +176,7 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         }
         rest = &rest[1 + digits..];
     }
-    let [groups, stages, tile_tokens, l2, promotion, gather, producer_warps, softmax_slices] =
+    let [groups, stages, tile_tokens, l2, promotion, gather, producer_warps, softmax_slices, heads_per_row] =
         parts;
     let kv_l2 = l2
         .map(|c| kvstream::kernels::L2Hint::from_code(c).ok_or_else(bad))
@@ -186,6 +188,13 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         .map(|c| match c {
             0 => Ok(false),
             1 => Ok(true),
+            _ => Err(bad()),
+        })
+        .transpose()?;
+    let pair_heads = heads_per_row
+        .map(|c| match c {
+            1 => Ok(false),
+            2 => Ok(true),
             _ => Err(bad()),
         })
         .transpose()?;
@@ -202,6 +211,7 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         gather,
         producer_warps,
         softmax_slices,
+        pair_heads,
     })
 }
 
@@ -1318,7 +1328,9 @@ mod tests {
         assert_eq!(parse_ring("x1").unwrap().gather, Some(true));
         assert_eq!(parse_ring("g1x0").unwrap().gather, Some(false));
         assert_eq!(parse_ring("x1w2").unwrap().producer_warps, Some(2));
-        for bad in ["", "g", "x2", "g1g2", "s2p", "g1 s2", "l3"] {
+        assert_eq!(parse_ring("h2").unwrap().pair_heads, Some(true));
+        assert_eq!(parse_ring("g1h1").unwrap().pair_heads, Some(false));
+        for bad in ["", "g", "x2", "g1g2", "s2p", "g1 s2", "l3", "h3"] {
             assert!(parse_ring(bad).is_err(), "{bad:?}");
         }
         let a = parse(&["--matrix", &matrix_path(), "--rings", "g1s2,g2s4"]).unwrap();

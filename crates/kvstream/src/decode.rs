@@ -795,9 +795,11 @@ impl PersistentEngine {
         let (o_off, ml_off, arrivals_off, _) = pp.workspace_offsets(p);
         let tile = pp.variant.tile_tokens;
         let rows = row_strides(p);
+        // the caches as the kernel streams them (paired heads: half the heads, 128-dim rows)
+        let kp = &pp.kernel_problem(p);
         let params = PersistentParams {
-            k_map: cache_map(p, "k_cache", t.k, p.k_strides, tile, pp.kv_promotion)?,
-            v_map: cache_map(p, "v_cache", t.v, p.v_strides, tile, pp.kv_promotion)?,
+            k_map: cache_map(kp, "k_cache", t.k, kp.k_strides, tile, pp.kv_promotion)?,
+            v_map: cache_map(kp, "v_cache", t.v, kp.v_strides, tile, pp.kv_promotion)?,
             q: t.q,
             out: t.out,
             lse: t.lse.unwrap_or(0),
@@ -817,10 +819,10 @@ impl PersistentEngine {
             o_head_stride: rows.head,
             batch: p.batch as i32,
             hq: p.hq as i32,
-            hkv: p.hkv as i32,
-            group: p.group() as i32,
+            hkv: kp.hkv as i32,
+            group: kp.group() as i32,
             q_len: p.q_len as i32,
-            cols: p.columns() as i32,
+            cols: kp.columns() as i32,
             col_blocks: pp.col_blocks as i32,
             max_len: p.max_len as i32,
             scale_log2: p.scale() * std::f32::consts::LOG2_E,

@@ -288,8 +288,11 @@ pub struct PersistentVariant {
     pub dtype: DType,
     /// Element type of K and V.
     pub kv_dtype: KvDType,
-    /// 64 or 128.
+    /// 64 or 128: the width of one K / V row the kernel streams.
     pub head_dim: usize,
+    /// KV heads side by side in one row (`KVS_HEADS_PER_ROW`): 1, or 2 where two adjacent
+    /// d 64 heads are streamed as one d 128 row ([`crate::plan::pairs_heads`]).
+    pub heads_per_row: usize,
     /// n8 tiles of query rows per column block (1..=[`MAX_N_TILES`]).
     pub n_tiles: usize,
     /// KV positions per ring stage.
@@ -372,13 +375,15 @@ impl PersistentVariant {
 impl Variant for PersistentVariant {
     fn name(&self) -> String {
         format!(
-            "decode.{}{}.d{}.n{}.t{}.s{}.g{}{}{}{}",
+            "decode.{}{}.d{}{}.n{}.t{}.s{}.g{}{}{}{}",
             self.dtype.name(),
             match self.kv_dtype {
                 KvDType::AsQuery => "",
                 KvDType::Fp8E4m3 => ".kv_e4m3",
             },
-            self.head_dim,
+            // paired heads: `d64x2`
+            self.head_dim / self.heads_per_row,
+            if self.heads_per_row == 1 { "" } else { "x2" },
             self.n_tiles,
             self.tile_tokens,
             self.stages,
@@ -431,6 +436,7 @@ impl Variant for PersistentVariant {
         ));
         d.push(("KVS_PRODUCER_WARPS".into(), self.producer_warps.to_string()));
         d.push(("KVS_SOFTMAX_SLICES".into(), self.softmax_slices.to_string()));
+        d.push(("KVS_HEADS_PER_ROW".into(), self.heads_per_row.to_string()));
         d
     }
 }
@@ -634,6 +640,11 @@ pub fn all_variants() -> Vec<AnyVariant> {
                         out.push(AnyVariant::Persistent(plan::persistent_variant(
                             dtype, kv_dtype, head_dim, n_tiles, source,
                         )));
+                        if head_dim == 64 {
+                            out.push(AnyVariant::Persistent(plan::persistent_paired_variant(
+                                dtype, kv_dtype, n_tiles, source,
+                            )));
+                        }
                     }
                 }
             }

@@ -75,6 +75,7 @@ pub fn persistent_variant(
         dtype,
         kv_dtype,
         head_dim,
+        heads_per_row: 1,
         n_tiles,
         tile_tokens: tile_tokens(head_dim),
         stages: consumer_groups,
@@ -85,6 +86,57 @@ pub fn persistent_variant(
         softmax_slices: 1,
     };
     with_deepest_ring(v, max_stages)
+}
+
+/// The persistent variant that streams pairs of adjacent d 64 KV heads as d 128 rows
+/// ([`pairs_heads`]): [`persistent_variant`] of d 128 (its ring, tile and sources, measured for
+/// rows of that width) with two heads per row.
+pub fn persistent_paired_variant(
+    dtype: DType,
+    kv_dtype: KvDType,
+    n_tiles: usize,
+    kv_source: KvSource,
+) -> PersistentVariant {
+    PersistentVariant {
+        heads_per_row: 2,
+        ..persistent_variant(dtype, kv_dtype, 128, n_tiles, kv_source)
+    }
+}
+
+/// Whether the persistent engine can stream `problem`'s KV heads in adjacent pairs, as d 128 rows
+/// (decode.cu, "Paired heads"): d 64, an even number of KV heads, each cache's heads next to each
+/// other (head stride 64: always so in a page pool), and the pair's query rows fitting one
+/// column block of at most [`MAX_N_TILES`] n8 tiles. It pays where a KV head's rows leave more
+/// than half of their last n8 tile empty (`columns % 8` in 1..=4: MHA, groups up to 4, small
+/// multi-token groups): the pair then computes the softmax of one tile where two heads alone
+/// compute two. (A K element of +-Inf or NaN in one head then reaches its pair's scores too, as
+/// 0 x Inf; finite caches, and every cache `store_kv` writes, are unaffected.)
+pub fn pairs_heads(problem: &DecodeProblem) -> bool {
+    let c = problem.columns();
+    let adjacent = |s: crate::problem::KvStrides| s.head == 64;
+    problem.head_dim == 64
+        && problem.hkv % 2 == 0
+        && (problem.paged.is_some() || (adjacent(problem.k_strides) && adjacent(problem.v_strides)))
+        && 2 * c <= 8 * MAX_N_TILES
+        && (1..=4).contains(&(c % 8))
+}
+
+/// `problem` as the paired-heads kernel sees its caches: half the KV heads, rows of 128 dims
+/// (strides of the d 64 caches, the head stride doubled). Query rows, outputs, scales and the
+/// softmax scale stay the problem's own.
+fn paired_view(problem: &DecodeProblem) -> DecodeProblem {
+    let pair = |s: crate::problem::KvStrides| crate::problem::KvStrides {
+        head: 2 * s.head,
+        ..s
+    };
+    DecodeProblem {
+        hkv: problem.hkv / 2,
+        head_dim: 128,
+        softmax_scale: Some(problem.scale()),
+        k_strides: pair(problem.k_strides),
+        v_strides: pair(problem.v_strides),
+        ..problem.clone()
+    }
 }
 
 /// Pages smaller than this many positions are gathered by the persistent producer
@@ -339,7 +391,7 @@ pub struct PersistentPlan {
     pub grid: usize,
     /// Fewest tiles a working CTA takes.
     pub min_tiles_per_cta: usize,
-    /// Column blocks per KV head.
+    /// Column blocks per KV head (per pair of heads where `variant.heads_per_row` is 2).
     pub col_blocks: usize,
     /// Launch with PDL.
     pub pdl: bool,
@@ -348,6 +400,17 @@ pub struct PersistentPlan {
 }
 
 impl PersistentPlan {
+    /// `problem` as the kernel streams it: with heads paired ([`pairs_heads`]), half the KV
+    /// heads in rows of 128 dims; otherwise `problem` itself. Its query rows, outputs and scales
+    /// are still `problem`'s.
+    pub fn kernel_problem(&self, problem: &DecodeProblem) -> DecodeProblem {
+        if self.variant.heads_per_row == 2 {
+            paired_view(problem)
+        } else {
+            problem.clone()
+        }
+    }
+
     /// Workspace, in bytes: `[o_partial | ml_partial | arrivals]`, each 256-byte aligned. The
     /// arrival counters must be zero before the first call (the engine keeps them so).
     pub fn workspace_offsets(&self, problem: &DecodeProblem) -> (usize, usize, usize, usize) {
@@ -368,17 +431,40 @@ pub fn plan_persistent(
     options: PlanOptions,
 ) -> Result<PersistentPlan> {
     problem.validate()?;
-    let n_tiles = problem.columns().div_ceil(8).min(MAX_N_TILES);
+    let paired = match options.persistent_pair_heads {
+        None => pairs_heads(problem),
+        Some(true) if !pairs_heads(problem) => {
+            return Err(Error::invalid(
+                "persistent_pair_heads",
+                true,
+                format!(
+                    "false or none for this problem (d {}, {} KV heads, {} query rows per KV \
+                     head): pairs need d 64, an even head count, adjacent heads and 1-4 rows \
+                     past a multiple of 8, at most 16",
+                    problem.head_dim,
+                    problem.hkv,
+                    problem.columns()
+                ),
+            ))
+        }
+        Some(p) => p,
+    };
+    let view = if paired {
+        paired_view(problem)
+    } else {
+        problem.clone()
+    };
+    let n_tiles = view.columns().div_ceil(8).min(MAX_N_TILES);
+    let source = persistent_kv_source(&view);
     let variant = persistent_variant_forced(
-        persistent_variant(
-            problem.dtype,
-            problem.kv_dtype,
-            problem.head_dim,
-            n_tiles,
-            persistent_kv_source(problem),
-        ),
+        if paired {
+            persistent_paired_variant(view.dtype, view.kv_dtype, n_tiles, source)
+        } else {
+            persistent_variant(view.dtype, view.kv_dtype, view.head_dim, n_tiles, source)
+        },
         &options,
     )?;
+    let problem = &view;
     if let (KvSource::PagedBoxes, Some(pg)) = (variant.kv_source, problem.paged) {
         // a box lands on a 128-byte aligned address: a page run must fill 128 bytes at least
         let run_bytes = pg.page_size * problem.head_dim * problem.kv_elem_bytes();
@@ -615,6 +701,10 @@ impl PlanOptions {
                 "persistent_softmax_slices",
                 self.persistent_softmax_slices.is_some(),
             ),
+            (
+                "persistent_pair_heads",
+                self.persistent_pair_heads.is_some(),
+            ),
         ]
         .into_iter()
         .find_map(|(name, set)| set.then_some(name))
@@ -839,6 +929,10 @@ pub struct PlanOptions {
     /// Persistent engine, tuning knob: m16 slices of a warp's rows per online-softmax step (1
     /// or 2; two share one max reduction and one rescale of the accumulators). `None`: 1.
     pub persistent_softmax_slices: Option<usize>,
+    /// Persistent engine, tuning knob: `true` streams adjacent d 64 KV heads in pairs (an error
+    /// where [`pairs_heads`] says it cannot), `false` one at a time. `None`: pairs where
+    /// [`pairs_heads`] says so.
+    pub persistent_pair_heads: Option<bool>,
     /// Tuning knob of both engines: the L2 promotion of the K and V tensor maps instead of
     /// [`crate::launch::TmaPromotion::default`].
     pub kv_promotion: Option<crate::launch::TmaPromotion>,
@@ -1502,7 +1596,7 @@ mod tests {
         assert_eq!(warps(&p, None).unwrap().0, 1);
         assert_eq!(warps(&p, Some(1)).unwrap().0, 1);
         // d 64 gathers pages of 16 too
-        let d64 = DecodeProblem::new(16, 32, 8, 64, 4096, DType::Bf16).unwrap();
+        let d64 = DecodeProblem::new(16, 64, 8, 64, 4096, DType::Bf16).unwrap();
         let d64_source = |page: usize| {
             let q = d64
                 .clone()
@@ -1540,6 +1634,81 @@ mod tests {
             choose(&b1, DeviceFacts::H200, o).unwrap(),
             Plan::Persistent(_)
         ));
+    }
+
+    #[test]
+    fn d64_heads_pair_where_their_rows_leave_half_a_tile_empty() {
+        use crate::problem::KvStrides;
+        let d64 = |hq, hkv, q_len| {
+            DecodeProblem::new(16, hq, hkv, 64, 4096, DType::Bf16)
+                .and_then(|p| p.with_q_len(q_len))
+                .unwrap()
+        };
+        // (hq, hkv, q_len) -> pairs: rows per KV head % 8 in 1..=4, at most 16, even hkv
+        for (hq, hkv, q_len, want) in [
+            (16, 16, 1, true),  // MHA: 1 row
+            (32, 8, 1, true),   // 4 rows
+            (24, 8, 1, true),   // 3 rows
+            (12, 4, 4, true),   // 12 rows: 3 n8 tiles per pair instead of 4
+            (32, 4, 1, false),  // 8 rows fill a tile
+            (16, 16, 5, false), // 5 rows
+            (32, 8, 5, false),  // 20 rows: a pair would need 40
+            (15, 15, 1, false), // odd head count
+            (16, 1, 1, false),  // one KV head
+        ] {
+            assert_eq!(
+                pairs_heads(&d64(hq, hkv, q_len)),
+                want,
+                "{hq}/{hkv} q_len {q_len}"
+            );
+        }
+        assert!(!pairs_heads(
+            &DecodeProblem::new(16, 16, 16, 128, 4096, DType::Bf16).unwrap()
+        ));
+        // heads not next to each other (a [b, hkv, L, d] cache): no pairs
+        let mut apart = d64(16, 16, 1);
+        let s = KvStrides {
+            batch: 16 * 4096 * 64,
+            token: 64,
+            head: 4096 * 64,
+        };
+        apart = apart.with_kv_strides(s, s).unwrap();
+        assert!(!pairs_heads(&apart));
+        // paged pools always hold their heads side by side
+        assert!(pairs_heads(
+            &d64(16, 16, 1).with_paged(1, 16 * 4096, None).unwrap()
+        ));
+
+        let p = d64(16, 16, 1).with_kv_dtype(KvDType::Fp8E4m3).unwrap();
+        let pp = persistent(&p, PlanOptions::default()).unwrap();
+        let v = pp.variant;
+        assert_eq!(
+            (v.heads_per_row, v.head_dim, v.n_tiles, pp.col_blocks),
+            (2, 128, 1, 1)
+        );
+        // the d 128 ring and tile of the same cache type
+        let d128 = persistent_variant(DType::Bf16, KvDType::Fp8E4m3, 128, 1, KvSource::Contiguous);
+        assert_eq!(
+            (v.stages, v.consumer_groups, v.tile_tokens),
+            (d128.stages, d128.consumer_groups, d128.tile_tokens)
+        );
+        let k = pp.kernel_problem(&p);
+        assert_eq!((k.hkv, k.group(), k.columns(), k.head_dim), (8, 2, 2, 128));
+        assert_eq!(k.k_strides.head, 128);
+        assert_eq!(k.scale(), p.scale(), "the softmax scale stays 1/sqrt(64)");
+        assert!(crate::kernels::Variant::name(&v).contains(".d64x2."));
+        // forced off: one head per row; forced on where it cannot pair: an error naming the knob
+        let off = PlanOptions {
+            persistent_pair_heads: Some(false),
+            ..Default::default()
+        };
+        assert_eq!(persistent(&p, off).unwrap().variant.heads_per_row, 1);
+        let on = PlanOptions {
+            persistent_pair_heads: Some(true),
+            ..Default::default()
+        };
+        let msg = persistent(&d64(32, 4, 1), on).unwrap_err().to_string();
+        assert!(msg.contains("persistent_pair_heads"), "{msg}");
     }
 
     #[test]
@@ -1581,7 +1750,7 @@ mod tests {
         // head dim's default depth that fits
         assert_eq!(v(ring(Some(2), None, None)), (2, 2, 64));
         assert_eq!(v(ring(Some(1), None, Some(128))), (1, 2, 128));
-        let d64 = DecodeProblem::new(16, 32, 8, 64, 4096, DType::Bf16).unwrap();
+        let d64 = DecodeProblem::new(16, 64, 8, 64, 4096, DType::Bf16).unwrap();
         let r64 = persistent(&d64, ring(Some(1), None, None)).unwrap().variant;
         assert_eq!((r64.consumer_groups, r64.stages), (1, 4));
         for (o, arg) in [
@@ -1907,7 +2076,7 @@ mod tests {
             (v.kv_dtype, v.consumer_groups, v.stages, v.tile_tokens),
             (KvDType::Fp8E4m3, 2, PERSISTENT_FP8_D128_STAGES, 64)
         );
-        let d64 = persistent(&fp8(16, 64, 32), PlanOptions::default())
+        let d64 = persistent(&fp8(16, 64, 64), PlanOptions::default())
             .unwrap()
             .variant;
         assert_eq!(
@@ -1924,14 +2093,19 @@ mod tests {
         assert_eq!(s8.kv_promotion, TmaPromotion::B128);
         let promotion = |p: &DecodeProblem, o| persistent(p, o).unwrap().kv_promotion;
         assert_eq!(
-            promotion(&fp8(16, 64, 32), PlanOptions::default()),
+            promotion(&fp8(16, 64, 64), PlanOptions::default()),
             TmaPromotion::B64
+        );
+        // paired d 64 heads stream 128-byte rows
+        assert_eq!(
+            promotion(&fp8(16, 64, 32), PlanOptions::default()),
+            TmaPromotion::B128
         );
         assert_eq!(
             promotion(&fp8(16, 128, 32), PlanOptions::default()),
             TmaPromotion::B128
         );
-        let bf16_d64 = DecodeProblem::new(16, 32, 8, 64, 4096, DType::Bf16).unwrap();
+        let bf16_d64 = DecodeProblem::new(16, 64, 8, 64, 4096, DType::Bf16).unwrap();
         assert_eq!(
             promotion(&bf16_d64, PlanOptions::default()),
             TmaPromotion::B128
@@ -1958,7 +2132,7 @@ mod tests {
         };
         assert_eq!(persistent(&p, forced).unwrap().variant.consumer_groups, 2);
         // boxes need 128-byte page runs: pages of 1 at d 64 fp8 are gathered only
-        let paged = fp8(2, 64, 32).with_paged(1, 8192 + 3, None).unwrap();
+        let paged = fp8(2, 64, 64).with_paged(1, 8192 + 3, None).unwrap();
         let boxes = PlanOptions {
             persistent_paged_gather: Some(false),
             ..Default::default()
@@ -1976,7 +2150,7 @@ mod tests {
         );
         // 64-byte rows gather pages below 64 (on the persistent engine; batch 2 takes the
         // split engine by default)
-        let p32 = fp8(2, 64, 32).with_paged(32, 256 + 3, None).unwrap();
+        let p32 = fp8(2, 64, 64).with_paged(32, 256 + 3, None).unwrap();
         assert_eq!(
             persistent(&p32, on_persistent).unwrap().variant.kv_source,
             KvSource::PagedGather
@@ -1985,7 +2159,7 @@ mod tests {
 
     #[test]
     fn softmax_slices_are_checked_against_the_tile() {
-        let p = DecodeProblem::new(16, 32, 8, 64, 4096, DType::Bf16).unwrap();
+        let p = DecodeProblem::new(16, 64, 8, 64, 4096, DType::Bf16).unwrap();
         let knob = |m, tile| PlanOptions {
             persistent_softmax_slices: Some(m),
             persistent_tile_tokens: tile,

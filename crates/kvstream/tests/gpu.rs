@@ -686,7 +686,8 @@ fn check_schedule(
     let clamped: Vec<usize> = lens.iter().map(|&l| l.min(p.max_len)).collect();
     let (_, want) = kvstream::schedule::pieces(
         &clamped,
-        p.hkv * pp.col_blocks,
+        // units of the kernel's view (paired heads: one per pair)
+        pp.kernel_problem(p).hkv * pp.col_blocks,
         pp.variant.tile_tokens,
         pp.grid,
         pp.min_tiles_per_cta,
@@ -1441,6 +1442,134 @@ fn paged_cache_equals_contiguous() {
             }
         }
     }
+}
+
+/// Paired d 64 heads (`plan::pairs_heads`: two adjacent KV heads streamed as one d 128 row) match
+/// the f64 reference wherever the plan pairs: MHA and groups up to 4, an odd group (its pair's
+/// columns are not a power of two), multi-token groups over two and three column tiles, ragged
+/// lengths with an empty request, a long batch-1 cache whose units are cut and merged, every
+/// persistent KV source, bf16 and e4m3 caches with each scale layout (the two heads of a pair
+/// have their own scales); bitwise equal run to run, and forcing them off agrees too.
+/// Expected run time: under a minute.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn paired_heads_match_reference() {
+    let (rt, stream) = open_gpu();
+    let layouts = [
+        KvScaleLayout::PerTensor,
+        KvScaleLayout::PerKvHead,
+        KvScaleLayout::PerRequestHead,
+    ];
+    let mut rng = SplitMix64::new(0x9A12ED);
+    // (batch, hq, hkv, max_len, q_len): 1, 2, 3, 4, 6 and 12 query rows per KV head
+    let shapes = [
+        (3, 16, 16, 1500, 1),
+        (2, 32, 8, 2100, 1),
+        (2, 24, 8, 900, 1),
+        (2, 8, 4, 700, 3),
+        (2, 12, 4, 500, 4),
+        (1, 16, 16, 40_000, 1),
+    ];
+    let keep = (env_u64("KVSTREAM_GPU_CASES", DEFAULT_CASES) as usize * shapes.len())
+        .div_ceil(DEFAULT_CASES as usize)
+        .clamp(1, shapes.len());
+    let persistent = PlanOptions {
+        engine: Some(kvstream::Engine::Persistent),
+        record_schedule: true,
+        ..Default::default()
+    };
+    let mut cases = 0;
+    let mut worst = Errors::default();
+    for &(batch, hq, hkv, len, q_len) in shapes.iter().take(keep) {
+        let base = DecodeProblem::new(batch, hq, hkv, 64, len, DType::Bf16)
+            .and_then(|p| p.with_q_len(q_len))
+            .expect("a valid problem");
+        assert!(kvstream::plan::pairs_heads(&base), "{base:?} should pair");
+        let mut lens: Vec<usize> = (0..batch).map(|_| rng.below(len + 1)).collect();
+        lens[0] = len;
+        if batch > 2 {
+            lens[batch - 1] = 0;
+        }
+        let mut problems = vec![base.clone()];
+        for page in [1, 16, 64] {
+            problems.push(
+                base.clone()
+                    .with_paged(page, pool_pages(batch, len, page), None)
+                    .expect("a valid paged problem"),
+            );
+        }
+        for p in problems {
+            // both producers of a pool (a 128-dim row fills a box at any page size)
+            let gathers: &[Option<bool>] = match p.paged {
+                None => &[None],
+                Some(_) => &[Some(true), Some(false)],
+            };
+            for &gather in gathers {
+                let opts = PlanOptions {
+                    persistent_paged_gather: gather,
+                    ..persistent
+                };
+                let dec = make_decoder(&rt, &p, opts);
+                let Some(kvstream::plan::Plan::Persistent(pp)) = Some(dec.plan()) else {
+                    panic!("{p:?}: not the persistent engine");
+                };
+                assert_eq!(pp.variant.heads_per_row, 2, "{p:?}: not paired");
+                let what = format!("{p:?}, lens {lens:?}, {opts:?}");
+                // bf16 caches: the reference, twice-run bits, the schedule, and unpaired
+                let x = make_inputs::<bf16>(&mut rng, &p, &lens);
+                let dev = match p.paged {
+                    None => DeviceInputs::upload(&stream, &x, Some(&lens)),
+                    Some(_) => DeviceInputs::upload_paged(
+                        &stream,
+                        &x,
+                        &page_inputs(&mut rng, &p, &x),
+                        Some(&lens),
+                    ),
+                };
+                let want = reference(&p, &x, &lens);
+                let mut o = Outputs::<bf16>::new(&stream, &p, true);
+                let first = run_poisoned(&stream, &dec, &dev, &mut o)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let e = check_output(&p, &first, &want).unwrap_or_else(|e| panic!("{what}: {e}"));
+                worst.rel = worst.rel.max(e.rel);
+                worst.lse = worst.lse.max(e.lse);
+                let second = run_poisoned(&stream, &dec, &dev, &mut o)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                same_bits(&first, &second, &format!("{what}: second run"))
+                    .unwrap_or_else(|e| panic!("{e}"));
+                check_schedule(&stream, &dec, &p, &lens).unwrap_or_else(|e| panic!("{what}: {e}"));
+                let single = make_decoder(
+                    &rt,
+                    &p,
+                    PlanOptions {
+                        persistent_pair_heads: Some(false),
+                        ..opts
+                    },
+                );
+                let got = run_poisoned(&stream, &single, &dev, &mut o)
+                    .unwrap_or_else(|e| panic!("{what}, unpaired: {e}"));
+                check_output(&p, &got, &want).unwrap_or_else(|e| panic!("{what}, unpaired: {e}"));
+                // e4m3 caches with each scale layout
+                let p8 = p
+                    .clone()
+                    .with_kv_dtype(KvDType::Fp8E4m3)
+                    .expect("fp8 problem");
+                let e =
+                    fp8_case::<bf16>(&rt, &stream, &mut rng, &p8, &lens, layouts[cases % 3], opts)
+                        .unwrap_or_else(|e| {
+                            panic!("{what}, fp8 {:?} scales: {e}", layouts[cases % 3])
+                        });
+                worst.rel = worst.rel.max(e.rel);
+                worst.lse = worst.lse.max(e.lse);
+                cases += 1;
+            }
+        }
+    }
+    println!(
+        "paired heads: {cases} cases pass (bf16, unpaired and fp8 each); max rel err {:.3e}, \
+         max lse err {:.3e}",
+        worst.rel, worst.lse
+    );
 }
 
 /// Multi-token decode: token i of a request sees the cache up to `len - q_len + i`; rows that
