@@ -556,7 +556,8 @@ impl std::str::FromStr for Engine {
 /// boxes (pages of 1 at batch 1: 49 against 133 us at d 128, L 32768).
 ///
 /// Worked example: 16 requests of 32/8 heads, d 128: 128 units, 128 x 4 >= 132: persistent;
-/// 4 such requests: 32 units, 128 < 132: split; with pages of 8: persistent.
+/// 4 such requests: 32 units, 128 < 132: split; with pages of 8: persistent. One request of
+/// 16/16 heads, d 64, e4m3, L 131072: 8 pairs x 2048 tiles >= 64 x 132: persistent (paired).
 pub fn persistent_by_default(problem: &DecodeProblem, device: DeviceFacts) -> bool {
     if problem
         .paged
@@ -564,10 +565,26 @@ pub fn persistent_by_default(problem: &DecodeProblem, device: DeviceFacts) -> bo
     {
         return true;
     }
+    let sms = device.sm_count.min(PERSISTENT_MAX_GRID);
+    if problem.kv_dtype == KvDType::Fp8E4m3 && pairs_heads(problem) {
+        // paired heads: 128-byte rows of 64 positions a tile, one column block a pair
+        let tiles = problem.batch * problem.hkv / 2 * problem.max_len.div_ceil(tile_tokens(128));
+        if tiles >= PERSISTENT_PAIRED_FP8_MIN_TILES_PER_SM * sms {
+            return true;
+        }
+    }
     let n_tiles = problem.columns().div_ceil(8).min(MAX_N_TILES);
     let units = problem.batch * problem.hkv * problem.columns().div_ceil(8 * n_tiles);
-    units * PERSISTENT_MAX_PIECES_PER_UNIT >= device.sm_count.min(PERSISTENT_MAX_GRID)
+    units * PERSISTENT_MAX_PIECES_PER_UNIT >= sms
 }
+
+/// See [`persistent_by_default`]: e4m3 caches whose d 64 heads pair ([`pairs_heads`]) take the
+/// persistent engine at any batch once the capacity gives each SM this many 64-position tiles:
+/// there the split engine's unpaired consumers set the rate. Measured (docs/tuning.md, "Paired
+/// heads"): 16/16 heads at batch 1, L 131072 (124 tiles an SM) 78.8 us paired against 87.4 on
+/// the split engine, batch 4 L 32768 (124) 80.2 against 87.8; batch 1 L 32768 (31) 30.0
+/// against 23.3 (the cut units' merges and the ring's fill do not amortise).
+pub const PERSISTENT_PAIRED_FP8_MIN_TILES_PER_SM: usize = 64;
 
 /// See [`persistent_by_default`]: smaller pages take the persistent engine whatever the batch
 /// (at d 64 pages of 16 are gathered too, but at batch 1 the split engine's boxes of them
@@ -1709,6 +1726,21 @@ mod tests {
         };
         let msg = persistent(&d64(32, 4, 1), on).unwrap_err().to_string();
         assert!(msg.contains("persistent_pair_heads"), "{msg}");
+        // batch 1, e4m3: the persistent engine once the capacity gives each SM 64 tiles
+        let b1 = |len, kv| {
+            DecodeProblem::new(1, 16, 16, 64, len, DType::Bf16)
+                .and_then(|p| p.with_kv_dtype(kv))
+                .unwrap()
+        };
+        let engine = |p: &DecodeProblem| match choose(p, DeviceFacts::H200, PlanOptions::default())
+            .unwrap()
+        {
+            Plan::Persistent(pp) => format!("persistent x{}", pp.variant.heads_per_row),
+            Plan::Split(_) => "split".into(),
+        };
+        assert_eq!(engine(&b1(131_072, KvDType::Fp8E4m3)), "persistent x2");
+        assert_eq!(engine(&b1(32_768, KvDType::Fp8E4m3)), "split");
+        assert_eq!(engine(&b1(131_072, KvDType::AsQuery)), "split");
     }
 
     #[test]
