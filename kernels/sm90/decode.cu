@@ -370,6 +370,12 @@ __device__ __forceinline__ int row_part(const PersistentParams& p, int h) {
     return HEADS_PER_ROW == 1 ? 0 : (h >= p.group / 2 ? 1 : 0);
 }
 
+// A per-head value of the row's head `part` (a select, not a runtime index: that would put the
+// array in local memory)
+__device__ __forceinline__ float of_part(const float (&per_head)[HEADS_PER_ROW], int part) {
+    return HEADS_PER_ROW == 1 || part == 0 ? per_head[0] : per_head[HEADS_PER_ROW - 1];
+}
+
 // One thread: the query rows of piece j (columns of its column block, token-major) as one bulk
 // copy per row into buffer j % Q_BUFFERS, once the consumers are done with that buffer's
 // previous piece. Rows past the block's valid columns are not loaded; their columns are
@@ -758,7 +764,7 @@ __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Sche
             o.z += __shfl_xor_sync(0xffffffffu, o.z, off);
             o.w += __shfl_xor_sync(0xffffffffu, o.w, off);
         }
-        if (valid && part == 0) store_normalised(p, cols, g, d, o, m_max, l_sum, v_scale[cols.part(p, g)]);
+        if (valid && part == 0) store_normalised(p, cols, g, d, o, m_max, l_sum, of_part(v_scale, cols.part(p, g)));
     }
 }
 
@@ -933,7 +939,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                 l_run[nt][j] = 0.f;
                 const int c = nt * 8 + 2 * (lane % 4) + j;
                 limit[nt][j] = c < cols.count ? cols.visible(c) : pc.len;
-                score_scale[nt][j] = head_score_scale[cols.part(p, c)];
+                score_scale[nt][j] = of_part(head_score_scale, cols.part(p, c));
             }
 #pragma unroll
             for (int dt = 0; dt < D_TILES; ++dt)
@@ -1129,7 +1135,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                 o.w += v.w;
             }
             if (whole) {
-                store_normalised(p, cols, g, d, o, m_cta, l_cta, v_scale[part]);
+                store_normalised(p, cols, g, d, o, m_cta, l_cta, of_part(v_scale, part));
             } else {
                 *reinterpret_cast<float4*>(p.o_partial + (slot_row + g) * Q_DIM + d) = o;
                 if (d == 0) {
