@@ -2,6 +2,8 @@
 //! spills, and the disk cache serves it back. Needs libnvrtc.so.13 on the library path (the
 //! README's test command installs it); a missing NVRTC fails here, it does not skip.
 
+mod common;
+
 use kvstream::jit::{self, cache, compile, Origin};
 use kvstream::kernels::{all_variants, AnyVariant};
 
@@ -15,8 +17,9 @@ fn every_variant_compiles_to_sm90a_without_spills() {
         major >= 13,
         "NVRTC {major}.{minor}: CUDA 13 or newer needed for sm_90a CUBINs"
     );
-    let mut report = String::new();
-    for v in all_variants() {
+    let variants = all_variants();
+    let lines = common::par_map(&variants, |v| {
+        let v = *v;
         let var = v.as_variant();
         let c = compile::compile(var).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -60,9 +63,9 @@ fn every_variant_compiles_to_sm90a_without_spills() {
             );
             assert!(d.shared_bytes() <= 227 * 1024, "{}", var.name());
         }
-        report.push_str(&format!("{:<36} {r}\n", var.name()));
-    }
-    println!("{report}");
+        format!("{:<36} {r}\n", var.name())
+    });
+    println!("{}", lines.concat());
 }
 
 /// The paired online-softmax step (`PlanOptions::persistent_softmax_slices`, a tuning knob the

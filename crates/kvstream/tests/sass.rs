@@ -5,6 +5,8 @@
 //! nothing lives in local memory (no LDL/STL). Needs NVRTC and `cuobjdump` + `nvdisasm` on the
 //! PATH (the README's test command installs both); a missing tool fails here, it does not skip.
 
+mod common;
+
 use std::process::Command;
 
 use kvstream::jit::compile;
@@ -78,21 +80,19 @@ fn check_decode_sass(
 
 #[test]
 fn decode_variants_use_tensor_cores_and_tma_and_no_local_memory() {
-    for v in all_variants() {
-        match v {
-            AnyVariant::Decode(d) => {
-                let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
-                check_decode_sass(&d.name(), &c.cubin, d.n_tiles, KvCopies::Tma, d.kv_dtype);
-            }
-            AnyVariant::Persistent(d) => {
-                let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
-                let copies = match d.kv_source {
-                    KvSource::PagedGather => KvCopies::Gathered,
-                    KvSource::Contiguous | KvSource::PagedBoxes => KvCopies::Tma,
-                };
-                check_decode_sass(&d.name(), &c.cubin, d.n_tiles, copies, d.kv_dtype);
-            }
-            _ => {}
+    common::par_map(&all_variants(), |v| match *v {
+        AnyVariant::Decode(d) => {
+            let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
+            check_decode_sass(&d.name(), &c.cubin, d.n_tiles, KvCopies::Tma, d.kv_dtype);
         }
-    }
+        AnyVariant::Persistent(d) => {
+            let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
+            let copies = match d.kv_source {
+                KvSource::PagedGather => KvCopies::Gathered,
+                KvSource::Contiguous | KvSource::PagedBoxes => KvCopies::Tma,
+            };
+            check_decode_sass(&d.name(), &c.cubin, d.n_tiles, copies, d.kv_dtype);
+        }
+        _ => {}
+    });
 }
