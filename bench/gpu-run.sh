@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving ab (default:
+# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving mla ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -140,6 +140,33 @@ if want serving; then
     python3 bench/serving_peers.py --json bench/results/serving-peers-latest.json \
     --floors bench/results/kvstream-serving-latest.json --commit "${COMMIT:-unknown}" ${PEERS_ARGS:-} 2>&1 | tee $O/serving-peers.txt | tail -20
   tar czf $O/serving-results.tar.gz bench/results/kvstream-serving-latest.json bench/results/serving-peers-latest.json 2>/dev/null
+fi
+if want mla; then
+  # MLA decode: the GPU tests, memcheck and racecheck on a short run, then timed shapes next to
+  # their byte floors (MLA_SHAPES: one `kvstream mla` argument list per line)
+  G=.carry/bin/gpu-tests
+  timeout 300 $G --ignored --test-threads=1 --nocapture mla_ 2>&1 | tee $O/mla-tests.log | grep -E "MLA|test result|panicked|FAIL" | tail -30
+  for tool in ${MLA_SANITIZERS-memcheck racecheck}; do
+    echo "== $tool on the MLA tests (short run)"
+    KVSTREAM_GPU_CASES=8 KVSTREAM_GPU_SERIALISED=1 timeout 300 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
+      mla_cases mla_bad > $O/mla-$tool.txt 2>&1
+    tail -4 $O/mla-$tool.txt
+    # the distinct hazards: kind, source line, and the other access's line
+    grep -E "^========= +(Error|Warning|Race|.*hazard)|at .*decode_mla|Write|Read" $O/mla-$tool.txt | sort | uniq -c | sort -rn | head -12
+  done
+  while read -r shape; do
+    [ -n "$shape" ] || continue
+    timeout 120 $B mla $shape --rounds 9 2>&1 | grep -E "plan|check|time|RESULT|error" | tee -a $O/mla-shapes.txt
+  done <<< "${MLA_SHAPES:---hq 16 --len 131072
+--hq 16 --len 131072 --kv-dtype fp8_e4m3
+--hq 12 --len 131072
+--batch 4 --hq 16 --len 131072 --page-size 64
+--batch 16 --hq 16 --len 32768 --page-size 32 --kv-dtype fp8_e4m3
+--batch 16 --hq 16 --len 1048576 --skew 4096 --kv-dtype fp8_e4m3 --page-size 64
+--hq 16 --len 1048576
+--batch 8 --hq 12 --len 131072 --page-size 32
+--batch 2 --hq 16 --q-len 8 --len 131072
+--batch 8 --hq 128 --len 32768}"
 fi
 if want ab; then
   bash bench/ab.sh

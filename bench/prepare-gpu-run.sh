@@ -19,7 +19,7 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="gpu": print(m["executable"])')
 cp "$exe" .carry/bin/gpu-tests
 # every variant into the cache; raw CUBINs only with DUMP_CUBINS=1 (gpu-run.sh's `sass` part;
-# CI runs the same SASS checks in tests/sass.rs)
+# CI runs the same SASS checks in tests/nvrtc.rs)
 if [ -n "${DUMP_CUBINS:-}" ]; then
   KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --dump .carry/cubins
 else

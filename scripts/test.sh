@@ -20,7 +20,7 @@ if [ ! -f "$NVRTC_LIB/libnvrtc.so.13" ]; then
 fi
 export LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-# cuobjdump + nvdisasm read the SASS of the compiled kernels (crates/kvstream/tests/sass.rs).
+# cuobjdump + nvdisasm read the SASS of the compiled kernels (crates/kvstream/tests/common/sass.rs, run by tests/nvrtc.rs).
 SASS_TOOLS_VERSION=13.5.37
 SASS_BIN="$PWD/.nvrtc/sass-tools/nvidia/cu13/bin"
 if [ ! -x "$SASS_BIN/cuobjdump" ] || [ ! -x "$SASS_BIN/nvdisasm" ]; then

@@ -77,8 +77,9 @@ struct KvHalf : SwizzledRows<128, HEAD_DIM * 2 / 128, TILE_TOKENS> {
 };
 
 // float8 e4m3 elements, dequantised exactly to f16 in registers (the scales are applied to the
-// FP32 scores and output, outside the MMAs). One byte per head dim: a d128 position is one
-// 128-byte row, a d64 one a 64-byte row.
+// FP32 scores and output, outside the MMAs). One byte per head dim: a position is rows of 128
+// bytes where its width is a multiple of 128 (d128: one), else of 64 (d64: one; an MLA row of
+// 576: nine).
 //   K: ldmatrix reads 4 consecutive head dims per lane; as the k order of an MMA is free, lane
 //   (g, j) = (lane / 4, lane % 4) takes head dims 4j..4j+3 of chunk c as its k = 2j, 2j+1
 //   (a0, a1) and 2j+8, 2j+9 (a2, a3): the query's 16-bit pair p of a chunk is its head-dim
@@ -86,9 +87,12 @@ struct KvHalf : SwizzledRows<128, HEAD_DIM * 2 / 128, TILE_TOKENS> {
 //   V: ldmatrix.trans on byte pairs gives lane (g, j) head dims 2g, 2g+1 of positions 2j and
 //   2j+1; one byte permute makes them two (positions 2j, 2j+1) pairs, of head dim 2g (row g
 //   of the m-tile) and 2g+1 (row g + 8).
+template <int HEAD_DIM>
+__host__ __device__ constexpr int e4m3_row_bytes() { return HEAD_DIM % 128 == 0 ? 128 : 64; }
+
 template <int HEAD_DIM, int TILE_TOKENS>
-struct KvE4m3 : SwizzledRows<(HEAD_DIM < 128 ? HEAD_DIM : 128), (HEAD_DIM + 127) / 128, TILE_TOKENS> {
-    using Rows = SwizzledRows<(HEAD_DIM < 128 ? HEAD_DIM : 128), (HEAD_DIM + 127) / 128, TILE_TOKENS>;
+struct KvE4m3 : SwizzledRows<e4m3_row_bytes<HEAD_DIM>(), HEAD_DIM / e4m3_row_bytes<HEAD_DIM>(), TILE_TOKENS> {
+    using Rows = SwizzledRows<e4m3_row_bytes<HEAD_DIM>(), HEAD_DIM / e4m3_row_bytes<HEAD_DIM>(), TILE_TOKENS>;
     static constexpr int ELEM_BYTES = 1;
     static constexpr int DIMS_PER_BOX = Rows::ROW_BYTES;
     static constexpr int CHUNK_ELEMS = 16;

@@ -36,6 +36,13 @@ __device__ __forceinline__ void fence_mbarrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
+// Orders this thread's earlier generic-proxy shared-memory accesses before later async-proxy
+// ones (bulk copies, TMA) that a barrier hands the memory to (PTX ISA 9.7.13.4.16,
+// fence.proxy.async).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // Each mbarrier and bulk-copy wrapper also takes shared-window addresses (u32, from smem_addr):
 // a loop that works in those converts its pointers once, where a generic pointer costs a
 // conversion (the shared window's base, S2R) per use that ptxas may not hoist.
@@ -157,6 +164,10 @@ __device__ __forceinline__ void st_shared_v4(u32 addr, const u32* r) {
                  : "memory");
 }
 
+__device__ __forceinline__ void st_shared_u16(u32 addr, u16 v) {
+    asm volatile("st.shared.u16 [%0], %1;" :: "r"(addr), "h"(v) : "memory");
+}
+
 // A 32-bit global load cached in L2 only: no L1 line is left that a later load of the same
 // address could hit while another kernel rewrites it.
 __device__ __forceinline__ int ld_global_l2(const int* ptr) {
@@ -190,6 +201,18 @@ __device__ __forceinline__ int atom_add_acq_rel_gpu(int* ptr, int v) {
     asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
     return old;
 }
+
+// A GPU-scope acquire load (PTX ISA 9.7.9.8, ld; memory model 8.x): what the releasers of the
+// value read wrote before their release is visible to this thread after it.
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+    return v;
+}
+
+// Suspends the thread for about `ns` nanoseconds (PTX ISA 9.7.19.4, nanosleep): a polling loop
+// that leaves the SM's issue slots to others.
+__device__ __forceinline__ void nanosleep(u32 ns) { asm volatile("nanosleep.u32 %0;" :: "r"(ns)); }
 
 // Pulls a tensor map (a kernel parameter) into the descriptor cache before its first use
 // (PTX ISA 9.7.9.26, prefetch.tensormap).
@@ -290,6 +313,20 @@ __device__ __forceinline__ void st_peer_f32(u32 cluster_addr, float v) {
 __device__ __forceinline__ void st_peer_f32x2(u32 cluster_addr, float a, float b) {
     asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(cluster_addr), "f"(a), "f"(b)
                  : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Register budgets per warpgroup (PTX ISA 9.7.19.5, setmaxnreg, sm_90a): every warp of a
+// warpgroup executes the same one; takes effect only under __launch_bounds__(threads, 1)
+// ---------------------------------------------------------------------------------------------
+
+template <u32 REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGS));
+}
+template <u32 REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(REGS));
 }
 
 // ---------------------------------------------------------------------------------------------

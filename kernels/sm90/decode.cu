@@ -74,6 +74,7 @@
 #include "decode_params.cuh"
 #include "kv_format.cuh"
 #include "schedule.cuh"
+#include "scheduler.cuh"
 #include "trace.cuh"
 
 namespace kvs {
@@ -143,7 +144,6 @@ constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;   // one piece's query rows
 constexpr int Q_BUFFERS = 3;
 constexpr int MERGE_ROW = HEAD_DIM + 4;         // epilogue scratch rows, padded likewise
 constexpr int MERGE_WARP_FLOATS = GROUP_PAD * MERGE_ROW;
-constexpr int SCAN_PER_LANE = 8;                // lengths one scheduler lane holds per round
 
 struct SharedPlan {
     // from a 1024-byte aligned base (the 128-byte swizzle repeats every 1024 bytes; TMA expects it)
@@ -187,170 +187,9 @@ static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern bo
 static_assert(SMEM_ROW % 16 == 0 && Q_BYTES % 16 == 0, "bulk copies of query rows: 16-byte aligned");
 
 
-// ================================ scheduler ===============================================
-// Lengths come from device memory the host never sees: clamped, never trusted.
-__device__ __forceinline__ int request_len(const PersistentParams& p, int b) {
-    return p.seqlens ? max(0, min(p.seqlens[b], p.max_len)) : p.max_len;
-}
-
-__device__ __forceinline__ int units_per_request(const PersistentParams& p) { return p.hkv * p.col_blocks; }
-
-// What the scheduler warp leaves for the other roles.
-struct StartShared {
-    long long total;  // tiles in the sequence
-    long long lo, hi; // this CTA's tiles
-    long long base;   // global index of the first tile of `batch`
-    long long per;    // Schedule::per
-    int batch;        // the request holding tile lo
-    int ctas;         // working CTAs
-};
+// ================================ scheduler (scheduler.cuh) ================================
 static_assert(sizeof(StartShared) <= SharedPlan::merge_flag - SharedPlan::start, "StartShared slot");
-
-__device__ __forceinline__ long long warp_sum(long long v) {
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
-__device__ __forceinline__ long long warp_min(long long v) {
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) v = min(v, __shfl_xor_sync(0xffffffffu, v, off));
-    return v;
-}
-__device__ __forceinline__ long long warp_max(long long v) {
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-    return v;
-}
-
-// Tiles x units of requests base + 8 lane .. base + 8 lane + 7 (0 past the batch). The loads are
-// unconditional (an index past the batch reads the last length and is then dropped), so the
-// eight leave back to back (with a branch per request ptxas issues them one round trip after
-// another).
-__device__ __forceinline__ void load_request_tiles(const PersistentParams& p, const int* lens, int base,
-                                                   int lane, int uh, long long (&t)[SCAN_PER_LANE]) {
-    int raw[SCAN_PER_LANE];
-#pragma unroll
-    for (int i = 0; i < SCAN_PER_LANE; ++i) raw[i] = lens[min(base + lane * SCAN_PER_LANE + i, p.batch - 1)];
-#pragma unroll
-    for (int i = 0; i < SCAN_PER_LANE; ++i) {
-        const int len = max(0, min(raw[i], p.max_len));
-        t[i] = base + lane * SCAN_PER_LANE + i < p.batch ? (long long)tiles_of(len, TILE_TOKENS) * uh : 0;
-    }
-}
-
-// Consumer warp 0: the sequence's length and where this CTA's range starts. Lane l holds the
-// tile counts of requests base + 8l .. base + 8l + 7 per round, so up to 256 requests take one
-// round trip to memory per pass.
-__device__ __forceinline__ void schedule_start(const PersistentParams& p, StartShared* out) {
-    const int lane = threadIdx.x % 32;
-    const int uh = units_per_request(p);
-    const int* lens = p.seqlens;
-    // the sequence's tiles, and the units' count and extreme lengths (x uh: per request)
-    long long total = 0, busy = 0, t_min = 0, t_max = 0;
-    if (!lens) {
-        t_min = t_max = (long long)tiles_of(p.max_len, TILE_TOKENS) * uh;
-        busy = t_min > 0 ? p.batch : 0;
-        total = busy * t_min;
-    } else {
-        constexpr long long NONE = 0x7fffffffffffffffLL;
-        t_min = NONE;
-        for (int base = 0; base < p.batch; base += 32 * SCAN_PER_LANE) {
-            long long t[SCAN_PER_LANE];
-            load_request_tiles(p, lens, base, lane, uh, t);
-            long long mine = 0, lo = NONE, hi = 0;
-            int n = 0;
-#pragma unroll
-            for (int i = 0; i < SCAN_PER_LANE; ++i) {
-                mine += t[i];
-                n += t[i] > 0;
-                if (t[i] > 0) lo = min(lo, t[i]);
-                hi = max(hi, t[i]);
-            }
-            total += warp_sum(mine);
-            busy += warp_sum(n);
-            t_min = min(t_min, warp_min(lo));
-            t_max = max(t_max, warp_max(hi));
-        }
-    }
-    const Schedule s = make_schedule(total, gridDim.x, p.min_tiles_per_cta, busy * uh, t_min / uh, t_max / uh);
-    const int c = blockIdx.x;
-    long long lo = 0, hi = 0, req_base = 0;
-    int req = 0;
-    if (c < s.ctas) {
-        lo = s.begin(c);
-        hi = s.begin(c + 1);
-        if (!lens) {
-            const long long per = (long long)tiles_of(p.max_len, TILE_TOKENS) * uh;
-            req = (int)(lo / per);
-            req_base = req * per;
-        } else {
-            // the request b with prefix(b) <= lo < prefix(b) + tiles(b) * uh, tiles(b) > 0
-            long long prefix = 0;
-            for (int base = 0;; base += 32 * SCAN_PER_LANE) {
-                long long t[SCAN_PER_LANE];
-                load_request_tiles(p, lens, base, lane, uh, t);
-                long long mine = 0;
-#pragma unroll
-                for (int i = 0; i < SCAN_PER_LANE; ++i) mine += t[i];
-                long long incl = mine;  // inclusive scan over lanes
-#pragma unroll
-                for (int off = 1; off < 32; off *= 2) {
-                    const long long v = __shfl_up_sync(0xffffffffu, incl, off);
-                    if (lane >= off) incl += v;
-                }
-                const long long lane_begin = prefix + incl - mine;
-                const unsigned hit = __ballot_sync(0xffffffffu, lo >= lane_begin && lo < lane_begin + mine);
-                if (hit) {
-                    const int src = __ffs(hit) - 1;
-                    if (lane == src) {
-                        long long at = lane_begin;
-                        int i = 0;
-#pragma unroll
-                        for (int k = 0; k < SCAN_PER_LANE; ++k) {
-                            if (at + t[k] > lo) break;
-                            at += t[k];
-                            ++i;
-                        }
-                        req = base + lane * SCAN_PER_LANE + i;
-                        req_base = at;
-                    }
-                    req = __shfl_sync(0xffffffffu, req, src);
-                    req_base = __shfl_sync(0xffffffffu, req_base, src);
-                    break;
-                }
-                prefix += __shfl_sync(0xffffffffu, incl, 31);
-            }
-        }
-    }
-    if (lane == 0) *out = {total, lo, hi, req_base, s.per, req, s.ctas};
-}
-
-// The pieces of this CTA's range, in order; every role walks its own copy.
-struct Walk {
-    long long t, hi, base;
-    int batch, tiles, len, uh;
-
-    __device__ __forceinline__ Walk(const PersistentParams& p, const StartShared& s)
-        : t(s.lo), hi(s.hi), base(s.base), batch(s.batch), uh(units_per_request(p)) {
-        len = t < hi ? request_len(p, batch) : 0;
-        tiles = tiles_of(len, TILE_TOKENS);
-    }
-
-    __device__ __forceinline__ bool next(const PersistentParams& p, Piece& pc) {
-        if (t >= hi) return false;
-        while (t >= base + (long long)tiles * uh) {  // requests of 0 tiles are passed over here
-            base += (long long)tiles * uh;
-            len = request_len(p, ++batch);
-            tiles = tiles_of(len, TILE_TOKENS);
-        }
-        const int unit = (int)((t - base) / tiles);
-        const long long start = base + (long long)unit * tiles;
-        const long long end = hi - start < tiles ? hi - start : tiles;
-        pc = {batch, unit, len, (int)(t - start), (int)end, tiles, start};
-        t = start + end;
-        return true;
-    }
-};
+using Walk = PieceWalk<TILE_TOKENS>;
 
 // ================================ producer ================================================
 struct Ring {
@@ -831,7 +670,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     pdl_wait_for_producer();
     pdl_release_dependents();
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
-    if (warp == 0) schedule_start(p, start);
+    if (warp == 0) schedule_start<TILE_TOKENS>(p, start);
     if constexpr (HEADS_PER_ROW > 1) {
         // the other head's half of every query row: zero for good (the bulk copies write only
         // their own half, and a column slot keeps its half on every piece)

@@ -694,7 +694,7 @@ fn print_table(out: &BenchResults, impls: &[(String, PlanOptions)]) {
 }
 
 /// The streaming-read kernel, ready to enqueue.
-struct StreamReader {
+pub struct StreamReader {
     kernel: LoadedKernel,
     sink: u64,
     _sink_buf: CudaSlice<u32>,
@@ -702,10 +702,10 @@ struct StreamReader {
 }
 
 /// Best configuration of a streaming read.
-struct Best {
-    us: f64,
-    grid: u32,
-    threads: u32,
+pub struct Best {
+    pub us: f64,
+    pub grid: u32,
+    pub threads: u32,
 }
 
 struct Ceiling {
@@ -715,7 +715,7 @@ struct Ceiling {
 }
 
 impl StreamReader {
-    fn new(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> kvstream::Result<Self> {
+    pub fn new(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> kvstream::Result<Self> {
         let kernel = rt.kernel(AnyVariant::StreamRead(StreamReadVariant), 0)?;
         let buf = alloc::<u32>(stream, SINK_WORDS as usize, "the stream-read sink")?;
         let sink = buf.device_ptr(stream).0;
@@ -779,7 +779,7 @@ impl StreamReader {
     ///
     /// # Safety
     /// `base..base + sets * bytes` must be device memory of this context, 16-byte aligned.
-    unsafe fn graphs(
+    pub unsafe fn graphs(
         &self,
         stream: &Arc<CudaStream>,
         base: u64,
@@ -797,7 +797,7 @@ impl StreamReader {
     }
 
     /// The best median over the configurations whose timings are given in `configs` order.
-    fn best(configs: &[(u32, u32)], timings: &[timing::Timing]) -> Best {
+    pub fn best(configs: &[(u32, u32)], timings: &[timing::Timing]) -> Best {
         let (i, t) = timings
             .iter()
             .enumerate()

@@ -11,6 +11,7 @@ use kvstream::{DType, DecodeProblem, DeviceFacts};
 
 mod bench;
 mod demo;
+mod mla;
 mod plot;
 mod results;
 mod timing;
@@ -140,6 +141,9 @@ enum Command {
         #[arg(long, value_delimiter = ',', value_parser = bench::parse_ring)]
         rings: Vec<bench::Ring>,
     },
+    /// Run one MLA decode (DeepSeek-V3 class: latent 512 + rope 64) on the GPU, check it
+    /// against the f64 reference, time it next to the byte floor of the same bytes.
+    Mla(mla::MlaArgs),
     /// Print the plan the library would choose for a shape (no GPU needed; assumes 132 SMs).
     Plan {
         #[command(flatten)]
@@ -166,6 +170,7 @@ fn main() -> ExitCode {
         Command::Kernels { dump, only, rings } => {
             lib(kernels(dump.as_deref(), only.as_deref(), &rings))
         }
+        Command::Mla(args) => lib(mla::run(&args)),
         Command::Plan { shape } => lib(print_plan(&shape)),
         Command::Bench(args) => bench::run(&args),
         Command::Plot { results, out } => replot(&results, out.as_deref()),
@@ -229,6 +234,7 @@ fn kernels(
                 let dyn_smem = match v {
                     kvstream::kernels::AnyVariant::Persistent(d) => d.shared_bytes(),
                     kvstream::kernels::AnyVariant::Decode(d) => d.shared_bytes(),
+                    kvstream::kernels::AnyVariant::Mla(d) => d.shared_bytes(),
                     kvstream::kernels::AnyVariant::Combine(_)
                     | kvstream::kernels::AnyVariant::StreamRead(_)
                     | kvstream::kernels::AnyVariant::PlanWork(_)

@@ -161,7 +161,7 @@ struct SplitEngine {
 
 /// Allocates `bytes` on the default stream, zeroed, and waits for it so that calls on any
 /// other stream (a capture stream, PyTorch's) can use it at once.
-fn alloc_zeroed<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+pub(crate) fn alloc_zeroed<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     rt: &Runtime,
     len: usize,
     what: &str,
@@ -265,33 +265,7 @@ impl Decoder {
         else {
             return Ok(None);
         };
-        let raw = stream
-            .clone_dtoh(log)
-            .map_err(|e| Error::driver("reading the schedule log back", e))?;
-        stream
-            .synchronize()
-            .map_err(|e| Error::driver("reading the schedule log back", e))?;
-        let per_cta = (SCHEDULE_LOG_PIECES + 1) * 4;
-        let mut out = Vec::new();
-        for cta in raw.chunks(per_cta) {
-            let count = (cta[0].max(0) as usize).min(SCHEDULE_LOG_PIECES);
-            out.push(
-                (0..count)
-                    .map(|i| {
-                        let e = &cta[4 * (i + 1)..4 * (i + 2)];
-                        Piece {
-                            batch: e[0] as usize,
-                            unit: e[1] as usize,
-                            first: e[2] as usize,
-                            end: e[3] as usize,
-                            tiles: 0,
-                            start: 0,
-                        }
-                    })
-                    .collect(),
-            );
-        }
-        Ok(Some(out))
+        read_schedule_log(log, stream).map(Some)
     }
 
     /// Registers of the decode kernel (from ptxas), for reports.
@@ -724,6 +698,41 @@ impl SplitEngine {
         }
         Ok(())
     }
+}
+
+/// The pieces per CTA a persistent kernel recorded in its schedule log (`schedule_log` in
+/// decode_params.cuh), read back after synchronising `stream`.
+pub(crate) fn read_schedule_log(
+    log: &CudaSlice<i32>,
+    stream: &Arc<CudaStream>,
+) -> Result<Vec<Vec<Piece>>> {
+    let raw = stream
+        .clone_dtoh(log)
+        .map_err(|e| Error::driver("reading the schedule log back", e))?;
+    stream
+        .synchronize()
+        .map_err(|e| Error::driver("reading the schedule log back", e))?;
+    let per_cta = (SCHEDULE_LOG_PIECES + 1) * 4;
+    let mut out = Vec::new();
+    for cta in raw.chunks(per_cta) {
+        let count = (cta[0].max(0) as usize).min(SCHEDULE_LOG_PIECES);
+        out.push(
+            (0..count)
+                .map(|i| {
+                    let e = &cta[4 * (i + 1)..4 * (i + 2)];
+                    Piece {
+                        batch: e[0] as usize,
+                        unit: e[1] as usize,
+                        first: e[2] as usize,
+                        end: e[3] as usize,
+                        tiles: 0,
+                        start: 0,
+                    }
+                })
+                .collect(),
+        );
+    }
+    Ok(out)
 }
 
 /// (request, KV head) strides of a scale tensor's index.

@@ -8,7 +8,7 @@ use crate::plan;
 use crate::problem::{DType, DecodeProblem, KvDType, MAX_GROUP, SUPPORTED_HEAD_DIMS};
 
 /// Headers the kernels include, by the name they use in `#include "..."`.
-pub const HEADERS: [(&str, &str); 6] = [
+pub const HEADERS: [(&str, &str); 7] = [
     ("ptx.cuh", include_str!("../../../kernels/include/ptx.cuh")),
     (
         "kv_format.cuh",
@@ -27,6 +27,10 @@ pub const HEADERS: [(&str, &str); 6] = [
         include_str!("../../../kernels/include/schedule.cuh"),
     ),
     (
+        "scheduler.cuh",
+        include_str!("../../../kernels/include/scheduler.cuh"),
+    ),
+    (
         "trace.cuh",
         include_str!("../../../kernels/include/trace.cuh"),
     ),
@@ -34,6 +38,7 @@ pub const HEADERS: [(&str, &str); 6] = [
 
 const DECODE_SRC: &str = include_str!("../../../kernels/sm90/decode.cu");
 const DECODE_GQA_SRC: &str = include_str!("../../../kernels/sm90/decode_gqa.cu");
+const DECODE_MLA_SRC: &str = include_str!("../../../kernels/sm90/decode_mla.cu");
 const COMBINE_SRC: &str = include_str!("../../../kernels/sm90/combine.cu");
 const STREAM_READ_SRC: &str = include_str!("../../../kernels/sm90/stream_read.cu");
 const PLAN_WORK_SRC: &str = include_str!("../../../kernels/sm90/plan_work.cu");
@@ -441,6 +446,90 @@ impl Variant for PersistentVariant {
     }
 }
 
+/// Query-row buffers of the MLA decode (`Q_BUFFERS` in decode_mla.cu).
+const MLA_Q_BUFFERS: usize = 2;
+/// Consumer warps of the MLA decode, and its producer warpgroup (decode_mla.cu).
+const MLA_CONSUMER_WARPS: usize = 8;
+const MLA_PRODUCER_WARPS: usize = 4;
+
+/// One specialisation of the MLA decode, `decode_mla.cu` (a cached row of
+/// [`crate::mla::MLA_DIM`] elements serves as K, its first [`crate::mla::MLA_V_DIM`] as V).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MlaVariant {
+    /// Element type of q and out.
+    pub dtype: DType,
+    /// Element type of the cache.
+    pub kv_dtype: KvDType,
+    /// n8 tiles of query rows per column block: 2 or 4 (each consumer warp scores half).
+    pub n_tiles: usize,
+    /// Positions per ring stage (16 per slice of four consumer warps).
+    pub tile_tokens: usize,
+    /// Ring depth.
+    pub stages: usize,
+    /// A page pool instead of a contiguous cache.
+    pub paged: bool,
+}
+
+impl MlaVariant {
+    /// Threads per CTA: the consumer warps and the producer warpgroup.
+    pub fn threads(&self) -> u32 {
+        ((MLA_CONSUMER_WARPS + MLA_PRODUCER_WARPS) * 32) as u32
+    }
+
+    /// Dynamic shared memory of one CTA; mirrors `SharedPlan` in decode_mla.cu (plus the slack
+    /// that lets the kernel align its base to 1024 bytes).
+    pub fn shared_bytes(&self) -> usize {
+        let columns = self.n_tiles * 8;
+        let ring =
+            self.stages * self.tile_tokens * crate::mla::MLA_DIM * self.kv_dtype.size(self.dtype);
+        let q = MLA_Q_BUFFERS * columns * (crate::mla::MLA_DIM * 2 + 16);
+        let p = columns * (self.tile_tokens * 2 + 16);
+        let slices = self.tile_tokens / 16;
+        let stats = 2 * 4 * slices * columns;
+        let barriers = 2 * 8 * self.stages + 2 * 8 * MLA_Q_BUFFERS;
+        1024 + ring + q + p + stats + barriers + 64
+    }
+}
+
+impl Variant for MlaVariant {
+    fn name(&self) -> String {
+        format!(
+            "decode_mla.{}{}.n{}.t{}.s{}{}",
+            self.dtype.name(),
+            match self.kv_dtype {
+                KvDType::AsQuery => "",
+                KvDType::Fp8E4m3 => ".kv_e4m3",
+            },
+            self.n_tiles,
+            self.tile_tokens,
+            self.stages,
+            if self.paged { ".paged" } else { "" },
+        )
+    }
+    fn source(&self) -> &'static str {
+        DECODE_MLA_SRC
+    }
+    fn entry(&self) -> &'static str {
+        "kvs_decode_mla"
+    }
+    fn defines(&self) -> Vec<(String, String)> {
+        vec![
+            (
+                "KVS_IS_F16".into(),
+                u8::from(self.dtype == DType::F16).to_string(),
+            ),
+            (
+                "KVS_KV_FP8".into(),
+                u8::from(self.kv_dtype == KvDType::Fp8E4m3).to_string(),
+            ),
+            ("KVS_N_TILES".into(), self.n_tiles.to_string()),
+            ("KVS_TILE_TOKENS".into(), self.tile_tokens.to_string()),
+            ("KVS_STAGES".into(), self.stages.to_string()),
+            ("KVS_PAGED".into(), u8::from(self.paged).to_string()),
+        ]
+    }
+}
+
 /// One specialisation of `combine.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CombineVariant {
@@ -602,6 +691,8 @@ const _: () = assert!(std::mem::size_of::<StreamReadParams>() == 32);
 pub enum AnyVariant {
     /// The persistent decode kernel.
     Persistent(PersistentVariant),
+    /// The MLA decode kernel.
+    Mla(MlaVariant),
     /// A decode kernel of the split engine.
     Decode(DecodeVariant),
     /// A combine kernel.
@@ -619,6 +710,7 @@ impl AnyVariant {
     pub fn as_variant(&self) -> &dyn Variant {
         match self {
             AnyVariant::Persistent(v) => v,
+            AnyVariant::Mla(v) => v,
             AnyVariant::Decode(v) => v,
             AnyVariant::Combine(v) => v,
             AnyVariant::StreamRead(v) => v,
@@ -688,6 +780,17 @@ pub fn all_variants() -> Vec<AnyVariant> {
                     kv_dtype,
                     head_dim,
                 }));
+            }
+        }
+    }
+    for dtype in [DType::Bf16, DType::F16] {
+        for kv_dtype in [KvDType::AsQuery, KvDType::Fp8E4m3] {
+            for n_tiles in plan::MLA_N_TILES {
+                for paged in [false, true] {
+                    out.push(AnyVariant::Mla(plan::mla_variant(
+                        dtype, kv_dtype, n_tiles, paged,
+                    )));
+                }
             }
         }
     }

@@ -41,7 +41,9 @@
 //! here are in docs/tuning.md.
 
 use crate::error::{Error, Result};
-use crate::kernels::{CombineVariant, DecodeVariant, KvSource, PersistentVariant, MAX_N_TILES};
+use crate::kernels::{
+    CombineVariant, DecodeVariant, KvSource, MlaVariant, PersistentVariant, MAX_N_TILES,
+};
 use crate::problem::{DType, DecodeProblem, KvDType};
 
 /// Most CTAs of a persistent grid: the SMs of an H100/H200 (the kernel's merge scratch is sized
@@ -503,6 +505,158 @@ pub fn plan_persistent(
         col_blocks: variant.column_blocks(problem),
         pdl: !options.disable_pdl,
         kv_promotion: kv_promotion(problem, options),
+    })
+}
+
+/// Column-block widths (n8 tiles) of the MLA decode: each of its consumer warps scores half
+/// of a block's columns, so blocks are 16 or 32 query rows.
+pub const MLA_N_TILES: [usize; 2] = [2, 4];
+/// Positions per ring stage of the MLA decode: four m16 slices, one per scoring warp of a
+/// column half (decode_mla.cu).
+pub const MLA_TILE_TOKENS: usize = 64;
+/// Ring depth of the MLA decode for a 2-byte cache: two 72 KB stages (the most that fit next
+/// to two buffers of 32 query rows of 576 dims); an e4m3 cache takes twice the stages of half
+/// the bytes.
+pub const MLA_STAGES: usize = 2;
+/// Fewest tiles a working CTA of the MLA decode takes (as [`PERSISTENT_MIN_TILES_PER_CTA`]).
+pub const MLA_MIN_TILES_PER_CTA: usize = 2;
+
+/// The MLA variant for a column-block width and cache kind.
+pub fn mla_variant(dtype: DType, kv_dtype: KvDType, n_tiles: usize, paged: bool) -> MlaVariant {
+    MlaVariant {
+        dtype,
+        kv_dtype,
+        n_tiles,
+        tile_tokens: MLA_TILE_TOKENS,
+        stages: match kv_dtype {
+            KvDType::AsQuery => MLA_STAGES,
+            KvDType::Fp8E4m3 => 2 * MLA_STAGES,
+        },
+        paged,
+    }
+}
+
+/// Launch decisions of the MLA decode (`decode_mla.cu`): the persistent schedule of the GQA
+/// engine (one unit per request and column block), so nothing depends on the lengths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaPlan {
+    /// The kernel variant.
+    pub variant: MlaVariant,
+    /// CTAs launched (one per SM).
+    pub grid: usize,
+    /// Fewest tiles a working CTA takes.
+    pub min_tiles_per_cta: usize,
+    /// Column blocks per request.
+    pub col_blocks: usize,
+    /// Launch with PDL.
+    pub pdl: bool,
+    /// L2 promotion of the cache's tensor map.
+    pub kv_promotion: crate::launch::TmaPromotion,
+}
+
+impl MlaPlan {
+    /// Workspace, in bytes: `[o_partial | ml_partial | counters]`, each 256-byte aligned; two
+    /// counters per unit (parked pieces, merged slices) that must be zero before the first call.
+    pub fn workspace_offsets(&self, batch: usize) -> (usize, usize, usize, usize) {
+        let columns = self.variant.n_tiles * 8;
+        let slots = 2 * self.grid;
+        let ml = align(slots * columns * crate::mla::MLA_V_DIM * 4);
+        let counters = ml + align(slots * columns * 2 * 4);
+        let end = counters + align(batch * self.col_blocks * 2 * 4);
+        (0, ml, counters, end)
+    }
+}
+
+/// The MLA plan for `problem` on `device`. Of [`PlanOptions`] it takes `persistent_ctas`,
+/// `min_tiles_per_cta`, `disable_pdl`, `record_schedule` and `kv_promotion`; any other knob is
+/// an error naming it.
+pub fn plan_mla(
+    problem: &crate::mla::MlaProblem,
+    device: DeviceFacts,
+    options: PlanOptions,
+) -> Result<MlaPlan> {
+    problem.validate()?;
+    let foreign = options.split_knob().or_else(|| {
+        [
+            ("persistent_stages", options.persistent_stages.is_some()),
+            ("persistent_groups", options.persistent_groups.is_some()),
+            (
+                "persistent_tile_tokens",
+                options.persistent_tile_tokens.is_some(),
+            ),
+            ("persistent_kv_l2", options.persistent_kv_l2.is_some()),
+            (
+                "persistent_paged_gather",
+                options.persistent_paged_gather.is_some(),
+            ),
+            (
+                "persistent_producer_warps",
+                options.persistent_producer_warps.is_some(),
+            ),
+            (
+                "persistent_softmax_slices",
+                options.persistent_softmax_slices.is_some(),
+            ),
+            (
+                "persistent_pair_heads",
+                options.persistent_pair_heads.is_some(),
+            ),
+            ("engine", options.engine.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(name, set)| set.then_some(name))
+    });
+    if let Some(knob) = foreign {
+        return Err(Error::invalid(
+            knob,
+            "set",
+            "unset for MLA decode (it takes persistent_ctas, min_tiles_per_cta, disable_pdl, \
+             record_schedule and kv_promotion)",
+        ));
+    }
+    if let Some(pg) = problem.paged {
+        // a box lands on a 128-byte aligned address: a page run must fill 128 bytes at least
+        let run_bytes = pg.page_size * crate::mla::MLA_DIM * problem.kv_elem_bytes();
+        if run_bytes % 128 != 0 {
+            return Err(Error::invalid(
+                "page_size",
+                pg.page_size,
+                "2..=512 for an e4m3 MLA cache (a page of one 576-byte row is no whole number \
+                 of 128-byte TMA box rows)",
+            ));
+        }
+    }
+    let columns = problem.columns();
+    let n_tiles = if columns <= 16 { 2 } else { 4 };
+    let variant = mla_variant(
+        problem.dtype,
+        problem.kv_dtype,
+        n_tiles,
+        problem.paged.is_some(),
+    );
+    let grid = match options.persistent_ctas {
+        None => device.sm_count.clamp(1, PERSISTENT_MAX_GRID),
+        Some(c) if (1..=PERSISTENT_MAX_GRID).contains(&c) => c,
+        Some(c) => {
+            return Err(Error::invalid(
+                "persistent_ctas",
+                c,
+                format!("1..={PERSISTENT_MAX_GRID}"),
+            ))
+        }
+    };
+    let min_tiles_per_cta = match options.min_tiles_per_cta {
+        None => MLA_MIN_TILES_PER_CTA,
+        Some(t) if t >= 1 => t,
+        Some(t) => return Err(Error::invalid("min_tiles_per_cta", t, ">= 1")),
+    };
+    Ok(MlaPlan {
+        variant,
+        grid,
+        min_tiles_per_cta,
+        col_blocks: columns.div_ceil(n_tiles * 8),
+        pdl: !options.disable_pdl,
+        kv_promotion: options.kv_promotion.unwrap_or_default(),
     })
 }
 

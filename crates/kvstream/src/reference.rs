@@ -173,6 +173,42 @@ pub fn decode_reference(
     RefOutput { out, lse }
 }
 
+/// MLA decode (absorbed form) in `f64`: every query head attends to the one latent cache
+/// `kv [batch, max_len, 576]` (scores over all 576 columns, values its first 512), with the
+/// causal multi-token rule of [`decode_reference`]. `shape` is the scores' view (one KV head
+/// of `d` = 576, e.g. `RefShape::from(&mla_problem)`); q is `[batch, q_len, hq, 576]`, `out`
+/// comes back as `[batch, q_len, hq, 512]`.
+pub fn mla_reference(shape: &RefShape, q: &[f32], kv: &[f32], seqlens: &[usize]) -> RefOutput {
+    use crate::mla::{MLA_DIM, MLA_V_DIM};
+    assert!(
+        shape.hkv == 1 && shape.d == MLA_DIM,
+        "MLA has one latent KV head of {MLA_DIM} dims: {shape:?}"
+    );
+    // V is K's first 512 columns: attend with V = K, then keep those columns of each row
+    let full = decode_reference(shape, q, kv, kv, seqlens);
+    let out = full
+        .out
+        .chunks(MLA_DIM)
+        .flat_map(|row| row[..MLA_V_DIM].iter().copied())
+        .collect();
+    RefOutput { out, lse: full.lse }
+}
+
+impl From<&crate::mla::MlaProblem> for RefShape {
+    /// The scores' view of an MLA problem: one KV head of 576 dims, the f32 scale widened.
+    fn from(p: &crate::mla::MlaProblem) -> Self {
+        RefShape {
+            batch: p.batch,
+            q_len: p.q_len,
+            hq: p.hq,
+            hkv: 1,
+            d: crate::mla::MLA_DIM,
+            max_len: p.max_len,
+            softmax_scale: f64::from(p.softmax_scale),
+        }
+    }
+}
+
 fn dot(q: &[f64], k: &[f32]) -> f64 {
     q.iter().zip(k).map(|(&a, &b)| a * f64::from(b)).sum()
 }

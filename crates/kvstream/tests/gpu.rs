@@ -24,6 +24,8 @@
 //! - `store_kv_writes_exactly_the_slots_given`: the cache write into contiguous and paged,
 //!   fp8 and 2-byte caches, every scale layout, skipped slots and saturating values, checked
 //!   byte for byte (eager, then a graph replayed with other slots).
+//! - `mla_*` (tests/gpu/mla.rs): the MLA decode against its f64 reference, under graphs with
+//!   skewed lengths, and its input checks.
 //!
 //! Every test is ignored, so `cargo test` on a machine without a GPU lists them and moves on. On
 //! an H100/H200 (NVRTC 13 on the library path, see `scripts/test.sh`):
@@ -2720,3 +2722,10 @@ fn store_kv_writes_exactly_the_slots_given() {
     }
     println!("store_kv: {cases} cases written byte-exact, eager and replayed");
 }
+
+// ---------------------------------------------------------------------------------------------
+// MLA decode
+// ---------------------------------------------------------------------------------------------
+
+#[path = "gpu/mla.rs"]
+mod mla;

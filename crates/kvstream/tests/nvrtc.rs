@@ -1,17 +1,20 @@
 //! Every kernel variant the planner can choose compiles to an sm_90a CUBIN with NVRTC, without
-//! spills, and the disk cache serves it back. Needs libnvrtc.so.13 on the library path (the
-//! README's test command installs it); a missing NVRTC fails here, it does not skip.
+//! spills, with the SASS facts of tests/common/sass.rs (each variant compiled once for both),
+//! and the disk cache serves it back. Needs libnvrtc.so.13 on the library path and `cuobjdump`
+//! on the PATH (the README's test command installs both); a missing tool fails, it does not skip.
 
 mod common;
 
+use common::sass::{check_decode_sass, check_mla_sass, KvCopies};
+
 use kvstream::jit::{self, cache, compile, Origin};
-use kvstream::kernels::{all_variants, AnyVariant};
+use kvstream::kernels::{all_variants, AnyVariant, KvSource};
 
 /// ELF machine number of NVIDIA CUDA objects.
 const EM_CUDA: u16 = 190;
 
 #[test]
-fn every_variant_compiles_to_sm90a_without_spills() {
+fn every_variant_compiles_to_sm90a_without_spills_with_its_sass_facts() {
     let (major, minor) = compile::nvrtc_version().expect("NVRTC must be installed for the tests");
     assert!(
         major >= 13,
@@ -53,6 +56,7 @@ fn every_variant_compiles_to_sm90a_without_spills() {
             // one CTA of 160 threads per SM: 65536 registers / 160 threads
             assert!(r.registers <= 255, "{}: {r}", var.name());
             assert!(d.shared_bytes() <= 227 * 1024);
+            check_decode_sass(&var.name(), &c.cubin, d.n_tiles, KvCopies::Tma, d.kv_dtype);
         }
         if let AnyVariant::Persistent(d) = v {
             // one CTA per SM: its threads share the register file, and the shared memory fits
@@ -62,6 +66,22 @@ fn every_variant_compiles_to_sm90a_without_spills() {
                 var.name()
             );
             assert!(d.shared_bytes() <= 227 * 1024, "{}", var.name());
+            let copies = match d.kv_source {
+                KvSource::PagedGather => KvCopies::Gathered,
+                KvSource::Contiguous | KvSource::PagedBoxes => KvCopies::Tma,
+            };
+            check_decode_sass(&var.name(), &c.cubin, d.n_tiles, copies, d.kv_dtype);
+        }
+        if let AnyVariant::Mla(m) = v {
+            // the producer warpgroup hands its registers to the consumers (setmaxnreg): the
+            // kernel's own count is the launch-bound share
+            assert!(
+                r.registers as usize * m.threads() as usize <= 65536,
+                "{}: {r}",
+                var.name()
+            );
+            assert!(m.shared_bytes() <= 227 * 1024, "{}", var.name());
+            check_mla_sass(&var.name(), &c.cubin, m.n_tiles, m.kv_dtype);
         }
         format!("{:<36} {r}\n", var.name())
     });

@@ -1,5 +1,7 @@
 //! Helpers shared by the compile-only test binaries.
 
+pub mod sass;
+
 /// `f` over every item on as many threads as the machine has cores, results in item order: each
 /// NVRTC compile is single-threaded, so the every-variant tests scale with the cores. A panic
 /// in any call fails the caller, with its message.

@@ -1,16 +1,12 @@
-//! Machine-code facts of every decode variant, read from the SASS of the NVRTC CUBINs: tensor
-//! cores are used (HMMA), K/V arrive by TMA (UTMALDG) or, for gathered pages, by 16-byte
-//! asynchronous copies (LDGSTS) and then no TMA, P^T is transposed in registers (MOVM), fp8
-//! caches are widened in registers by the e4m3 conversion (F2FP.F16.E4M3) for f16 MMAs, and
-//! nothing lives in local memory (no LDL/STL). Needs NVRTC and `cuobjdump` + `nvdisasm` on the
-//! PATH (the README's test command installs both); a missing tool fails here, it does not skip.
-
-mod common;
+//! Machine-code facts of a decode variant, read from the SASS of its NVRTC CUBIN: tensor cores
+//! are used (HMMA), K/V arrive by TMA (UTMALDG) or, for gathered pages, by 16-byte asynchronous
+//! copies (LDGSTS) and then no TMA, P^T is transposed in registers (MOVM), fp8 caches are
+//! widened in registers by the e4m3 conversion (F2FP.F16.E4M3) for f16 MMAs, and nothing lives
+//! in local memory (no LDL/STL). Needs `cuobjdump` + `nvdisasm` on the PATH (the README's test
+//! command installs both); a missing tool fails, it does not skip.
 
 use std::process::Command;
 
-use kvstream::jit::compile;
-use kvstream::kernels::{all_variants, AnyVariant, KvSource, Variant};
 use kvstream::KvDType;
 
 fn sass_of(name: &str, cubin: &[u8]) -> String {
@@ -39,14 +35,16 @@ fn count(sass: &str, opcode: &str) -> usize {
 
 /// How a variant's K and V reach shared memory.
 #[derive(Clone, Copy)]
-enum KvCopies {
+pub enum KvCopies {
+    /// Tensor-map boxes.
     Tma,
+    /// 16-byte asynchronous copies.
     Gathered,
 }
 
 /// The SASS facts of one decode variant with `n_tiles` n8 tiles of query rows: per m16 slice
 /// and n8 tile, d/16 HMMA for S^T and d/16 for O^T in the one KV loop.
-fn check_decode_sass(
+pub fn check_decode_sass(
     name: &str,
     cubin: &[u8],
     n_tiles: usize,
@@ -78,21 +76,29 @@ fn check_decode_sass(
     }
 }
 
-#[test]
-fn decode_variants_use_tensor_cores_and_tma_and_no_local_memory() {
-    common::par_map(&all_variants(), |v| match *v {
-        AnyVariant::Decode(d) => {
-            let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
-            check_decode_sass(&d.name(), &c.cubin, d.n_tiles, KvCopies::Tma, d.kv_dtype);
+/// The SASS facts of one MLA variant with `n_tiles` n8 tiles of query rows per column block:
+/// per tile, each warp scores half the columns over 576 dims (36 k-steps) and accumulates 64
+/// output dims over 64 positions (4 m-tiles x 4 k-steps x every column tile): 34 HMMA per n8
+/// tile, all unrolled; the tiles arrive by TMA; e4m3 caches widened in registers; no local
+/// memory.
+pub fn check_mla_sass(name: &str, cubin: &[u8], n_tiles: usize, kv_dtype: KvDType) {
+    let sass = sass_of(name, cubin);
+    let widened = count(&sass, "F2FP.F16.E4M3");
+    match kv_dtype {
+        KvDType::Fp8E4m3 => {
+            assert!(widened > 0, "{name}: no e4m3 conversions");
+            assert_eq!(count(&sass, "HMMA.16816.F32.BF16"), 0, "{name}: bf16 MMAs");
         }
-        AnyVariant::Persistent(d) => {
-            let c = compile::compile(&d).unwrap_or_else(|e| panic!("{e}"));
-            let copies = match d.kv_source {
-                KvSource::PagedGather => KvCopies::Gathered,
-                KvSource::Contiguous | KvSource::PagedBoxes => KvCopies::Tma,
-            };
-            check_decode_sass(&d.name(), &c.cubin, d.n_tiles, copies, d.kv_dtype);
-        }
-        _ => {}
-    });
+        KvDType::AsQuery => assert_eq!(widened, 0, "{name}: e4m3 conversions"),
+    }
+    let hmma = count(&sass, "HMMA");
+    assert_eq!(hmma, 34 * n_tiles, "{name}: {hmma} HMMA");
+    assert!(count(&sass, "UTMALDG") > 0, "{name}: no TMA loads");
+    assert!(
+        count(&sass, "USETMAXREG") >= 2,
+        "{name}: no register hand-over"
+    );
+    for local in ["LDL", "STL"] {
+        assert_eq!(count(&sass, local), 0, "{name}: local memory ({local})");
+    }
 }

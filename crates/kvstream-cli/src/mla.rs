@@ -1,0 +1,374 @@
+//! `kvstream mla`: one MLA decode on the GPU (`kvstream::mla`), checked against the f64
+//! reference of the absorbed form, timed by docs/benchmarking.md's method (CUDA graph over a
+//! rotating pool, median of rounds) in the same rounds as the byte floor of the same bytes.
+//!
+//! Lengths: every request at `--len`, or with `--skew S` request 0 at `--len` and the others
+//! at S (the lengths live on the device, as a server passes them). The check covers the first
+//! and the last request (the reference is f64 on the CPU, one thread per head).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaGraph, DevicePtr, DevicePtrMut};
+use kvstream::mla::{MlaDecoder, MlaProblem, MlaTensors, MLA_DIM, MLA_V_DIM};
+use kvstream::reference::{
+    mla_reference, random_bf16, random_e4m3, random_f16, RefShape, SplitMix64,
+};
+use kvstream::{DType, Element, Error, KvDType, KvScale, KvScaleLayout, PlanOptions, Runtime};
+
+use crate::bench::StreamReader;
+use crate::timing::{self, alloc, driver};
+
+/// Shape and options of `kvstream mla`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct MlaArgs {
+    /// Requests in the batch.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Query heads (16: DeepSeek-V3 at TP 8; 128 without tensor parallelism).
+    #[arg(long, default_value_t = 16)]
+    pub hq: usize,
+    /// New tokens per request (1..=8).
+    #[arg(long, default_value_t = 1)]
+    pub q_len: usize,
+    /// Cache length of every request (of request 0 with --skew).
+    #[arg(long = "len", default_value_t = 32768)]
+    pub len: usize,
+    /// The other requests' length: one long request and many short ones.
+    #[arg(long)]
+    pub skew: Option<usize>,
+    /// bf16 or f16 (q and out; the cache too unless --kv-dtype says otherwise).
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Cache element type: auto (the query's) or fp8_e4m3 (with a per-cache scale).
+    #[arg(long, default_value = "auto")]
+    pub kv_dtype: String,
+    /// Paged cache with this page size; pages shuffled over the pool.
+    #[arg(long)]
+    pub page_size: Option<usize>,
+    /// Softmax scale (DeepSeek-V3: 1/sqrt(192) x its YaRN factor).
+    #[arg(long, default_value_t = 0.0722)]
+    pub scale: f32,
+    /// Timed rounds (at least 7; 0 = check only).
+    #[arg(long, default_value_t = 15)]
+    pub rounds: usize,
+}
+
+/// Scale of the fp8 cache (its values span e4m3's range, the dequantised ones about 1).
+const FP8_SCALE: f32 = 0.25;
+/// Relative error a row must stay under.
+const TOLERANCE: f64 = 1e-2;
+
+pub fn run(args: &MlaArgs) -> kvstream::Result<()> {
+    let dtype: DType = args.dtype.parse()?;
+    let mut p = MlaProblem::new(args.batch, args.hq, args.len, dtype, args.scale)?
+        .with_q_len(args.q_len)?
+        .with_kv_dtype(args.kv_dtype.parse()?)?;
+    if let Some(page) = args.page_size {
+        // the pool holds the pages of the real lengths and a few spare ones
+        let short = args.skew.unwrap_or(args.len).min(args.len);
+        let pages =
+            args.len.div_ceil(page.max(1)) + (args.batch - 1) * short.div_ceil(page.max(1)) + 3;
+        p = p.with_paged(page, pages, None)?;
+    }
+    let rt = Runtime::new(0)?;
+    match (p.dtype, p.kv_dtype) {
+        (DType::Bf16, KvDType::AsQuery) => gpu_mla(&rt, p, args, random_bf16, random_bf16),
+        (DType::F16, KvDType::AsQuery) => gpu_mla(&rt, p, args, random_f16, random_f16),
+        (DType::Bf16, KvDType::Fp8E4m3) => gpu_mla(&rt, p, args, random_bf16, random_e4m3),
+        (DType::F16, KvDType::Fp8E4m3) => gpu_mla(&rt, p, args, random_f16, random_e4m3),
+    }
+}
+
+type RandomFn<T> = fn(&mut SplitMix64, usize, f32) -> (Vec<T>, Vec<f32>);
+
+fn gpu_mla<T: Element + Copy + Default + Sync, K: cudarc::driver::DeviceRepr + Copy + Default>(
+    rt: &Arc<Runtime>,
+    p: MlaProblem,
+    args: &MlaArgs,
+    random: RandomFn<T>,
+    random_kv: RandomFn<K>,
+) -> kvstream::Result<()> {
+    let ctx = rt.context();
+    // SAFETY: everything below runs on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = driver("creating a stream", ctx.new_stream())?;
+    let t = Instant::now();
+    let decoder = MlaDecoder::new(rt, p.clone(), PlanOptions::default())?;
+    let setup = t.elapsed();
+    let lens: Vec<usize> = (0..p.batch)
+        .map(|b| match args.skew {
+            Some(s) if b > 0 => s.min(p.max_len),
+            _ => p.max_len,
+        })
+        .collect();
+    let rows = p.batch * p.q_len * p.hq;
+    let fp8 = p.kv_dtype == KvDType::Fp8E4m3;
+    let mut rng = SplitMix64::new(576);
+    let (q_h, q_f) = random(&mut rng, rows * MLA_DIM, 1.0);
+    // each request's rows (only its length: a skewed batch of 1M + short ones stays small on
+    // the host); the values the reference sees only for the checked requests
+    let mut checked = vec![0];
+    if p.batch > 1 {
+        checked.push(p.batch - 1);
+    }
+    let mut cache_h = Vec::with_capacity(p.batch);
+    let mut cache_f = vec![Vec::new(); p.batch];
+    for (b, &len) in lens.iter().enumerate() {
+        let (bits, mut wide) = random_kv(&mut rng, len * MLA_DIM, if fp8 { 4.0 } else { 1.0 });
+        if checked.contains(&b) {
+            if fp8 {
+                wide.iter_mut().for_each(|x| *x *= FP8_SCALE);
+            }
+            cache_f[b] = wide;
+        }
+        cache_h.push(bits);
+    }
+    let kv_bytes = p.kv_elem_bytes();
+    let row_bytes = MLA_DIM * kv_bytes;
+    // where request b's position t lives, in bytes from the start of a set
+    let (place, table_h): (Box<dyn Fn(usize, usize) -> usize>, _) = match p.paged {
+        Some(pg) => {
+            let mut order: Vec<usize> = (0..pg.num_pages).collect();
+            for i in (1..order.len()).rev() {
+                order.swap(i, rng.below(i + 1));
+            }
+            let mut table = vec![0i32; p.batch * pg.table_stride];
+            let mut next = 0;
+            for (b, &len) in lens.iter().enumerate() {
+                for j in 0..len.div_ceil(pg.page_size) {
+                    table[b * pg.table_stride + j] = order[next] as i32;
+                    next += 1;
+                }
+            }
+            let (stride, page) = (pg.table_stride, pg.page_size);
+            let t = table.clone();
+            (
+                Box::new(move |b, pos| {
+                    (t[b * stride + pos / page] as usize * page + pos % page) * row_bytes
+                }),
+                Some(table),
+            )
+        }
+        None => {
+            let max_len = p.max_len;
+            (
+                Box::new(move |b, pos| (b * max_len + pos) * row_bytes),
+                None,
+            )
+        }
+    };
+    let cache_bytes = p.cache_elements() * kv_bytes;
+    let elem = p.dtype.size();
+    let io = p.io_bytes(lens.iter().sum());
+    // every set's cache sits `stride` bytes apart, so the floor reads io bytes per set inside
+    // the same arena
+    let stride = cache_bytes.max(io).div_ceil(256) * 256;
+    let sets = timing::pool_sets(io);
+    let mut arena = alloc::<u8>(&stream, sets * stride, "the cache pool")?;
+    let run_rows = p.paged.map_or(p.max_len, |pg| pg.page_size);
+    for (b, bits) in cache_h.iter().enumerate() {
+        // SAFETY: K is a plain element type (bf16, f16 or e4m3 bytes).
+        let raw = unsafe {
+            std::slice::from_raw_parts(bits.as_ptr() as *const u8, bits.len() * kv_bytes)
+        };
+        // one copy per page (or per request when contiguous)
+        for first in (0..lens[b]).step_by(run_rows.max(1)) {
+            let n = run_rows.min(lens[b] - first) * row_bytes;
+            let src = &raw[first * row_bytes..first * row_bytes + n];
+            for s in 0..sets {
+                let at = s * stride + place(b, first);
+                driver(
+                    "uploading the cache",
+                    stream.memcpy_htod(src, &mut arena.slice_mut(at..at + n)),
+                )?;
+            }
+        }
+    }
+    let mut q = alloc::<T>(&stream, sets * rows * MLA_DIM, "q")?;
+    for s in 0..sets {
+        driver(
+            "uploading q",
+            stream.memcpy_htod(
+                &q_h,
+                &mut q.slice_mut(s * rows * MLA_DIM..(s + 1) * rows * MLA_DIM),
+            ),
+        )?;
+    }
+    let mut out = alloc::<T>(&stream, sets * rows * MLA_V_DIM, "out")?;
+    let mut lse = alloc::<f32>(&stream, rows, "lse")?;
+    let lens_h: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+    let seqlens = driver("uploading the lengths", stream.clone_htod(&lens_h))?;
+    let table = match &table_h {
+        Some(t) => Some(driver("uploading the block table", stream.clone_htod(t))?),
+        None => None,
+    };
+    let scale = driver("uploading the scale", stream.clone_htod(&[FP8_SCALE]))?;
+    let base = arena.device_ptr_mut(&stream).0;
+    let (qb, ob) = (q.device_ptr(&stream).0, out.device_ptr_mut(&stream).0);
+    let lse_ptr = lse.device_ptr_mut(&stream).0;
+    let seq_ptr = seqlens.device_ptr(&stream).0;
+    let table_ptr = table.as_ref().map(|t| t.device_ptr(&stream).0);
+    let scale_ptr = scale.device_ptr(&stream).0;
+    let tensors = |s: usize, with_lse: bool| MlaTensors {
+        q: qb + (s * rows * MLA_DIM * elem) as u64,
+        kv: base + (s * stride) as u64,
+        out: ob + (s * rows * MLA_V_DIM * elem) as u64,
+        lse: with_lse.then_some(lse_ptr),
+        seqlens: Some(seq_ptr),
+        block_table: table_ptr,
+        kv_scale: fp8.then_some(KvScale {
+            ptr: scale_ptr,
+            layout: KvScaleLayout::PerTensor,
+        }),
+    };
+
+    // ---- check the first and the last request of set 0 ----
+    // SAFETY: the pointers cover the sizes the problem implies (allocated above).
+    unsafe { decoder.run(&tensors(0, true), stream.cu_stream())? };
+    let got: Vec<T> = driver(
+        "downloading out",
+        stream.clone_dtoh(&out.slice(0..rows * MLA_V_DIM)),
+    )?;
+    let got_lse: Vec<f32> = driver("downloading lse", stream.clone_dtoh(&lse))?;
+    let (mut err, mut lse_err) = (0.0f64, 0.0f64);
+    for &b in &checked {
+        let (e, l) = check_request(&p, b, lens[b], &q_f, &cache_f[b], &got, &got_lse);
+        err = err.max(e);
+        lse_err = lse_err.max(l);
+    }
+
+    // ---- time, next to the byte floor of the same bytes ----
+    let timing = if args.rounds == 0 {
+        None
+    } else {
+        let graph = timing::capture(&stream, sets, &mut |s| {
+            // SAFETY: the pointers cover every pool set.
+            unsafe { decoder.run(&tensors(s, false), stream.cu_stream()) }
+        })?;
+        let reader = StreamReader::new(rt, &stream)?;
+        let floor_bytes = io.div_ceil(16) * 16;
+        // SAFETY: sets * stride >= sets * io bytes from the arena's start.
+        let floor = unsafe { reader.graphs(&stream, base, floor_bytes.min(stride), sets)? };
+        let mut list: Vec<(&CudaGraph, usize)> = vec![(&graph, sets)];
+        list.extend(floor.iter().map(|(_, g)| (g, sets)));
+        let t = timing::time_graphs(&stream, &list, args.rounds)?;
+        let configs: Vec<(u32, u32)> = floor.iter().map(|(c, _)| *c).collect();
+        let best = StreamReader::best(&configs, &t[1..]);
+        Some((t[0], best.us))
+    };
+
+    let plan = decoder.plan();
+    println!(
+        "kvstream MLA decode on {}: batch {}, q_len {}, {} heads, L {}{}, q {}, cache {}{}",
+        ctx.name().unwrap_or_default(),
+        p.batch,
+        p.q_len,
+        p.hq,
+        p.max_len,
+        args.skew
+            .map_or(String::new(), |s| format!(" (others {s})")),
+        p.dtype.name(),
+        p.kv_dtype.name(),
+        p.paged.map_or(String::new(), |pg| format!(
+            ", pages of {} (shuffled)",
+            pg.page_size
+        ))
+    );
+    println!(
+        "  plan: {} CTAs scheduled on the device, {} column block(s), kernel {} ({} regs); setup {:.0} ms",
+        plan.grid,
+        plan.col_blocks,
+        kvstream::kernels::Variant::name(&plan.variant),
+        decoder.registers(),
+        setup.as_secs_f64() * 1e3
+    );
+    println!("  check vs f64 reference (requests {checked:?}): rel err {err:.2e} (limit {TOLERANCE:.0e}), max |lse err| {lse_err:.2e}");
+    if let Some((t, floor_us)) = timing {
+        let io = io as f64;
+        println!(
+            "  time: {:.2} us median ({:.2} min) over {} rounds of {sets} calls; {:.0} GB/s ({:.1} MB per call); byte floor {floor_us:.2} us ({:.3}x)",
+            t.median_us,
+            t.min_us,
+            t.rounds,
+            io / t.median_us / 1e3,
+            io / 1e6,
+            t.median_us / floor_us
+        );
+        println!(
+            "RESULT id=mla-h{}-q{}-b{}-L{}{}{}{} us={:.3} floor_us={floor_us:.3} GBps={:.1} rel_err={err:.3e}",
+            p.hq,
+            p.q_len,
+            p.batch,
+            p.max_len,
+            args.skew.map_or(String::new(), |s| format!("-skew{s}")),
+            p.paged.map_or(String::new(), |pg| format!("-p{}", pg.page_size)),
+            if fp8 { "-fp8" } else { "" },
+            t.median_us,
+            io / t.median_us / 1e3
+        );
+    }
+    if !(err <= TOLERANCE && lse_err <= 1e-3) {
+        return Err(Error::invalid(
+            "MLA decode result",
+            format!("rel err {err:.3e}, lse err {lse_err:.3e}"),
+            format!("rel err <= {TOLERANCE:e} and lse err <= 1e-3"),
+        ));
+    }
+    Ok(())
+}
+
+/// The largest row error and LSE error of request `b` (all its tokens and heads) against the
+/// reference on its `cache` rows, computed one head per thread.
+fn check_request<T: Element + Sync>(
+    p: &MlaProblem,
+    b: usize,
+    len: usize,
+    q: &[f32],
+    cache: &[f32],
+    got: &[T],
+    got_lse: &[f32],
+) -> (f64, f64) {
+    let kv = &cache[..len * MLA_DIM];
+    let per_head: Vec<(f64, f64)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..p.hq)
+            .map(|h| {
+                s.spawn(move || {
+                    let q_h: Vec<f32> = (0..p.q_len)
+                        .flat_map(|i| {
+                            let r = (b * p.q_len + i) * p.hq + h;
+                            q[r * MLA_DIM..(r + 1) * MLA_DIM].iter().copied()
+                        })
+                        .collect();
+                    let shape = RefShape {
+                        batch: 1,
+                        hq: 1,
+                        max_len: len,
+                        ..RefShape::from(p)
+                    };
+                    let want = mla_reference(&shape, &q_h, kv, &[len]);
+                    let (mut e, mut l) = (0.0f64, 0.0f64);
+                    for i in 0..p.q_len {
+                        let r = (b * p.q_len + i) * p.hq + h;
+                        let row: Vec<f64> = got[r * MLA_V_DIM..(r + 1) * MLA_V_DIM]
+                            .iter()
+                            .map(|x| x.to_f64())
+                            .collect();
+                        let w = &want.out[i * MLA_V_DIM..(i + 1) * MLA_V_DIM];
+                        e = e.max(kvstream::reference::relative_error(&row, w));
+                        let (a, b) = (f64::from(got_lse[r]), want.lse[i]);
+                        l = l.max(if a == b { 0.0 } else { (a - b).abs() });
+                    }
+                    (e, if l.is_nan() { f64::INFINITY } else { l })
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("a reference thread"))
+            .collect()
+    });
+    per_head
+        .into_iter()
+        .fold((0.0, 0.0), |(e, l), (a, b)| (e.max(a), l.max(b)))
+}

@@ -1,0 +1,690 @@
+// MLA decode (DeepSeek-V3 class, absorbed form) for sm_90a: persistent, scheduled on the device at
+// every call like decode.cu, on the same schedule (scheduler.cuh) and parameters.
+//
+//   one shared KV row per cached position: [c_kv (512) | k_pe (64)], MLA_DIM = 576 dims
+//   S^T [positions x cols] = K [positions x 576] * Q^T [576 x cols]    (mma m16n8k16, swap-AB)
+//   O^T [512 x cols]       = V^T [512 x positions] * P^T [positions x cols],  V = K's first 512
+// cols are the query rows (token i, head h) of a request, token-major, in column blocks of up to
+// 32 (the schedule's units: p.hkv = 1, p.group = hq). A tile of TILE_TOKENS positions is read
+// from memory once and serves as K and as V.
+//
+// A row is too wide for one warp to keep O^T for all of it, so the eight consumer warps split
+// every tile two ways:
+//   S phase   warp w scores positions [16 (w % 4), + 16) of the tile against its half of the
+//             columns (w / 4) and posts their maxima over its positions to shared memory
+//             (barrier 1);
+//   softmax   every warp derives the same running max of every column from the four posts of
+//             its positions' slices, rescales its O^T, and turns its scores into P^T rows in
+//             shared memory, summing its share of the denominators (barrier 2);
+//   O phase   warp w accumulates O^T for head dims [64 w, 64 w + 64) of every column over all
+//             the tile's positions, then releases the stage.
+//
+// Roles (CTA of CONSUMER_WARPS consumer warps + a producer warpgroup, one warp of it working):
+//   scheduler  consumer warp 0 at entry (scheduler.cuh);
+//   producer   lane 0 of the last warp (contiguous) or the whole warp (paged): each piece's
+//              query rows into one of Q_BUFFERS buffers, then its tiles through a ring of STAGES
+//              stages by TMA, boxes of one row of head dims (kv_format.cuh) x TILE_TOKENS
+//              positions (or a page's run of them);
+//   consumers  per piece: the query rows (fp8: permuted for the K fragments), the KV loop, the
+//              epilogue: a whole unit is normalised and written; a cut one parks FP32 partials
+//              and counts itself in;
+//   merge      once the CTA's last piece is done, every CTA holding a piece of a cut unit waits
+//              until all of the unit's pieces are parked and merges its slice of the unit's
+//              output (head-dim groups split evenly among the pieces' CTAs), in a fixed order
+//              over the pieces: bitwise reproducible. The wait ends because every CTA parks all
+//              of its pieces before it waits for any, and the grid (at most one CTA per SM,
+//              which its shared memory enforces) is resident at once. The unit's second counter
+//              counts the merged slices; the last one resets both (nothing zeroed between calls).
+//
+// Ring protocol, n = the CTA's running tile count, stage s = n % STAGES, parity (n / STAGES) & 1:
+//   producer  wait empty[s] (from the second lap); the tile's boxes on full[s]
+//   consumer  wait full[s], S phase, softmax, O phase, every lane arrives on empty[s]
+// Query rows, j = the CTA's piece count, buffer b = j % Q_BUFFERS, parity (j / Q_BUFFERS) & 1:
+//   producer  when it reaches piece j: wait q_empty[b] (from the second lap), bulk copies on
+//             q_full[b]; consumers: wait q_full[b], every lane arrives on q_empty[b] after the
+//             piece's KV loop (fp8: after a proxy fence, as it rewrote the rows in place)
+//
+// Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
+//   KVS_IS_F16        0: bf16, 1: f16 (q and out; the cache too unless KVS_KV_FP8)
+//   KVS_KV_FP8        1: the cache is float8 e4m3 with an FP32 scale (p.k_scale, as K and as V)
+//   KVS_N_TILES       n8 tiles of query rows per column block (2 or 4: each warp scores half)
+//   KVS_TILE_TOKENS   positions per ring stage (64: four warps of m16 slices)
+//   KVS_STAGES        ring depth
+//   KVS_PAGED         0: contiguous cache [batch, max_len, 576]; 1: page pool [pages, page_size, 576]
+#include "ptx.cuh"
+#include "decode_params.cuh"
+#include "kv_format.cuh"
+#include "schedule.cuh"
+#include "scheduler.cuh"
+
+namespace kvs {
+
+constexpr bool IS_F16 = KVS_IS_F16;
+constexpr bool KV_FP8 = KVS_KV_FP8;
+constexpr int N_TILES = KVS_N_TILES;
+constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
+constexpr int STAGES = KVS_STAGES;
+constexpr bool PAGED = KVS_PAGED;
+
+constexpr int MLA_DIM = 576;  // a cached row, and a query row: latent 512 + rope 64
+constexpr int V_DIM = 512;    // the latent part: V, and an output row
+constexpr int CONSUMER_WARPS = 8;
+constexpr int SLICES = TILE_TOKENS / 16;           // m16 slices of positions per tile
+constexpr int COL_SPLIT = CONSUMER_WARPS / SLICES;  // warps scoring one slice, each a part of the columns
+constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
+constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // of a warpgroup of its own (setmaxnreg)
+constexpr int THREADS = CONSUMER_THREADS + 128;
+// registers per thread: the producer warpgroup gives its share to the consumers
+// (2 x 128 x CONSUMER_REGS + 128 x PRODUCER_REGS <= 65536)
+constexpr int PRODUCER_REGS = 56;
+constexpr int CONSUMER_REGS = 224;
+constexpr int GROUP_PAD = N_TILES * 8;                 // columns per block
+constexpr int K_STEPS = MLA_DIM / 16;                  // k16 steps of a score
+constexpr int S_CHAINS = 4;                            // independent score accumulators
+constexpr int S_TILES = N_TILES / COL_SPLIT;          // n8 tiles a warp scores
+constexpr int O_TILES = V_DIM / 16 / CONSUMER_WARPS;   // m16 tiles of O^T per warp
+constexpr int PV_STEPS = TILE_TOKENS / 16;             // k16 steps of the O^T update
+
+using Kv = typename KvFormatOf<KV_FP8, MLA_DIM, TILE_TOKENS, IS_F16>::type;
+constexpr bool MMA_F16 = Kv::MMA_F16;
+constexpr int BOXES = Kv::BOXES;
+constexpr int BOX_BYTES = Kv::BOX_BYTES;
+constexpr int TILE_BYTES = Kv::TILE_BYTES;  // one stage: K and V at once
+constexpr int SMEM_ROW = MLA_DIM * 2 + 16;  // query rows, padded for conflict-free ldmatrix
+constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;
+constexpr int Q_BUFFERS = 2;
+constexpr int P_ROW = TILE_TOKENS * 2 + 16;  // P^T as [column][position], padded likewise
+constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;  // paged: page runs per tile, per producer lane
+constexpr int MERGE_LOADS = 8;                   // partial rows in flight per merging thread
+
+struct SharedPlan {
+    static constexpr int align = 1024;  // the 128-byte swizzle repeats every 1024 bytes
+    static constexpr int ring = 0;
+    static constexpr int q = STAGES * TILE_BYTES;
+    static constexpr int p = q + Q_BUFFERS * Q_BYTES;
+    static constexpr int tile_max = p + GROUP_PAD * P_ROW;          // [slice][column]
+    static constexpr int slice_l = tile_max + 4 * SLICES * GROUP_PAD;  // [slice][column]
+    static constexpr int full = slice_l + 4 * SLICES * GROUP_PAD;
+    static constexpr int empty = full + 8 * STAGES;
+    static constexpr int q_full = empty + 8 * STAGES;
+    static constexpr int q_empty = q_full + 8 * Q_BUFFERS;
+    static constexpr int start = q_empty + 8 * Q_BUFFERS;  // StartShared
+    static constexpr int bytes = start + 64;
+};
+
+static_assert(CONSUMER_WARPS % SLICES == 0 && N_TILES % COL_SPLIT == 0, "warps cover slices x column parts");
+static_assert(V_DIM % (16 * CONSUMER_WARPS) == 0 && O_TILES % 2 == 0, "O^T m-tiles in pairs per warp");
+static_assert(N_TILES >= 1 && N_TILES <= 4, "column blocks of up to 32 rows");
+static_assert(TILE_BYTES % 1024 == 0, "every stage starts on a swizzle-pattern boundary");
+static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
+static_assert(sizeof(StartShared) <= 64, "StartShared slot");
+static_assert(SMEM_ROW % 16 == 0 && Q_BYTES % 16 == 0 && P_ROW % 16 == 0, "16-byte rows");
+
+using Walk = PieceWalk<TILE_TOKENS>;
+
+// A query row (column) of a piece: request b's new token `token` with query head `head`.
+struct Column {
+    int token, head;
+};
+__device__ __forceinline__ Column column_of(const PersistentParams& p, int unit, int c) {
+    const int col = unit * GROUP_PAD + c;
+    return {col / p.hq, col % p.hq};
+}
+__device__ __forceinline__ long long out_row(const PersistentParams& p, int b, Column col) {
+    return ((long long)b * p.q_len + col.token) * p.hq + col.head;
+}
+__device__ __forceinline__ u16* out_ptr(const PersistentParams& p, int b, Column col) {
+    return reinterpret_cast<u16*>(p.out) + b * p.o_batch_stride + col.token * p.o_token_stride +
+           (long long)col.head * p.o_head_stride;
+}
+__device__ __forceinline__ int columns_in(const PersistentParams& p, int unit) {
+    return min(GROUP_PAD, p.cols - unit * GROUP_PAD);
+}
+
+// ================================ producer ================================================
+struct Ring {
+    u32 base, full, empty, q, q_full, q_empty;
+    __device__ __forceinline__ u32 stage(int s) const { return base + s * TILE_BYTES; }
+};
+
+__device__ __forceinline__ int acquire_stage(const Ring& r, int n) {
+    const int s = n % STAGES;
+    if (n >= STAGES) mbarrier_wait(r.empty + 8 * s, ((n / STAGES) - 1) & 1);
+    return s;
+}
+
+// One thread: piece j's query rows, one bulk copy per valid column (the rest of the buffer is
+// left as it is: its columns are masked out of the softmax and their outputs dropped).
+__device__ __forceinline__ void load_query_rows(const PersistentParams& p, const Ring& r, const Piece& pc, int j) {
+    const int b = j % Q_BUFFERS;
+    if (j >= Q_BUFFERS) mbarrier_wait(r.q_empty + 8 * b, ((j / Q_BUFFERS) - 1) & 1);
+    const int count = columns_in(p, pc.unit);
+    const u32 bar = r.q_full + 8 * b, dst = r.q + b * Q_BYTES;
+    mbarrier_arrive_expect_tx(bar, count * MLA_DIM * 2);
+    for (int c = 0; c < count; ++c) {
+        const Column col = column_of(p, pc.unit, c);
+        const u16* src = reinterpret_cast<const u16*>(p.q) + pc.batch * p.q_batch_stride +
+                         (long long)col.token * p.q_token_stride + (long long)col.head * p.q_head_stride;
+        bulk_load(dst + c * SMEM_ROW, src, MLA_DIM * 2, bar);
+    }
+}
+
+// Contiguous cache, lane 0: BOXES boxes per tile. Positions past the request's length are
+// loaded too (zeros past max_len); the consumers mask them.
+__device__ __forceinline__ void produce_contiguous(const PersistentParams& p, const Ring& r,
+                                                   const StartShared& start, u64 policy) {
+    Walk walk(p, start);
+    Piece pc;
+    int n = 0, j = 0;
+    while (walk.next(p, pc)) {
+        load_query_rows(p, r, pc, j++);
+        for (int k = pc.first; k < pc.end; ++k, ++n) {
+            const int s = acquire_stage(r, n);
+            mbarrier_arrive_expect_tx(r.full + 8 * s, TILE_BYTES);
+#pragma unroll
+            for (int box = 0; box < BOXES; ++box)
+                tma_load_4d(r.stage(s) + box * BOX_BYTES, &p.k_map, box * Kv::DIMS_PER_BOX, 0, k * TILE_TOKENS,
+                            pc.batch, r.full + 8 * s, policy);
+        }
+    }
+}
+
+// Paged cache, the whole warp: a tile is TILE_TOKENS / run runs of run = min(page, tile)
+// positions; the lane holding a run issues its boxes. A tile's page ids are read before the
+// wait for its stage, so their latency hides behind the consumers; pages past the request's
+// last one read as -1 (out of bounds: zero-filled boxes, masked by the consumers).
+__device__ __forceinline__ void produce_paged(const PersistentParams& p, const Ring& r, const StartShared& start,
+                                              u64 policy) {
+    const int lane = threadIdx.x % 32;
+    const int shift = __ffs(p.page_size) - 1;
+    const int run = min(p.page_size, TILE_TOKENS);
+    const int runs = TILE_TOKENS / run;
+    const int in_page_mask = p.page_size - 1;
+    Walk walk(p, start);
+    Piece pc;
+    int n = 0, j = 0;
+    while (walk.next(p, pc)) {
+        if (lane == 0) load_query_rows(p, r, pc, j);
+        ++j;
+        const int* table = p.block_table + (long long)pc.batch * p.table_stride;
+        const int end_page = ((pc.len - 1) >> shift) + 1;
+        for (int k = pc.first; k < pc.end; ++k, ++n) {
+            const int tile_begin = k * TILE_TOKENS;
+            int ids[RUNS_PER_LANE];
+#pragma unroll
+            for (int i = 0; i < RUNS_PER_LANE; ++i) {
+                const int rr = lane + 32 * i;
+                const int page = (tile_begin + rr * run) >> shift;
+                ids[i] = rr < runs && page < end_page ? ld_global_l2(table + page) : -1;
+            }
+            const int s = acquire_stage(r, n);
+            if (lane == 0) mbarrier_arrive_expect_tx(r.full + 8 * s, TILE_BYTES);
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < RUNS_PER_LANE; ++i) {
+                const int rr = lane + 32 * i;
+                if (rr >= runs) continue;
+                const int in_page = (tile_begin + rr * run) & in_page_mask;
+#pragma unroll
+                for (int box = 0; box < BOXES; ++box)
+                    tma_load_4d(r.stage(s) + box * BOX_BYTES + rr * run * Kv::ROW_BYTES, &p.k_map,
+                                box * Kv::DIMS_PER_BOX, 0, in_page, ids[i], r.full + 8 * s, policy);
+            }
+        }
+    }
+}
+
+// ================================ epilogue and merge ======================================
+// A softmax state (base-2 max m, denominator l, unnormalised o) as output: o v_scale / l in the
+// output dtype, LSE = (m + log2 l) ln 2; l = 0 (nothing visible) gives 0 and -inf, never NaN.
+__device__ __forceinline__ float normaliser(float l, float v_scale) { return l > 0.f ? v_scale / l : 0.f; }
+__device__ __forceinline__ float lse_of(float m, float l) {
+    return l > 0.f ? (m + __log2f(l)) * 0.69314718055994531f : neg_inf();
+}
+
+// Slot of piece i of a cut unit whose pieces lie in CTAs c0, c0 + 1, ...: only the first can
+// sit in its CTA's second slot (schedule.cuh).
+struct CutUnit {
+    int batch, unit;
+    long long start;  // global index of the unit's first tile
+    int tiles;        // the unit's tile count
+};
+
+// This CTA's slice of a cut unit's output (every piece parked): head-dim groups of four split
+// evenly among the unit's CTAs; `split` adjacent threads share a group, each folding pieces
+// part, part + split, ... into a softmax state of its own (MERGE_LOADS pieces' partials, maxima
+// and denominators in flight at once, one L2 round trip per MERGE_LOADS pieces), and a
+// butterfly merges their states in a fixed order: bitwise reproducible.
+struct MergeState {
+    float m, l;
+    float4 o;
+    // folds in a state of weight 2^(m_in - max): -inf maxima (nothing seen) weigh 0
+    __device__ __forceinline__ void add(float m_in, float l_in, float4 o_in) {
+        const float m_new = fmaxf(m, m_in);
+        const float m_use = m_new == neg_inf() ? 0.f : m_new;
+        const float a = exp2_approx(m - m_use), b = exp2_approx(m_in - m_use);
+        m = m_new;
+        l = l * a + l_in * b;
+        o = make_float4(o.x * a + o_in.x * b, o.y * a + o_in.y * b, o.z * a + o_in.z * b, o.w * a + o_in.w * b);
+    }
+};
+
+__device__ __forceinline__ void merge_slice(const PersistentParams& p, const Schedule& s, const CutUnit& u) {
+    const int c0 = s.cta_of(u.start), pieces = s.cta_of(u.start + u.tiles - 1) - c0 + 1;
+    const int first_slot = s.slot(c0, u.start);
+    auto slot_of = [&](int i) { return i == 0 ? first_slot : 2 * (c0 + i); };
+    const int count = columns_in(p, u.unit);
+    const int groups = count * (V_DIM / 4);
+    const int me = blockIdx.x - c0;
+    const int g_begin = (int)((long long)me * groups / pieces), g_end = (int)((long long)(me + 1) * groups / pieces);
+    int split = 1;
+    while (split < 32 && split * (g_end - g_begin) < CONSUMER_THREADS && split < pieces) split *= 2;
+    const int part = threadIdx.x % split, lanes = CONSUMER_THREADS / split;
+    const float v_scale = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, u.batch, 0);
+    // every thread of a group of `split` runs the same trips, so the butterfly's lanes match
+    const int trips = (g_end - g_begin + lanes - 1) / lanes;
+    for (int t = 0; t < trips; ++t) {
+        const int e = g_begin + t * lanes + (int)threadIdx.x / split;
+        const bool valid = e < g_end;
+        const int c = (valid ? e : g_begin) / (V_DIM / 4), d = ((valid ? e : g_begin) % (V_DIM / 4)) * 4;
+        MergeState st = {neg_inf(), 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
+        for (int i0 = part; i0 < pieces; i0 += MERGE_LOADS * split) {
+            // every load leaves before the first use; an index past the end is not folded in
+            float4 v[MERGE_LOADS];
+            float m[MERGE_LOADS], l[MERGE_LOADS];
+#pragma unroll
+            for (int k = 0; k < MERGE_LOADS; ++k) {
+                const long long row = (long long)slot_of(min(i0 + k * split, pieces - 1)) * GROUP_PAD + c;
+                v[k] = ld_global_l2(reinterpret_cast<const float4*>(p.o_partial + row * V_DIM + d));
+                m[k] = ld_global_l2(p.ml_partial + row * 2);
+                l[k] = ld_global_l2(p.ml_partial + row * 2 + 1);
+            }
+#pragma unroll
+            for (int k = 0; k < MERGE_LOADS; ++k)
+                if (i0 + k * split < pieces) st.add(m[k], l[k], v[k]);
+        }
+        for (int off = 1; off < split; off *= 2) {
+            const float m_o = __shfl_xor_sync(0xffffffffu, st.m, off), l_o = __shfl_xor_sync(0xffffffffu, st.l, off);
+            const float4 o_o = make_float4(__shfl_xor_sync(0xffffffffu, st.o.x, off),
+                                           __shfl_xor_sync(0xffffffffu, st.o.y, off),
+                                           __shfl_xor_sync(0xffffffffu, st.o.z, off),
+                                           __shfl_xor_sync(0xffffffffu, st.o.w, off));
+            // the lower lane's state first on both sides: the same sum in both lanes
+            if (part & off) {
+                MergeState lower = {m_o, l_o, o_o};
+                lower.add(st.m, st.l, st.o);
+                st = lower;
+            } else {
+                st.add(m_o, l_o, o_o);
+            }
+        }
+        if (valid && part == 0) {
+            const Column col = column_of(p, u.unit, c);
+            const float inv = normaliser(st.l, v_scale);
+            *reinterpret_cast<uint2*>(out_ptr(p, u.batch, col) + d) = make_uint2(
+                pack_half2<IS_F16>(st.o.x * inv, st.o.y * inv), pack_half2<IS_F16>(st.o.z * inv, st.o.w * inv));
+            if (p.lse && d == 0) p.lse[out_row(p, u.batch, col)] = lse_of(st.m, st.l);
+        }
+    }
+}
+
+// Waits until every piece of the cut unit is parked, merges this CTA's slice, counts it in;
+// the last slice resets both counters.
+__device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const CutUnit& u) {
+    const int pieces = s.cta_of(u.start + u.tiles - 1) - s.cta_of(u.start) + 1;
+    int* counters = p.arrivals + 2 * ((long long)u.batch * p.col_blocks + u.unit);
+    if (threadIdx.x == 0)
+        while (ld_acquire_gpu(counters) < pieces) nanosleep(64);
+    named_barrier_sync(1, CONSUMER_THREADS);
+    merge_slice(p, s, u);
+    named_barrier_sync(1, CONSUMER_THREADS);
+    if (threadIdx.x == 0 && atom_add_acq_rel_gpu(counters + 1, 1) == pieces - 1) {
+        counters[0] = 0;
+        counters[1] = 0;
+    }
+}
+
+// Zero-length requests own no tiles: the CTAs write their output (0, LSE -inf) by request
+// index, all CTAs of the grid taking part.
+__device__ __forceinline__ void write_empty_requests(const PersistentParams& p) {
+    const int rows = p.q_len * p.hq;
+    for (int b = blockIdx.x; b < p.batch; b += gridDim.x) {
+        if (request_len(p, b) > 0) continue;
+        for (int i = threadIdx.x; i < rows * (V_DIM / 8); i += CONSUMER_THREADS) {
+            const int r = i / (V_DIM / 8), e = (i % (V_DIM / 8)) * 8;
+            *reinterpret_cast<uint4*>(out_ptr(p, b, {r / p.hq, r % p.hq}) + e) = make_uint4(0, 0, 0, 0);
+        }
+        if (p.lse)
+            for (int r = threadIdx.x; r < rows; r += CONSUMER_THREADS) p.lse[(long long)b * rows + r] = neg_inf();
+    }
+}
+
+}  // namespace kvs
+
+using namespace kvs;
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __grid_constant__ PersistentParams p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((SharedPlan::align - smem_addr(smem_raw) % SharedPlan::align) %
+                                      SharedPlan::align);
+    u64* full = reinterpret_cast<u64*>(smem + SharedPlan::full);
+    u64* empty = reinterpret_cast<u64*>(smem + SharedPlan::empty);
+    u64* q_full = reinterpret_cast<u64*>(smem + SharedPlan::q_full);
+    u64* q_empty = reinterpret_cast<u64*>(smem + SharedPlan::q_empty);
+    float* tile_max = reinterpret_cast<float*>(smem + SharedPlan::tile_max);
+    float* slice_l = reinterpret_cast<float*>(smem + SharedPlan::slice_l);
+    StartShared* start = reinterpret_cast<StartShared*>(smem + SharedPlan::start);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+
+    if (threadIdx.x == PRODUCER_WARP * 32) prefetch_tensor_map(&p.k_map);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], CONSUMER_THREADS);
+        }
+        for (int b = 0; b < Q_BUFFERS; ++b) {
+            mbarrier_init(&q_full[b], 1);
+            mbarrier_init(&q_empty[b], CONSUMER_THREADS);
+        }
+        fence_mbarrier_init();
+    }
+    // Nothing below may read global memory the previous kernel writes before it has finished.
+    pdl_wait_for_producer();
+    pdl_release_dependents();
+    if (warp == 0) schedule_start<TILE_TOKENS>(p, start);
+    __syncthreads();
+    if (warp >= PRODUCER_WARP) {
+        // ================================ producer warpgroup =============================
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (warp != PRODUCER_WARP) return;
+        const StartShared st = *start;
+        const Ring ring = {smem_addr(smem + SharedPlan::ring), smem_addr(full),  smem_addr(empty),
+                           smem_addr(smem + SharedPlan::q),    smem_addr(q_full), smem_addr(q_empty)};
+        const u64 policy = l2_policy_evict_first();
+        if constexpr (PAGED) {
+            produce_paged(p, ring, st, policy);
+        } else if (lane == 0) {
+            produce_contiguous(p, ring, st, policy);
+        }
+        return;
+    }
+
+    // ================================= consumer warps ======================================
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const StartShared st = *start;
+    const Schedule sched = {st.total, st.ctas, st.per};
+    if (p.schedule_log && threadIdx.x == 0) {
+        int* log = p.schedule_log + (long long)blockIdx.x * (SCHEDULE_LOG_PIECES + 1) * 4;
+        Walk walk(p, st);
+        Piece pc;
+        int count = 0;
+        while (walk.next(p, pc)) {
+            if (count < SCHEDULE_LOG_PIECES) {
+                int* e = log + 4 * (count + 1);
+                e[0] = pc.batch;
+                e[1] = pc.unit;
+                e[2] = pc.first;
+                e[3] = pc.end;
+            }
+            ++count;
+        }
+        log[0] = count;
+        log[1] = st.ctas;
+        log[2] = (int)(st.hi - st.lo);
+        log[3] = 0;
+    }
+
+    const u32 q_base0 = smem_addr(smem + SharedPlan::q);
+    const u32 ring_base = smem_addr(smem + SharedPlan::ring);
+    const u32 p_base = smem_addr(smem + SharedPlan::p);
+    const int slice = warp % SLICES, row0 = slice * 16;  // this warp's positions of every tile
+    const int s_nt0 = (warp / SLICES) * S_TILES;             // and its first scored n8 tile
+    // ldmatrix lane addressing of a [column][k] row-major B operand, two k-steps
+    const int b_row = lane % 8, b_col = (lane / 8) * 8;
+    // the cut units this CTA parked a piece of: only its first and its last piece can be cut
+    CutUnit first_cut = {}, last_cut = {};
+    bool has_first_cut = false, has_last_cut = false;
+
+    Walk walk(p, st);
+    Piece pc;
+    int n0 = 0;  // the CTA's tiles before this piece
+    int pieces_done = 0;
+    while (walk.next(p, pc)) {
+        const int count = columns_in(p, pc.unit);
+        const float k_scale = kv_scale<KV_FP8>(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride, pc.batch, 0);
+        const float v_scale = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, pc.batch, 0);
+        const float score_scale = p.scale_log2 * k_scale;
+        const int q_buf = pieces_done % Q_BUFFERS;
+        const u32 q_base = q_base0 + q_buf * Q_BYTES;
+
+        float o_acc[O_TILES][N_TILES][4];
+        float m_run[N_TILES][2];  // every column's running max: the same in every warp
+        float l_run[S_TILES][2];  // denominators of the scored columns over this lane's positions
+        int limit[S_TILES][2];    // positions (exclusive) each scored column of this lane may see
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) m_run[nt][j] = neg_inf();
+#pragma unroll
+            for (int dt = 0; dt < O_TILES; ++dt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) o_acc[dt][nt][i] = 0.f;
+        }
+#pragma unroll
+        for (int st_ = 0; st_ < S_TILES; ++st_)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                l_run[st_][j] = 0.f;
+                const int c = (s_nt0 + st_) * 8 + 2 * (lane % 4) + j;
+                // padding columns see nothing: their P is 0 and their output is dropped
+                limit[st_][j] = c < count ? pc.len - p.q_len + 1 + column_of(p, pc.unit, c).token : 0;
+            }
+
+        mbarrier_wait(&q_full[q_buf], (pieces_done / Q_BUFFERS) & 1);
+        if constexpr (Kv::QUERY_PERMUTED) {
+            permute_query_rows<Kv, MLA_DIM, SMEM_ROW, CONSUMER_THREADS, IS_F16>(q_base, count);
+            named_barrier_sync(1, CONSUMER_THREADS);
+        }
+
+        for (int k = pc.first; k < pc.end; ++k) {
+            const int n = n0 + k - pc.first;
+            const int stage = n % STAGES;
+            mbarrier_wait(&full[stage], (n / STAGES) & 1);
+            const u32 tile = ring_base + stage * TILE_BYTES;
+            const int tile_begin = k * TILE_TOKENS;
+
+            // ---- S phase: S^T = K Q^T for this warp's 16 positions x its scored columns ----
+            // (S_CHAINS independent accumulators per n8 tile: a single one would make the 36
+            // k-steps one chain of dependent MMAs)
+            float sc[S_CHAINS][S_TILES][4];
+#pragma unroll
+            for (int ch = 0; ch < S_CHAINS; ++ch)
+#pragma unroll
+                for (int st_ = 0; st_ < S_TILES; ++st_)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) sc[ch][st_][i] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < K_STEPS; kk += 2) {
+                u32 a0[4], a1[4];
+                Kv::k_fragments(a0, a1, tile, row0, kk, lane);
+                const int ch = (kk / 2) % (S_CHAINS / 2) * 2;
+#pragma unroll
+                for (int st_ = 0; st_ < S_TILES; ++st_) {
+                    u32 b[4];
+                    ldmatrix_x4(b, q_base + ((s_nt0 + st_) * 8 + b_row) * SMEM_ROW + (kk * 16 + b_col) * 2);
+                    mma_m16n8k16<MMA_F16>(sc[ch][st_], a0, b[0], b[1]);
+                    mma_m16n8k16<MMA_F16>(sc[ch + 1][st_], a1, b[2], b[3]);
+                }
+            }
+            float s[S_TILES][4];
+#pragma unroll
+            for (int st_ = 0; st_ < S_TILES; ++st_)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    s[st_][i] = sc[0][st_][i];
+#pragma unroll
+                    for (int ch = 1; ch < S_CHAINS; ++ch) s[st_][i] += sc[ch][st_][i];
+                }
+            // masked scores and their maxima over this warp's positions
+            const int tok = tile_begin + row0 + lane / 4;  // rows of s[..][0..1]; +8 for [2..3]
+#pragma unroll
+            for (int st_ = 0; st_ < S_TILES; ++st_) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    s[st_][j] = tok < limit[st_][j] ? s[st_][j] * score_scale : neg_inf();
+                    s[st_][j + 2] = tok + 8 < limit[st_][j] ? s[st_][j + 2] * score_scale : neg_inf();
+                    float mx = fmaxf(s[st_][j], s[st_][j + 2]);
+#pragma unroll
+                    for (int off = 4; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+                    if (lane < 4) tile_max[slice * GROUP_PAD + (s_nt0 + st_) * 8 + 2 * lane + j] = mx;
+                }
+            }
+            named_barrier_sync(1, CONSUMER_THREADS);
+
+            // ---- softmax: every column's new max and O^T rescale; P^T of the scored ones ----
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int c = nt * 8 + 2 * (lane % 4) + j;
+                    float m_tile = tile_max[c];
+#pragma unroll
+                    for (int sl = 1; sl < SLICES; ++sl) m_tile = fmaxf(m_tile, tile_max[sl * GROUP_PAD + c]);
+                    const float m_new = fmaxf(m_run[nt][j], m_tile);
+                    // a column that has seen only masked positions keeps m = -inf: subtract 0
+                    // then, so that exp2 gives 0 rather than NaN
+                    const float m_use = m_new == neg_inf() ? 0.f : m_new;
+                    const float alpha = exp2_approx(m_run[nt][j] - m_use);
+                    m_run[nt][j] = m_new;
+#pragma unroll
+                    for (int dt = 0; dt < O_TILES; ++dt) {
+                        o_acc[dt][nt][j] *= alpha;
+                        o_acc[dt][nt][j + 2] *= alpha;
+                    }
+                    const int st_ = nt - s_nt0;  // a runtime test, compile-time indices below
+#pragma unroll
+                    for (int sc = 0; sc < S_TILES; ++sc) {
+                        if (sc != st_) continue;
+                        const float p_lo = exp2_approx(s[sc][j] - m_use), p_hi = exp2_approx(s[sc][j + 2] - m_use);
+                        l_run[sc][j] = l_run[sc][j] * alpha + p_lo + p_hi;
+                        const u32 pair = pack_half2<MMA_F16>(p_lo, p_hi);
+                        const u32 at = p_base + c * P_ROW + (row0 + lane / 4) * 2;
+                        st_shared_u16(at, (u16)(pair & 0xffffu));
+                        st_shared_u16(at + 16, (u16)(pair >> 16));
+                    }
+                }
+            }
+            named_barrier_sync(1, CONSUMER_THREADS);
+
+            // ---- O phase: O^T[this warp's dims] += V^T P^T over the tile's positions ----
+#pragma unroll
+            for (int ks = 0; ks < PV_STEPS; ks += 2) {
+                u32 b[N_TILES][4];
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+                    ldmatrix_x4(b[nt], p_base + (nt * 8 + b_row) * P_ROW + (ks * 16 + b_col) * 2);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int rows = (ks + h) * 16;
+                    // Positions past the length carry P = 0, but the V rows there may hold
+                    // anything (NaN included, and 0 * NaN = NaN): clear them in the request's
+                    // last tile. Lane holds V^T columns (positions) 2 (lane % 4) + {0, 1} of the
+                    // k-step in a[0..1] and 8 more in a[2..3].
+                    u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
+                    if (tile_begin + TILE_TOKENS > pc.len) {
+                        const int t0 = tile_begin + rows + 2 * (lane % 4);
+                        keep_lo = (t0 < pc.len ? 0x0000ffffu : 0u) | (t0 + 1 < pc.len ? 0xffff0000u : 0u);
+                        keep_hi = (t0 + 8 < pc.len ? 0x0000ffffu : 0u) | (t0 + 9 < pc.len ? 0xffff0000u : 0u);
+                    }
+                    u32 p_frag[N_TILES][2];
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt) {
+                        p_frag[nt][0] = b[nt][2 * h];
+                        p_frag[nt][1] = b[nt][2 * h + 1];
+                    }
+#pragma unroll
+                    for (int dt = 0; dt < O_TILES; dt += 2) {
+                        u32 a[2][4];
+                        Kv::v_fragments(a[0], a[1], tile, rows, warp * O_TILES + dt, lane);
+                        accumulate_o<MMA_F16>(o_acc, dt, a, keep_lo, keep_hi, p_frag);
+                    }
+                }
+            }
+            mbarrier_arrive(&empty[stage]);
+        }
+        // the rows' next bulk copy (async proxy) must follow this lane's reads and, fp8, writes
+        if constexpr (Kv::QUERY_PERMUTED) fence_proxy_async_shared();
+        mbarrier_arrive(&q_empty[q_buf]);
+        n0 += pc.end - pc.first;
+        ++pieces_done;
+
+        // ============================ epilogue ============================================
+        // The denominators are per lane over its positions: finish them over the 8 lanes that
+        // share a column, post them per slice, and sum the slices (fixed order).
+#pragma unroll
+        for (int st_ = 0; st_ < S_TILES; ++st_)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                for (int off = 4; off < 32; off *= 2) l_run[st_][j] += __shfl_xor_sync(0xffffffffu, l_run[st_][j], off);
+                if (lane < 4) slice_l[slice * GROUP_PAD + (s_nt0 + st_) * 8 + 2 * lane + j] = l_run[st_][j];
+            }
+        named_barrier_sync(1, CONSUMER_THREADS);
+        const bool whole = pc.whole();
+        const long long slot_row = whole ? 0 : (long long)sched.slot(blockIdx.x, pc.start + pc.first) * GROUP_PAD;
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int c = nt * 8 + 2 * (lane % 4) + j;
+                float l = slice_l[c];
+#pragma unroll
+                for (int sl = 1; sl < SLICES; ++sl) l += slice_l[sl * GROUP_PAD + c];
+                if (c >= count) continue;
+                if (whole) {
+                    const Column col = column_of(p, pc.unit, c);
+                    u16* o = out_ptr(p, pc.batch, col);
+                    const float inv = normaliser(l, v_scale);
+#pragma unroll
+                    for (int dt = 0; dt < O_TILES; ++dt) {
+                        const int g = warp * O_TILES + dt;
+                        o[Kv::o_dim(g, lane / 4)] = (u16)(pack_half2<IS_F16>(o_acc[dt][nt][j] * inv, 0.f) & 0xffffu);
+                        o[Kv::o_dim(g, lane / 4 + 8)] =
+                            (u16)(pack_half2<IS_F16>(o_acc[dt][nt][j + 2] * inv, 0.f) & 0xffffu);
+                    }
+                    if (p.lse && warp == 0 && lane < 4) p.lse[out_row(p, pc.batch, col)] = lse_of(m_run[nt][j], l);
+                } else {
+                    float* o = p.o_partial + (slot_row + c) * V_DIM;
+#pragma unroll
+                    for (int dt = 0; dt < O_TILES; ++dt) {
+                        const int g = warp * O_TILES + dt;
+                        o[Kv::o_dim(g, lane / 4)] = o_acc[dt][nt][j];
+                        o[Kv::o_dim(g, lane / 4 + 8)] = o_acc[dt][nt][j + 2];
+                    }
+                    if (warp == 0 && lane < 4) {
+                        p.ml_partial[(slot_row + c) * 2] = m_run[nt][j];
+                        p.ml_partial[(slot_row + c) * 2 + 1] = l;
+                    }
+                }
+            }
+        if (!whole) {
+            // park: the barrier orders every thread's partials before thread 0's release
+            named_barrier_sync(1, CONSUMER_THREADS);
+            if (threadIdx.x == 0) atom_add_acq_rel_gpu(p.arrivals + 2 * ((long long)pc.batch * p.col_blocks + pc.unit), 1);
+            const CutUnit u = {pc.batch, pc.unit, pc.start, pc.tiles};
+            if (pc.start + pc.first == st.lo) {
+                first_cut = u;
+                has_first_cut = true;
+            } else {
+                last_cut = u;
+                has_last_cut = true;
+            }
+        }
+        // the next piece's epilogue rewrites warp_l only after at least one more tile's two
+        // barriers, which every warp reaches after reading it here
+    }
+    if (has_first_cut) merge_cut_unit(p, sched, first_cut);
+    if (has_last_cut) merge_cut_unit(p, sched, last_cut);
+    write_empty_requests(p);
+}
