@@ -539,6 +539,121 @@ impl KvWriter {
     }
 }
 
+/// An MLA decoder (`kvstream::mla`): one latent cache of 576-wide rows shared by every head.
+#[pyclass(module = "kvstream._native", frozen)]
+struct MlaDecoder {
+    inner: kvstream::mla::MlaDecoder,
+}
+
+#[pymethods]
+impl MlaDecoder {
+    #[new]
+    #[pyo3(signature = (batch, hq, q_len, max_len, dtype, softmax_scale, device=0, page_size=None, num_pages=None, table_stride=None, kv_dtype=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        batch: i64,
+        hq: i64,
+        q_len: i64,
+        max_len: i64,
+        dtype: &str,
+        softmax_scale: f64,
+        device: i64,
+        page_size: Option<i64>,
+        num_pages: Option<i64>,
+        table_stride: Option<i64>,
+        kv_dtype: Option<&str>,
+    ) -> PyResult<Self> {
+        use kvstream::mla::MlaProblem;
+        let dtype: DType = dtype.parse().map_err(to_py)?;
+        let mut problem = MlaProblem::new(
+            size("batch", batch)?,
+            size("hq", hq)?,
+            size("max_len", max_len)?,
+            dtype,
+            softmax_scale as f32,
+        )
+        .and_then(|p| p.with_q_len(q_len.max(0) as usize))
+        .map_err(to_py)?;
+        if let Some(kv) = kv_dtype {
+            problem = problem
+                .with_kv_dtype(kv.parse().map_err(to_py)?)
+                .map_err(to_py)?;
+        }
+        if let Some((ps, np, ts)) = paging(page_size, num_pages, table_stride)? {
+            problem = problem.with_paged(ps, np, ts).map_err(to_py)?;
+        }
+        kvstream::plan::plan_mla(&problem, DeviceFacts::H200, PlanOptions::default())
+            .map_err(to_py)?;
+        let device = size("device", device)?;
+        let inner = py.detach(|| -> PyResult<kvstream::mla::MlaDecoder> {
+            let rt = runtime(device)?;
+            catch_unwind(AssertUnwindSafe(|| {
+                kvstream::mla::MlaDecoder::new(&rt, problem, PlanOptions::default())
+            }))
+            .map_err(|_| PyRuntimeError::new_err("kvstream: creating the MLA decoder panicked"))?
+            .map_err(to_py)
+        })?;
+        Ok(MlaDecoder { inner })
+    }
+
+    /// Enqueues one MLA decode on `stream` (a raw `CUstream` as an int). `kv_scale` is an e4m3
+    /// decoder's f32 scale tensor as `(pointer, element count)`: 1 (per cache) or batch (per
+    /// request). Unsafe in spirit, as `Decoder.run`: the `kvstream` package guarantees the
+    /// tensors' shapes and lifetimes.
+    #[pyo3(signature = (q_ptr, kv_ptr, out_ptr, lse_ptr=None, seqlens_ptr=None, stream=0, block_table_ptr=None, kv_scale=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        py: Python<'_>,
+        q_ptr: u64,
+        kv_ptr: u64,
+        out_ptr: u64,
+        lse_ptr: Option<u64>,
+        seqlens_ptr: Option<u64>,
+        stream: usize,
+        block_table_ptr: Option<u64>,
+        kv_scale: Option<(u64, usize)>,
+    ) -> PyResult<()> {
+        let p = self.inner.problem();
+        let kv_scale = match kv_scale {
+            Some((ptr, len)) => Some(KvScale {
+                ptr,
+                layout: p.check_scale("kv_scale", len).map_err(to_py)?,
+            }),
+            None => None,
+        };
+        let tensors = kvstream::mla::MlaTensors {
+            q: q_ptr,
+            kv: kv_ptr,
+            out: out_ptr,
+            lse: lse_ptr,
+            seqlens: seqlens_ptr,
+            block_table: block_table_ptr,
+            kv_scale,
+        };
+        let decoder = &self.inner;
+        py.detach(move || {
+            // SAFETY: as `Decoder.run`: pointers checked against the driver by the library,
+            // sizes by the Python layer.
+            unsafe { decoder.run(&tensors, stream as sys::CUstream) }
+        })
+        .map_err(to_py)
+    }
+
+    /// The kernel variant and grid.
+    #[getter]
+    fn plan(&self) -> String {
+        let pl = self.inner.plan();
+        format!(
+            "{} x {} CTAs, {} column block(s)",
+            kvstream::kernels::Variant::name(&pl.variant),
+            pl.grid,
+            pl.col_blocks
+        )
+    }
+}
+
 /// A scale tensor given as `(pointer, element count)`, its layout told by the count.
 fn scale_arg(
     arg: &'static str,
@@ -557,6 +672,7 @@ fn scale_arg(
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Decoder>()?;
     m.add_class::<KvWriter>()?;
+    m.add_class::<MlaDecoder>()?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -85,6 +85,7 @@ from . import _native
 
 __all__ = [
     "decode",
+    "mla_decode",
     "store_kv",
     "fp8_scales",
     "SUPPORTED_DTYPES",
@@ -96,6 +97,9 @@ __all__ = [
     "CLUSTER_SPLITS",
     "MAX_Q_LEN",
     "SUPPORTED_PAGE_SIZES",
+    "MLA_DIM",
+    "MLA_V_DIM",
+    "MLA_MAX_HEADS",
 ]
 __version__ = _native.__version__
 
@@ -242,14 +246,14 @@ _decoders: Dict[tuple, _Cached] = {}
 _lock = threading.Lock()
 
 
-def _decoder_for(key: tuple, make: Any, capturing: bool) -> _Cached:
+def _decoder_for(key: tuple, make: Any, capturing: bool, fn: str = "decode") -> _Cached:
     with _lock:
         c = _decoders.get(key)
     if c is not None:
         return c
     if capturing:
         raise RuntimeError(
-            "kvstream.decode: no decoder for these shapes yet and the current stream is being "
+            f"kvstream.{fn}: no decoder for these shapes yet and the current stream is being "
             "captured into a CUDA graph; creating one compiles kernels and allocates memory, "
             "which capture forbids. Call kvstream.decode once with the same shapes, dtype, "
             "softmax_scale, num_splits, reduction, block_table shape and device_plan before "
@@ -630,6 +634,232 @@ def decode(
         block_table_ptr=None if block_table is None else int(block_table.data_ptr()),
         k_scale=scale_args[0],
         v_scale=scale_args[1],
+    )
+    return (out, lse) if return_lse else out
+
+
+#: Width of an MLA cache row and query row (latent 512 + rope 64), and of an MLA output row.
+MLA_DIM = 576
+MLA_V_DIM = 512
+#: Most query heads of an MLA decode.
+MLA_MAX_HEADS = 128
+
+
+def mla_decode(
+    q: Any,
+    kv_cache: Any,
+    *,
+    softmax_scale: float,
+    cache_seqlens: Any = None,
+    block_table: Any = None,
+    kv_scale: Any = None,
+    return_lse: bool = False,
+    out: Any = None,
+) -> Any:
+    """MLA decode (DeepSeek-V2/V3/R1, Kimi-K2 class) in the absorbed form: every query head
+    attends to one latent cache whose rows are ``[c_kv (512) | k_pe (64)]``; the scores use all
+    576 columns, the values are the first 512 columns of the same rows.
+
+    Args:
+        q: ``[batch, q_len, hq, 576]`` bf16 or fp16 CUDA tensor, contiguous, ``q_len`` 1..8
+            (token ``i`` sees cache positions ``0 .. len - q_len + i``), ``hq`` 1..128; or
+            ``[batch, hq, 576]``.
+        kv_cache: without ``block_table``: ``[batch, L, 576]`` (or ``[batch, L, 1, 576]``);
+            with it, a page pool ``[num_pages, page_size, 576]`` (or FlashMLA's
+            ``[num_pages, page_size, 1, 576]``); contiguous, q's dtype or
+            ``torch.float8_e4m3fn`` (then ``kv_scale`` is required).
+        softmax_scale: required (DeepSeek-V3: ``1 / sqrt(192)`` times its YaRN factor, not
+            ``1 / sqrt(576)``).
+        cache_seqlens: optional int32 ``[batch]`` lengths on the device (default: all ``L``).
+        block_table: optional int32 ``[batch, max_pages]`` page ids (the cache is then paged).
+        kv_scale: fp8 caches only: float32 ``[1]`` (per cache) or ``[batch]`` (per request)
+            dequantisation scale on the device, read at every call.
+        return_lse: also return the natural-log LSE, float32 ``[batch, q_len, hq]`` (or
+            ``[batch, hq]`` for a 3-D ``q``).
+        out: optional contiguous output ``[batch, q_len, hq, 512]`` (or ``[batch, hq, 512]``)
+            of q's dtype.
+
+    Returns:
+        ``out``, or ``(out, lse)`` if ``return_lse``.
+
+    Example::
+
+        >>> q = torch.randn(4, 1, 16, 576, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> pool = torch.randn(4 * 2048, 64, 576, device="cuda", dtype=torch.bfloat16)
+        >>> table = torch.arange(4 * 2048, device="cuda", dtype=torch.int32).view(4, 2048)
+        >>> lens = torch.tensor([131072, 9, 70000, 0], device="cuda", dtype=torch.int32)
+        >>> out = kvstream.mla_decode(q, pool, softmax_scale=0.0722, cache_seqlens=lens,
+        ...                           block_table=table)
+        >>> out.shape
+        torch.Size([4, 1, 16, 512])
+
+    Asynchronous on the current stream; decoders cached per shapes as :func:`decode`'s, so a
+    CUDA graph captured after one warm-up call replays with new lengths, tables and scales,
+    balanced on the device whatever the lengths.
+    """
+    fn = "mla_decode"
+    qs = _tensor("q", q, fn)
+    cs = _tensor("kv_cache", kv_cache, fn)
+    paged = block_table is not None
+    if len(qs) not in (3, 4) or qs[-1] != MLA_DIM:
+        raise ValueError(
+            f"kvstream.mla_decode: q has shape {list(qs)}, allowed: [batch, q_len, hq, {MLA_DIM}] "
+            f"or [batch, hq, {MLA_DIM}] (latent 512 + rope 64)"
+        )
+    if len(qs) == 4:
+        b, q_len, hq, _ = qs
+    else:
+        b, hq, _ = qs
+        q_len = 1
+    if not 1 <= q_len <= MAX_Q_LEN:
+        raise ValueError(
+            f"kvstream.mla_decode: q has q_len = {q_len}, allowed: 1..{MAX_Q_LEN}"
+        )
+    if b < 1 or not 1 <= hq <= MLA_MAX_HEADS:
+        raise ValueError(
+            f"kvstream.mla_decode: q has shape {list(qs)}, allowed: batch >= 1, hq 1..{MLA_MAX_HEADS}"
+        )
+    qd = _dtype("q", q, tuple(SUPPORTED_DTYPES), fn)
+    kvd = str(kv_cache.dtype)
+    fp8 = kvd in FP8_KV_DTYPES
+    if kvd != qd and not fp8:
+        raise TypeError(
+            f"kvstream.mla_decode: kv_cache has dtype {kvd}, allowed: {qd} (the dtype of q) or "
+            f"{', '.join(FP8_KV_DTYPES)}"
+        )
+    layout = "[num_pages, page_size, 576] (a page pool: block_table is given)" if paged else "[batch, L, 576]"
+    if not (len(cs) == 3 or (len(cs) == 4 and cs[2] == 1)) or cs[-1] != MLA_DIM:
+        raise ValueError(
+            f"kvstream.mla_decode: kv_cache has shape {list(cs)}, allowed: {layout} (or with a "
+            f"head axis of 1 before the last)"
+        )
+    n0, n1 = cs[0], cs[1]
+    if paged:
+        if n1 not in SUPPORTED_PAGE_SIZES or (fp8 and n1 == 1):
+            allowed = SUPPORTED_PAGE_SIZES[1:] if fp8 else SUPPORTED_PAGE_SIZES
+            raise ValueError(
+                f"kvstream.mla_decode: kv_cache has page_size = {n1} (shape {list(cs)}), "
+                f"allowed: {', '.join(map(str, allowed))}"
+            )
+        if n0 < 1:
+            raise ValueError(f"kvstream.mla_decode: kv_cache has no pages (shape {list(cs)})")
+    elif n0 != b or n1 < 1:
+        raise ValueError(
+            f"kvstream.mla_decode: kv_cache has shape {list(cs)}, allowed: [{b}, L >= 1, 576] "
+            f"(the batch of q)"
+        )
+    dev = _device_key(q)
+    _same_device("kv_cache", kv_cache, dev, q, fn)
+    _contiguous("q", q, qs, fn)
+    _aligned("q", q, fn)
+    _contiguous("kv_cache", kv_cache, cs, fn)
+    _aligned("kv_cache", kv_cache, fn)
+    L = n1
+    paging: Optional[Tuple[int, int, int]] = None
+    if paged:
+        ts = _tensor("block_table", block_table, fn)
+        _dtype("block_table", block_table, (_INT32,), fn)
+        _rank("block_table", ts, 2, "[batch, max_pages]", fn)
+        if ts[0] != b or ts[1] < 1:
+            raise ValueError(
+                f"kvstream.mla_decode: block_table has shape {list(ts)}, allowed: [{b}, max_pages]"
+                f" with max_pages >= 1"
+            )
+        _same_device("block_table", block_table, dev, q, fn)
+        _contiguous("block_table", block_table, ts, fn)
+        L = ts[1] * n1
+        if L > 2**31 - 1:
+            raise ValueError(
+                f"kvstream.mla_decode: block_table gives a capacity of {L} positions, allowed: at "
+                f"most 2^31-1"
+            )
+        paging = (n1, n0, ts[1])
+    if cache_seqlens is not None:
+        ss = _tensor("cache_seqlens", cache_seqlens, fn)
+        _dtype("cache_seqlens", cache_seqlens, (_INT32,), fn)
+        if ss != (b,):
+            raise ValueError(
+                f"kvstream.mla_decode: cache_seqlens has shape {list(ss)}, allowed: [{b}]"
+            )
+        _same_device("cache_seqlens", cache_seqlens, dev, q, fn)
+        _contiguous("cache_seqlens", cache_seqlens, ss, fn)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(
+            f"kvstream.mla_decode: softmax_scale must be a float (it is required), got "
+            f"{type(softmax_scale).__name__}"
+        )
+    softmax_scale = float(softmax_scale)
+    if not (softmax_scale > 0.0 and softmax_scale != float("inf")):
+        raise ValueError(
+            f"kvstream.mla_decode: softmax_scale is {softmax_scale}, allowed: a finite positive "
+            f"number"
+        )
+    scale_arg = None
+    if kv_scale is not None:
+        if not fp8:
+            raise ValueError(
+                f"kvstream.mla_decode: kv_scale is given for a {kvd} cache, allowed: None "
+                f"(scales belong to {', '.join(FP8_KV_DTYPES)} caches)"
+            )
+        scale_arg = _scale("kv_scale", kv_scale, {(1,): "per cache", (b,): "per request"}, dev, q, fn)
+    elif fp8:
+        raise ValueError(
+            f"kvstream.mla_decode: kv_scale is None for a {kvd} cache, allowed: a float32 CUDA "
+            f"tensor [1] (per cache) or [{b}] (per request)"
+        )
+    out_shape = qs[:-1] + (MLA_V_DIM,)
+    if out is not None:
+        os_ = _tensor("out", out, fn)
+        if str(out.dtype) != qd:
+            raise TypeError(f"kvstream.mla_decode: out has dtype {out.dtype}, allowed: {qd}")
+        if os_ != out_shape:
+            raise ValueError(
+                f"kvstream.mla_decode: out has shape {list(os_)}, allowed: {list(out_shape)}"
+            )
+        _same_device("out", out, dev, q, fn)
+        _contiguous("out", out, os_, fn)
+        _aligned("out", out, fn)
+    if not isinstance(return_lse, bool):
+        raise TypeError(
+            f"kvstream.mla_decode: return_lse must be a bool, got {type(return_lse).__name__}"
+        )
+
+    import torch
+
+    index = dev[1] if dev[1] is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    capturing = torch.cuda.is_current_stream_capturing()
+    dtype_name = SUPPORTED_DTYPES[qd]
+    key = ("mla", b, hq, q_len, L, dtype_name, softmax_scale, index, paging, fp8)
+
+    def make() -> Any:
+        page_size_, num_pages_, table_stride_ = paging if paging is not None else (None,) * 3
+        return _native.MlaDecoder(
+            b, hq, q_len, L, dtype_name, softmax_scale, device=index, page_size=page_size_,
+            num_pages=num_pages_, table_stride=table_stride_,
+            kv_dtype=FP8_KV_DTYPES[kvd] if fp8 else None,
+        )
+
+    cached = _decoder_for(key, make, capturing, fn)
+    if not capturing:
+        prev = cached.stream
+        if prev is not None and prev != stream:
+            ev = torch.cuda.Event()
+            ev.record(prev)
+            stream.wait_event(ev)
+        cached.stream = stream
+    if out is None:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(qs[:-1], dtype=torch.float32, device=q.device) if return_lse else None
+    cached.decoder.run(
+        int(q.data_ptr()),
+        int(kv_cache.data_ptr()),
+        int(out.data_ptr()),
+        None if lse is None else int(lse.data_ptr()),
+        None if cache_seqlens is None else int(cache_seqlens.data_ptr()),
+        int(stream.cuda_stream),
+        block_table_ptr=None if block_table is None else int(block_table.data_ptr()),
+        kv_scale=scale_arg,
     )
     return (out, lse) if return_lse else out
 

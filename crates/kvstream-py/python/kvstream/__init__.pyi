@@ -10,6 +10,9 @@ REDUCTIONS: Tuple[str, ...]
 CLUSTER_SPLITS: Tuple[int, ...]
 MAX_Q_LEN: int
 SUPPORTED_PAGE_SIZES: Tuple[int, ...]
+MLA_DIM: int
+MLA_V_DIM: int
+MLA_MAX_HEADS: int
 
 @overload
 def decode(
@@ -59,3 +62,27 @@ def store_kv(
     v_scale: Optional[Any] = ...,
 ) -> None: ...
 def fp8_scales(cache: Any, per_head: bool = ...) -> Any: ...
+@overload
+def mla_decode(
+    q: Any,
+    kv_cache: Any,
+    *,
+    softmax_scale: float,
+    cache_seqlens: Optional[Any] = ...,
+    block_table: Optional[Any] = ...,
+    kv_scale: Optional[Any] = ...,
+    return_lse: Literal[False] = ...,
+    out: Optional[Any] = ...,
+) -> Any: ...
+@overload
+def mla_decode(
+    q: Any,
+    kv_cache: Any,
+    *,
+    softmax_scale: float,
+    cache_seqlens: Optional[Any] = ...,
+    block_table: Optional[Any] = ...,
+    kv_scale: Optional[Any] = ...,
+    return_lse: Literal[True],
+    out: Optional[Any] = ...,
+) -> Tuple[Any, Any]: ...

@@ -102,3 +102,32 @@ class KvWriter:
         k_scale: Optional[Tuple[int, int]] = None,
         v_scale: Optional[Tuple[int, int]] = None,
     ) -> None: ...
+
+class MlaDecoder:
+    def __init__(
+        self,
+        batch: int,
+        hq: int,
+        q_len: int,
+        max_len: int,
+        dtype: str,
+        softmax_scale: float,
+        device: int = 0,
+        page_size: Optional[int] = None,
+        num_pages: Optional[int] = None,
+        table_stride: Optional[int] = None,
+        kv_dtype: Optional[str] = None,
+    ) -> None: ...
+    def run(
+        self,
+        q_ptr: int,
+        kv_ptr: int,
+        out_ptr: int,
+        lse_ptr: Optional[int] = None,
+        seqlens_ptr: Optional[int] = None,
+        stream: int = 0,
+        block_table_ptr: Optional[int] = None,
+        kv_scale: Optional[Tuple[int, int]] = None,
+    ) -> None: ...
+    @property
+    def plan(self) -> str: ...

@@ -684,3 +684,73 @@ def test_store_kv_signature():
     assert list(sig.parameters) == ["k", "v", "k_cache", "v_cache", "slot_mapping", "k_scale",
                                     "v_scale"]
     assert "store_kv" in kvstream.__all__ and "fp8_scales" in kvstream.__all__
+
+
+# ---- MLA decode ------------------------------------------------------------------------------
+
+def mla_fails(exc, *words, **over):
+    args = dict(
+        q=FakeTensor((B, 1, 16, 576)),
+        kv_cache=FakeTensor((B, L, 576)),
+        softmax_scale=0.0722,
+    )
+    args.update(over)
+    q, kv = args.pop("q"), args.pop("kv_cache")
+    with pytest.raises(exc) as e:
+        kvstream.mla_decode(q, kv, **args)
+    msg = str(e.value)
+    assert "kvstream.mla_decode" in msg, msg
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+
+
+def test_mla_signature_and_constants():
+    sig = inspect.signature(kvstream.mla_decode)
+    names = [p.name for p in sig.parameters.values()]
+    assert names == ["q", "kv_cache", "softmax_scale", "cache_seqlens", "block_table",
+                     "kv_scale", "return_lse", "out"]
+    assert sig.parameters["softmax_scale"].default is inspect.Parameter.empty
+    assert (kvstream.MLA_DIM, kvstream.MLA_V_DIM) == (576, 512)
+    assert "Example" in kvstream.mla_decode.__doc__
+    assert hasattr(_native, "MlaDecoder")
+
+
+def test_mla_shapes_are_checked():
+    mla_fails(ValueError, "q", "576", q=FakeTensor((B, 1, 16, 512)))
+    mla_fails(ValueError, "q_len", q=FakeTensor((B, 9, 16, 576)))
+    mla_fails(ValueError, "hq", q=FakeTensor((B, 1, 129, 576)))
+    mla_fails(ValueError, "kv_cache", kv_cache=FakeTensor((B, L, 2, 576)))
+    mla_fails(ValueError, "kv_cache", "batch", kv_cache=FakeTensor((B + 1, L, 576)))
+    mla_fails(ValueError, "page_size", kv_cache=FakeTensor((64, 48, 576)),
+              block_table=FakeTensor((B, 4), dtype=I32))
+    mla_fails(ValueError, "block_table", kv_cache=FakeTensor((64, 64, 576)),
+              block_table=FakeTensor((B + 1, 4), dtype=I32))
+    mla_fails(ValueError, "cache_seqlens", cache_seqlens=FakeTensor((B + 1,), dtype=I32))
+    mla_fails(ValueError, "out", out=FakeTensor((B, 1, 16, 576)))
+
+
+def test_mla_dtypes_and_scales_are_checked():
+    mla_fails(TypeError, "kv_cache", kv_cache=FakeTensor((B, L, 576), dtype=F16))
+    mla_fails(TypeError, "kv_cache", kv_cache=FakeTensor((B, L, 576), dtype=E5M2))
+    # an e4m3 cache needs its scale; a bf16 one takes none
+    mla_fails(ValueError, "kv_scale", kv_cache=FakeTensor((B, L, 576), dtype=E4M3))
+    mla_fails(ValueError, "kv_scale", kv_scale=FakeTensor((1,), dtype=F32))
+    mla_fails(ValueError, "kv_scale", "per request", kv_cache=FakeTensor((B, L, 576), dtype=E4M3),
+              kv_scale=FakeTensor((B + 1,), dtype=F32))
+    # an e4m3 page of one row is refused
+    mla_fails(ValueError, "page_size", kv_cache=FakeTensor((64, 1, 576), dtype=E4M3),
+              block_table=FakeTensor((B, 4), dtype=I32), kv_scale=FakeTensor((1,), dtype=F32))
+
+
+@pytest.mark.parametrize("scale", [None, 0.0, -1.0, float("inf"), "0.1", True])
+def test_mla_softmax_scale_is_required_and_checked(scale):
+    mla_fails((TypeError, ValueError), "softmax_scale", softmax_scale=scale)
+
+
+def test_native_mla_decoder_rejects_fields():
+    for kw, field in [(dict(hq=200), "hq"), (dict(q_len=9), "q_len"),
+                      (dict(softmax_scale=0.0), "softmax_scale")]:
+        args = dict(batch=1, hq=16, q_len=1, max_len=4096, dtype="bf16", softmax_scale=0.07)
+        args.update(kw)
+        with pytest.raises(ValueError, match=field):
+            _native.MlaDecoder(**args)
