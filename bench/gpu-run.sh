@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving mla ab (default:
+# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving mla mlamatrix mlapeers mlatrace ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -167,6 +167,28 @@ if want mla; then
 --batch 8 --hq 12 --len 131072 --page-size 32
 --batch 2 --hq 16 --q-len 8 --len 131072
 --batch 8 --hq 128 --len 32768}"
+fi
+if want mlamatrix; then
+  # bench/matrix-mla.json (MLA_IDS: a comma-separated filter of ids) with byte floors, then
+  # FlashMLA on its bf16 rows of pages of 64 in the same file -> $OUT/h200-mla-latest.json
+  timeout 420 $B mla --matrix bench/matrix-mla.json ${MLA_IDS:+--ids "$MLA_IDS"} --rounds 9 \
+    --json $O/h200-mla-latest.json 2>&1 | grep -E "^==|RESULT|error" | tee $O/mla-matrix.txt | tail -40
+  bash bench/flashmla_build.sh 2>&1 | tail -2
+  PYTHONPATH=/tmp/flashmla timeout 240 python3 bench/mla_peers.py --merge $O/h200-mla-latest.json 2>&1 | tail -20
+fi
+if want mlapeers; then
+  # FlashMLA's dense bf16 decode (pages of 64) on MLA shapes "hq,s_q,b,L" (bench/mla_peers.py;
+  # the build is bench/flashmla_build.sh from a carried .peers/ folder)
+  bash bench/flashmla_build.sh 2>&1 | tail -3
+  PYTHONPATH=/tmp/flashmla timeout 300 python3 bench/mla_peers.py --shapes ${MLA_PEER_SHAPES:-16,1,1,131072 \
+    12,1,1,131072 16,1,4,131072 16,1,16,32768 12,1,8,131072 16,8,2,131072 128,1,8,32768} \
+    --json $O/mla-peers.json 2>&1 | tail -12
+fi
+if want mlatrace; then
+  # the MLA kernel's phase trace on MLA_TRACE_SHAPE (prepare: TRACE=1 compiles the traced builds)
+  mkdir -p $O/trace
+  KVSTREAM_TRACE=$O/trace timeout 200 $B mla ${MLA_TRACE_SHAPE:---hq 16 --len 131072} --rounds 7 2>&1 | grep -E "RESULT|trace"
+  python3 bench/trace.py $O/trace > $O/trace/summary.txt 2>&1; cat $O/trace/summary.txt | head -30
 fi
 if want ab; then
   bash bench/ab.sh

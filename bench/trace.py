@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Summarises the decode kernels' phase trace (`KVS_TRACE` in decode_gqa.cu and decode.cu).
+"""Summarises the decode kernels' phase trace (`KVS_TRACE` in decode_gqa.cu, decode.cu and
+decode_mla.cu).
 
     KVSTREAM_TRACE=<dir> kvstream bench --ids ...   # writes <dir>/<shape>.<variant>.csv
     python3 bench/trace.py <dir> [--json out.json]
@@ -74,7 +75,11 @@ def summarise(path):
                  ("merged", "exit"), ("waited", "exit"),
                  # the persistent kernel's points (decode.cu)
                  ("waited", "scheduled"), ("scheduled", "first_tile"), ("first_tile", "first_loop"),
-                 ("first_loop", "parked"), ("parked", "merged")]:
+                 ("first_loop", "parked"), ("parked", "merged"),
+                 # the MLA kernel's (decode_mla.cu): the wait for a cut unit's pieces, its merge
+                 ("last_loop", "parked"), ("parked", "all_parked"), ("all_parked", "merged"),
+                 ("all_parked", "merge_start"), ("merge_start", "merge_done"),
+                 ("merge_done", "merge_synced"), ("merge_synced", "merged")]:
         vals = [r[b + "_ns"] - r[a + "_ns"] for c in calls for r in c if r.get(a + "_ns") and r.get(b + "_ns")]
         if vals:
             own[f"{a}->{b}"] = statistics.median(vals)

@@ -45,6 +45,15 @@ __device__ __forceinline__ void trace_stamp(int point) {
 #endif
 }
 
+// Whether `point` has been stamped in this CTA (false in untraced builds).
+__device__ __forceinline__ bool trace_stamped(int point) {
+#if KVS_TRACE
+    return trace_ns[point] != 0;
+#else
+    return false;
+#endif
+}
+
 // Thread 0, after the consumers' last barrier.
 __device__ __forceinline__ void trace_write(int tiles, int splits, int len, u32 flags) {
 #if KVS_TRACE

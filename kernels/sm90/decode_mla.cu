@@ -10,12 +10,13 @@
 //
 // A row is too wide for one warp to keep O^T for all of it, so the eight consumer warps split
 // every tile two ways:
-//   S phase   warp w scores positions [16 (w % 4), + 16) of the tile against its half of the
-//             columns (w / 4) and posts their maxima over its positions to shared memory
-//             (barrier 1);
+//   S phase   warp w scores positions [16 (w % 4), + 16) of the tile over its half of the 576
+//             dims (w / 4) against every column (so each K row is read once), swaps the
+//             partial scores of the other half's columns with its partner warp (barrier 1),
+//             and posts the maxima of its half of the columns over its positions (barrier 2);
 //   softmax   every warp derives the same running max of every column from the four posts of
 //             its positions' slices, rescales its O^T, and turns its scores into P^T rows in
-//             shared memory, summing its share of the denominators (barrier 2);
+//             shared memory, summing its share of the denominators (barrier 3);
 //   O phase   warp w accumulates O^T for head dims [64 w, 64 w + 64) of every column over all
 //             the tile's positions, then releases the stage.
 //
@@ -56,8 +57,30 @@
 #include "kv_format.cuh"
 #include "schedule.cuh"
 #include "scheduler.cuh"
+#include "trace.cuh"
 
 namespace kvs {
+
+// Trace points (trace.cuh; KVS_TRACE builds only), by the thread named; the first twelve as
+// decode.cu's, for bench/trace.py.
+enum TracePoint {
+    TRACE_ENTRY,        // thread 0, first instruction
+    TRACE_WAITED,       // thread 0, PDL wait returned
+    TRACE_SCHEDULED,    // thread 0, the schedule's start known to every role
+    TRACE_FIRST_ISSUE,  // producer, first tile's boxes issued
+    TRACE_LAST_ISSUE,   // producer, last tile's boxes issued
+    TRACE_Q_STAGED,     // thread 0, the first piece's query rows in shared memory
+    TRACE_FIRST_TILE,   // thread 0, first tile landed
+    TRACE_FIRST_LOOP,   // thread 0, first piece's KV loop done
+    TRACE_LAST_LOOP,    // thread 0, last piece's KV loop done
+    TRACE_PARKED,       // thread 0, last piece's epilogue done (written or parked)
+    TRACE_MERGED,       // thread 0, the merges of its cut units done
+    TRACE_EXIT,         // thread 0, every consumer done
+    TRACE_ALL_PARKED,   // thread 0, its first cut unit's pieces all parked (the merge may start)
+    TRACE_MERGE_START,  // thread 0, the first merge's barrier passed
+    TRACE_MERGE_DONE,   // thread 0, its own part of the first merge done
+    TRACE_MERGE_SYNCED, // thread 0, every thread's part of the first merge done
+};
 
 constexpr bool IS_F16 = KVS_IS_F16;
 constexpr bool KV_FP8 = KVS_KV_FP8;
@@ -70,18 +93,26 @@ constexpr int MLA_DIM = 576;  // a cached row, and a query row: latent 512 + rop
 constexpr int V_DIM = 512;    // the latent part: V, and an output row
 constexpr int CONSUMER_WARPS = 8;
 constexpr int SLICES = TILE_TOKENS / 16;           // m16 slices of positions per tile
-constexpr int COL_SPLIT = CONSUMER_WARPS / SLICES;  // warps scoring one slice, each a part of the columns
+constexpr int COL_SPLIT = CONSUMER_WARPS / SLICES;  // warps scoring one slice: each a part of the dims,
+                                                    // then of the columns
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
 constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // of a warpgroup of its own (setmaxnreg)
 constexpr int THREADS = CONSUMER_THREADS + 128;
 // registers per thread: the producer warpgroup gives its share to the consumers
 // (2 x 128 x CONSUMER_REGS + 128 x PRODUCER_REGS <= 65536)
-constexpr int PRODUCER_REGS = 56;
-constexpr int CONSUMER_REGS = 224;
+// (the paged producer holds a tile's page ids and runs: it needs more than one lane's loop)
+constexpr int PRODUCER_REGS = PAGED ? 56 : 40;
+constexpr int CONSUMER_REGS = PAGED ? 224 : 232;
 constexpr int GROUP_PAD = N_TILES * 8;                 // columns per block
 constexpr int K_STEPS = MLA_DIM / 16;                  // k16 steps of a score
-constexpr int S_CHAINS = 4;                            // independent score accumulators
-constexpr int S_TILES = N_TILES / COL_SPLIT;          // n8 tiles a warp scores
+// independent score accumulators per n8 tile (with four n8 tiles, two chains are as many
+// independent MMAs in flight as four with two)
+constexpr int S_CHAINS = N_TILES <= 2 ? 4 : 2;
+constexpr int S_TILES = N_TILES / COL_SPLIT;          // n8 tiles whose softmax a warp does
+constexpr int S_STEPS = K_STEPS / COL_SPLIT;          // k16 steps of a warp's partial scores
+// the query rows' B fragments of a warp's dims stay in registers where they fit (16 rows:
+// 72 registers); 32 rows are read from shared memory at every tile
+constexpr bool Q_IN_REGISTERS = N_TILES <= 2;
 constexpr int O_TILES = V_DIM / 16 / CONSUMER_WARPS;   // m16 tiles of O^T per warp
 constexpr int PV_STEPS = TILE_TOKENS / 16;             // k16 steps of the O^T update
 
@@ -92,7 +123,9 @@ constexpr int BOX_BYTES = Kv::BOX_BYTES;
 constexpr int TILE_BYTES = Kv::TILE_BYTES;  // one stage: K and V at once
 constexpr int SMEM_ROW = MLA_DIM * 2 + 16;  // query rows, padded for conflict-free ldmatrix
 constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;
-constexpr int Q_BUFFERS = 2;
+// query-row buffers: the next piece's rows load while this piece streams; 32 rows leave room
+// for one only next to the ring and the score exchange
+constexpr int Q_BUFFERS = N_TILES <= 2 ? 2 : 1;
 constexpr int P_ROW = TILE_TOKENS * 2 + 16;  // P^T as [column][position], padded likewise
 constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;  // paged: page runs per tile, per producer lane
 constexpr int MERGE_LOADS = 8;                   // partial rows in flight per merging thread
@@ -104,7 +137,8 @@ struct SharedPlan {
     static constexpr int p = q + Q_BUFFERS * Q_BYTES;
     static constexpr int tile_max = p + GROUP_PAD * P_ROW;          // [slice][column]
     static constexpr int slice_l = tile_max + 4 * SLICES * GROUP_PAD;  // [slice][column]
-    static constexpr int full = slice_l + 4 * SLICES * GROUP_PAD;
+    static constexpr int partial = slice_l + 4 * SLICES * GROUP_PAD;   // [slice][n8 tile][lane] x 4
+    static constexpr int full = partial + 16 * SLICES * N_TILES * 32;
     static constexpr int empty = full + 8 * STAGES;
     static constexpr int q_full = empty + 8 * STAGES;
     static constexpr int q_empty = q_full + 8 * Q_BUFFERS;
@@ -112,7 +146,8 @@ struct SharedPlan {
     static constexpr int bytes = start + 64;
 };
 
-static_assert(CONSUMER_WARPS % SLICES == 0 && N_TILES % COL_SPLIT == 0, "warps cover slices x column parts");
+static_assert(CONSUMER_WARPS % SLICES == 0 && N_TILES % COL_SPLIT == 0 && K_STEPS % (2 * COL_SPLIT) == 0,
+              "warps cover slices x parts of the dims and of the columns");
 static_assert(V_DIM % (16 * CONSUMER_WARPS) == 0 && O_TILES % 2 == 0, "O^T m-tiles in pairs per warp");
 static_assert(N_TILES >= 1 && N_TILES <= 4, "column blocks of up to 32 rows");
 static_assert(TILE_BYTES % 1024 == 0, "every stage starts on a swizzle-pattern boundary");
@@ -185,8 +220,10 @@ __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, co
             for (int box = 0; box < BOXES; ++box)
                 tma_load_4d(r.stage(s) + box * BOX_BYTES, &p.k_map, box * Kv::DIMS_PER_BOX, 0, k * TILE_TOKENS,
                             pc.batch, r.full + 8 * s, policy);
+            if (TRACE && n == 0) trace_stamp(TRACE_FIRST_ISSUE);
         }
     }
+    if (TRACE) trace_stamp(TRACE_LAST_ISSUE);
 }
 
 // Paged cache, the whole warp: a tile is TILE_TOKENS / run runs of run = min(page, tile)
@@ -333,11 +370,17 @@ __device__ __forceinline__ void merge_slice(const PersistentParams& p, const Sch
 __device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const CutUnit& u) {
     const int pieces = s.cta_of(u.start + u.tiles - 1) - s.cta_of(u.start) + 1;
     int* counters = p.arrivals + 2 * ((long long)u.batch * p.col_blocks + u.unit);
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         while (ld_acquire_gpu(counters) < pieces) nanosleep(64);
+        if (TRACE && !trace_stamped(TRACE_ALL_PARKED)) trace_stamp(TRACE_ALL_PARKED);
+    }
     named_barrier_sync(1, CONSUMER_THREADS);
+    const bool first = TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_MERGE_START);
+    if (first) trace_stamp(TRACE_MERGE_START);
     merge_slice(p, s, u);
+    if (first) trace_stamp(TRACE_MERGE_DONE);
     named_barrier_sync(1, CONSUMER_THREADS);
+    if (first) trace_stamp(TRACE_MERGE_SYNCED);
     if (threadIdx.x == 0 && atom_add_acq_rel_gpu(counters + 1, 1) == pieces - 1) {
         counters[0] = 0;
         counters[1] = 0;
@@ -376,6 +419,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
     StartShared* start = reinterpret_cast<StartShared*>(smem + SharedPlan::start);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
+    if (TRACE && threadIdx.x == 0) {
+        trace_clear();
+        trace_stamp(TRACE_ENTRY);
+    }
 
     if (threadIdx.x == PRODUCER_WARP * 32) prefetch_tensor_map(&p.k_map);
     if (threadIdx.x == 0) {
@@ -392,8 +439,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
     // Nothing below may read global memory the previous kernel writes before it has finished.
     pdl_wait_for_producer();
     pdl_release_dependents();
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
     if (warp == 0) schedule_start<TILE_TOKENS>(p, start);
     __syncthreads();
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_SCHEDULED);
     if (warp >= PRODUCER_WARP) {
         // ================================ producer warpgroup =============================
         setmaxnreg_dec<PRODUCER_REGS>();
@@ -438,8 +487,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
     const u32 q_base0 = smem_addr(smem + SharedPlan::q);
     const u32 ring_base = smem_addr(smem + SharedPlan::ring);
     const u32 p_base = smem_addr(smem + SharedPlan::p);
-    const int slice = warp % SLICES, row0 = slice * 16;  // this warp's positions of every tile
-    const int s_nt0 = (warp / SLICES) * S_TILES;             // and its first scored n8 tile
+    const int slice = warp % SLICES, row0 = slice * 16;  // this warp's positions of every tile,
+    const int part = warp / SLICES;                          // its part of the dims and columns:
+    const int k0 = part * S_STEPS;                           // its first k16 step,
+    const int s_nt0 = part * S_TILES;                        // its first n8 tile of the softmax
+    const u32 partial_base = smem_addr(smem + SharedPlan::partial);
     // ldmatrix lane addressing of a [column][k] row-major B operand, two k-steps
     const int b_row = lane % 8, b_col = (lane / 8) * 8;
     // the cut units this CTA parked a piece of: only its first and its last piece can be cut
@@ -482,50 +534,91 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
             }
 
         mbarrier_wait(&q_full[q_buf], (pieces_done / Q_BUFFERS) & 1);
+        if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);
         if constexpr (Kv::QUERY_PERMUTED) {
             permute_query_rows<Kv, MLA_DIM, SMEM_ROW, CONSUMER_THREADS, IS_F16>(q_base, count);
             named_barrier_sync(1, CONSUMER_THREADS);
+        }
+        // this warp's dims of every column as B fragments, two k-steps per entry
+        u32 q_frag[Q_IN_REGISTERS ? S_STEPS / 2 : 1][N_TILES][4];
+        if constexpr (Q_IN_REGISTERS) {
+#pragma unroll
+            for (int i = 0; i < S_STEPS / 2; ++i)
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+                    ldmatrix_x4(q_frag[i][nt], q_base + (nt * 8 + b_row) * SMEM_ROW + ((k0 + 2 * i) * 16 + b_col) * 2);
         }
 
         for (int k = pc.first; k < pc.end; ++k) {
             const int n = n0 + k - pc.first;
             const int stage = n % STAGES;
             mbarrier_wait(&full[stage], (n / STAGES) & 1);
+            if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
             const u32 tile = ring_base + stage * TILE_BYTES;
             const int tile_begin = k * TILE_TOKENS;
 
-            // ---- S phase: S^T = K Q^T for this warp's 16 positions x its scored columns ----
-            // (S_CHAINS independent accumulators per n8 tile: a single one would make the 36
-            // k-steps one chain of dependent MMAs)
-            float sc[S_CHAINS][S_TILES][4];
+            // ---- S phase: partial S^T = K Q^T over this warp's dims, 16 positions x every
+            // column (S_CHAINS independent accumulators: one would chain the k-steps' MMAs) ----
+            float sc[S_CHAINS][N_TILES][4];
 #pragma unroll
             for (int ch = 0; ch < S_CHAINS; ++ch)
 #pragma unroll
-                for (int st_ = 0; st_ < S_TILES; ++st_)
+                for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) sc[ch][st_][i] = 0.f;
+                    for (int i = 0; i < 4; ++i) sc[ch][nt][i] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < K_STEPS; kk += 2) {
+            for (int i = 0; i < S_STEPS / 2; ++i) {
+                const int kk = k0 + 2 * i;
                 u32 a0[4], a1[4];
                 Kv::k_fragments(a0, a1, tile, row0, kk, lane);
-                const int ch = (kk / 2) % (S_CHAINS / 2) * 2;
+                const int ch = i % (S_CHAINS / 2) * 2;
 #pragma unroll
-                for (int st_ = 0; st_ < S_TILES; ++st_) {
+                for (int nt = 0; nt < N_TILES; ++nt) {
                     u32 b[4];
-                    ldmatrix_x4(b, q_base + ((s_nt0 + st_) * 8 + b_row) * SMEM_ROW + (kk * 16 + b_col) * 2);
-                    mma_m16n8k16<MMA_F16>(sc[ch][st_], a0, b[0], b[1]);
-                    mma_m16n8k16<MMA_F16>(sc[ch + 1][st_], a1, b[2], b[3]);
+                    if constexpr (Q_IN_REGISTERS) {
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) b[r] = q_frag[Q_IN_REGISTERS ? i : 0][nt][r];
+                    } else {
+                        ldmatrix_x4(b, q_base + (nt * 8 + b_row) * SMEM_ROW + (kk * 16 + b_col) * 2);
+                    }
+                    mma_m16n8k16<MMA_F16>(sc[ch][nt], a0, b[0], b[1]);
+                    mma_m16n8k16<MMA_F16>(sc[ch + 1][nt], a1, b[2], b[3]);
                 }
             }
+            // swap with the partner warp (same positions, the other dims): post the partial
+            // scores of its columns, add its partial of mine, in the accumulator layout
             float s[S_TILES][4];
 #pragma unroll
-            for (int st_ = 0; st_ < S_TILES; ++st_)
+            for (int nt = 0; nt < N_TILES; ++nt) {
+                float v[4];
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    s[st_][i] = sc[0][st_][i];
+                    v[i] = sc[0][nt][i];
 #pragma unroll
-                    for (int ch = 1; ch < S_CHAINS; ++ch) s[st_][i] += sc[ch][st_][i];
+                    for (int ch = 1; ch < S_CHAINS; ++ch) v[i] += sc[ch][nt][i];
                 }
+                const bool mine = nt / S_TILES == part;
+                if (!mine) {
+                    const u32 at = partial_base + ((slice * N_TILES + nt) * 32 + lane) * 16;
+                    st_shared_v4(at, reinterpret_cast<const u32*>(v));
+                }
+#pragma unroll
+                for (int st_ = 0; st_ < S_TILES; ++st_)
+                    if (nt == s_nt0 + st_)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) s[st_][i] = v[i];
+            }
+            named_barrier_sync(1, CONSUMER_THREADS);
+#pragma unroll
+            for (int st_ = 0; st_ < S_TILES; ++st_) {
+                u32 w[4];
+                ld_shared_v4(w, partial_base + ((slice * N_TILES + s_nt0 + st_) * 32 + lane) * 16);
+                // the lower dims' partial first in both warps of a pair: the same sums as
+                // a single warp's would be, whichever half this warp holds
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    s[st_][i] = part == 0 ? s[st_][i] + __uint_as_float(w[i]) : __uint_as_float(w[i]) + s[st_][i];
+            }
             // masked scores and their maxima over this warp's positions
             const int tok = tile_begin + row0 + lane / 4;  // rows of s[..][0..1]; +8 for [2..3]
 #pragma unroll
@@ -616,6 +709,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
         // the rows' next bulk copy (async proxy) must follow this lane's reads and, fp8, writes
         if constexpr (Kv::QUERY_PERMUTED) fence_proxy_async_shared();
         mbarrier_arrive(&q_empty[q_buf]);
+        if (TRACE && threadIdx.x == 0) trace_stamp(n0 == 0 ? TRACE_FIRST_LOOP : TRACE_LAST_LOOP);
         n0 += pc.end - pc.first;
         ++pieces_done;
 
@@ -684,7 +778,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
         // the next piece's epilogue rewrites warp_l only after at least one more tile's two
         // barriers, which every warp reaches after reading it here
     }
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
     if (has_first_cut) merge_cut_unit(p, sched, first_cut);
     if (has_last_cut) merge_cut_unit(p, sched, last_cut);
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);
     write_empty_requests(p);
+    if (TRACE) {
+        named_barrier_sync(1, CONSUMER_THREADS);
+        if (threadIdx.x == 0 && n0 > 0) {
+            trace_stamp(TRACE_EXIT);
+            trace_write(n0, pieces_done, (int)(st.hi - st.lo), PAGED ? 1u : 0u);
+        }
+    }
 }

@@ -5,6 +5,8 @@
 //! Lengths: every request at `--len`, or with `--skew S` request 0 at `--len` and the others
 //! at S (the lengths live on the device, as a server passes them). The check covers the first
 //! and the last request (the reference is f64 on the CPU, one thread per head).
+//! `KVSTREAM_TRACE=<dir>` runs the phase-trace build and writes its records there
+//! (bench/trace.py summarises them; traced timings are not results).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -52,6 +54,26 @@ pub struct MlaArgs {
     /// Timed rounds (at least 7; 0 = check only).
     #[arg(long, default_value_t = 15)]
     pub rounds: usize,
+    /// Run every shape of this matrix (bench/matrix-mla.json) instead of the one above.
+    #[arg(long)]
+    pub matrix: Option<std::path::PathBuf>,
+    /// Only the matrix shapes whose id contains one of these (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub ids: Vec<String>,
+    /// Write the results (docs/benchmarking.md's format, one row per shape) to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+/// One timed shape, as the results file keeps it.
+struct MlaRow {
+    id: String,
+    shape: serde_json::Value,
+    io_bytes: usize,
+    us: f64,
+    floor_us: f64,
+    rel_err: f64,
+    kernel: String,
 }
 
 /// Scale of the fp8 cache (its values span e4m3's range, the dequantised ones about 1).
@@ -60,6 +82,83 @@ const FP8_SCALE: f32 = 0.25;
 const TOLERANCE: f64 = 1e-2;
 
 pub fn run(args: &MlaArgs) -> kvstream::Result<()> {
+    let Some(path) = &args.matrix else {
+        let row = run_one(args)?;
+        return match (&args.json, row) {
+            (Some(out), Some(row)) => write_results(out, &[row]),
+            _ => Ok(()),
+        };
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::invalid("matrix", path.display(), format!("a readable file ({e})")))?;
+    let doc: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::invalid("matrix", path.display(), format!("JSON ({e})")))?;
+    let shapes = doc["shapes"].as_array().cloned().unwrap_or_default();
+    let mut rows = Vec::new();
+    for shape in shapes {
+        let id = shape["id"].as_str().unwrap_or_default().to_string();
+        if !args.ids.is_empty() && !args.ids.iter().any(|w| id.contains(w.as_str())) {
+            continue;
+        }
+        let field = |k: &str| shape[k].as_u64().map(|v| v as usize);
+        let one = MlaArgs {
+            batch: field("batch").unwrap_or(1),
+            hq: field("hq").unwrap_or(16),
+            q_len: field("q_len").unwrap_or(1),
+            len: field("L").unwrap_or(32768),
+            skew: field("skew"),
+            kv_dtype: shape["kv_dtype"].as_str().unwrap_or("auto").to_string(),
+            page_size: field("page"),
+            matrix: None,
+            ids: Vec::new(),
+            json: None,
+            ..args.clone()
+        };
+        println!("== {id}");
+        match run_one(&one) {
+            Ok(Some(mut row)) => {
+                row.id = id;
+                row.shape = shape;
+                rows.push(row);
+            }
+            Ok(None) => {}
+            Err(e) => println!("  error: {e}"),
+        }
+    }
+    match &args.json {
+        Some(out) => write_results(out, &rows),
+        None => Ok(()),
+    }
+}
+
+/// The results file: docs/benchmarking.md's keys, a row per shape with its byte floor and the
+/// `kvstream` result (peers are added by bench/mla_peers.py --merge).
+fn write_results(path: &std::path::Path, rows: &[MlaRow]) -> kvstream::Result<()> {
+    let rows: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            let mut v = r.shape.clone();
+            v["id"] = r.id.clone().into();
+            v["io_bytes"] = r.io_bytes.into();
+            v["floor_us"] = r.floor_us.into();
+            v["results"] = serde_json::json!({ "kvstream": {
+                "us": r.us, "GBps": r.io_bytes as f64 / r.us / 1e3, "rel_err": r.rel_err,
+                "mode": r.kernel } });
+            v
+        })
+        .collect();
+    let doc = serde_json::json!({
+        "date": crate::results::today(),
+        "commit": crate::results::current_commit(),
+        "gpu": "NVIDIA H200",
+        "rows": rows,
+    });
+    let text = serde_json::to_string_pretty(&doc).expect("plain JSON values");
+    std::fs::write(path, text + "\n")
+        .map_err(|e| Error::invalid("json", path.display(), format!("a writable path ({e})")))
+}
+
+fn run_one(args: &MlaArgs) -> kvstream::Result<Option<MlaRow>> {
     let dtype: DType = args.dtype.parse()?;
     let mut p = MlaProblem::new(args.batch, args.hq, args.len, dtype, args.scale)?
         .with_q_len(args.q_len)?
@@ -88,7 +187,7 @@ fn gpu_mla<T: Element + Copy + Default + Sync, K: cudarc::driver::DeviceRepr + C
     args: &MlaArgs,
     random: RandomFn<T>,
     random_kv: RandomFn<K>,
-) -> kvstream::Result<()> {
+) -> kvstream::Result<Option<MlaRow>> {
     let ctx = rt.context();
     // SAFETY: everything below runs on one stream.
     unsafe { ctx.disable_event_tracking() };
@@ -246,6 +345,9 @@ fn gpu_mla<T: Element + Copy + Default + Sync, K: cudarc::driver::DeviceRepr + C
             // SAFETY: the pointers cover every pool set.
             unsafe { decoder.run(&tensors(s, false), stream.cu_stream()) }
         })?;
+        if kvstream::jit::compile::trace_dir().is_some() {
+            crate::trace::reset(rt, &stream)?;
+        }
         let reader = StreamReader::new(rt, &stream)?;
         let floor_bytes = io.div_ceil(16) * 16;
         // SAFETY: sets * stride >= sets * io bytes from the arena's start.
@@ -255,6 +357,10 @@ fn gpu_mla<T: Element + Copy + Default + Sync, K: cudarc::driver::DeviceRepr + C
         let t = timing::time_graphs(&stream, &list, args.rounds)?;
         let configs: Vec<(u32, u32)> = floor.iter().map(|(c, _)| *c).collect();
         let best = StreamReader::best(&configs, &t[1..]);
+        if let Some(dir) = kvstream::jit::compile::trace_dir() {
+            let id = format!("mla-h{}-q{}-b{}-L{}", p.hq, p.q_len, p.batch, p.max_len);
+            crate::trace::dump(rt, &stream, &dir, &id)?;
+        }
         Some((t[0], best.us))
     };
 
@@ -315,7 +421,18 @@ fn gpu_mla<T: Element + Copy + Default + Sync, K: cudarc::driver::DeviceRepr + C
             format!("rel err <= {TOLERANCE:e} and lse err <= 1e-3"),
         ));
     }
-    Ok(())
+    Ok(timing.map(|(t, floor_us)| MlaRow {
+        id: String::new(),
+        shape: serde_json::json!({
+            "batch": p.batch, "hq": p.hq, "q_len": p.q_len, "L": p.max_len, "skew": args.skew,
+            "page": p.paged.map(|pg| pg.page_size), "kv_dtype": p.kv_dtype.name(),
+            "dtype": p.dtype.name() }),
+        io_bytes: io,
+        us: t.median_us,
+        floor_us,
+        rel_err: err,
+        kernel: kvstream::kernels::Variant::name(&plan.variant),
+    }))
 }
 
 /// The largest row error and LSE error of request `b` (all its tokens and heads) against the
@@ -371,4 +488,33 @@ fn check_request<T: Element + Sync>(
     per_head
         .into_iter()
         .fold((0.0, 0.0), |(e, l), (a, b)| (e.max(a), l.max(b)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_repository_mla_matrix_has_valid_unique_shapes() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/matrix-mla.json");
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let shapes = doc["shapes"].as_array().unwrap();
+        let mut ids: Vec<&str> = shapes.iter().map(|s| s["id"].as_str().unwrap()).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), shapes.len(), "ids must be unique");
+        for s in shapes {
+            let n = |k: &str| s[k].as_u64().unwrap() as usize;
+            let mut p = MlaProblem::new(n("batch"), n("hq"), n("L"), DType::Bf16, 0.07)
+                .and_then(|p| p.with_q_len(n("q_len")))
+                .and_then(|p| p.with_kv_dtype(s["kv_dtype"].as_str().unwrap().parse()?))
+                .unwrap_or_else(|e| panic!("{s}: {e}"));
+            if let Some(page) = s["page"].as_u64() {
+                p = p.with_paged(page as usize, 8, None).unwrap();
+            }
+            kvstream::plan::plan_mla(&p, kvstream::DeviceFacts::H200, PlanOptions::default())
+                .unwrap_or_else(|e| panic!("{s}: {e}"));
+        }
+    }
 }

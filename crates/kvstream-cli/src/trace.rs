@@ -1,5 +1,5 @@
-//! The decode kernels' phase trace (`KVSTREAM_TRACE=<dir>`, `KVS_TRACE` in decode_gqa.cu and
-//! decode.cu): after a shape's timing, every loaded decode module's records are written to
+//! The decode kernels' phase trace (`KVSTREAM_TRACE=<dir>`, `KVS_TRACE` in decode_gqa.cu,
+//! decode.cu and decode_mla.cu): after a shape's timing, every loaded decode module's records are written to
 //! `<dir>/<shape id>.<variant>.csv`, one line per CTA, each column named after its kernel's trace
 //! point, for `bench/trace.py`.
 //!
@@ -47,6 +47,27 @@ const PERSISTENT_POINTS: [&str; 12] = [
     "parked",
     "merged",
     "exit",
+];
+/// Trace points of decode_mla.cu's `TracePoint`: the persistent engine's, then the steps of the
+/// CTA's first merge (its cut unit's pieces all parked, the merge started, its own part done,
+/// every thread's part done).
+const MLA_POINTS: [&str; 16] = [
+    "entry",
+    "waited",
+    "scheduled",
+    "first_issue",
+    "last_issue",
+    "q_staged",
+    "first_tile",
+    "first_loop",
+    "last_loop",
+    "parked",
+    "merged",
+    "exit",
+    "all_parked",
+    "merge_start",
+    "merge_done",
+    "merge_synced",
 ];
 /// Record ring size, trace slots per record and record bytes of decode_gqa.cu
 /// (`TRACE_RECORDS`, `TRACE_SLOTS`, `TraceRecord`).
@@ -109,6 +130,8 @@ pub fn dump(
         }
         let points: &[&str] = if variant.starts_with("decode_gqa.") {
             &SPLIT_POINTS
+        } else if variant.starts_with("decode_mla.") {
+            &MLA_POINTS
         } else {
             &PERSISTENT_POINTS
         };

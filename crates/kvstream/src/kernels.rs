@@ -446,8 +446,6 @@ impl Variant for PersistentVariant {
     }
 }
 
-/// Query-row buffers of the MLA decode (`Q_BUFFERS` in decode_mla.cu).
-const MLA_Q_BUFFERS: usize = 2;
 /// Consumer warps of the MLA decode, and its producer warpgroup (decode_mla.cu).
 const MLA_CONSUMER_WARPS: usize = 8;
 const MLA_PRODUCER_WARPS: usize = 4;
@@ -482,12 +480,22 @@ impl MlaVariant {
         let columns = self.n_tiles * 8;
         let ring =
             self.stages * self.tile_tokens * crate::mla::MLA_DIM * self.kv_dtype.size(self.dtype);
-        let q = MLA_Q_BUFFERS * columns * (crate::mla::MLA_DIM * 2 + 16);
+        let q = self.q_buffers() * columns * (crate::mla::MLA_DIM * 2 + 16);
         let p = columns * (self.tile_tokens * 2 + 16);
         let slices = self.tile_tokens / 16;
         let stats = 2 * 4 * slices * columns;
-        let barriers = 2 * 8 * self.stages + 2 * 8 * MLA_Q_BUFFERS;
-        1024 + ring + q + p + stats + barriers + 64
+        let partial_scores = 16 * slices * self.n_tiles * 32;
+        let barriers = 2 * 8 * self.stages + 2 * 8 * self.q_buffers();
+        1024 + ring + q + p + stats + partial_scores + barriers + 64
+    }
+
+    /// Query-row buffers (`Q_BUFFERS` in decode_mla.cu): two for 16 rows, one for 32.
+    pub fn q_buffers(&self) -> usize {
+        if self.n_tiles <= 2 {
+            2
+        } else {
+            1
+        }
     }
 }
 

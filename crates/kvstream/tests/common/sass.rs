@@ -77,10 +77,10 @@ pub fn check_decode_sass(
 }
 
 /// The SASS facts of one MLA variant with `n_tiles` n8 tiles of query rows per column block:
-/// per tile, each warp scores half the columns over 576 dims (36 k-steps) and accumulates 64
-/// output dims over 64 positions (4 m-tiles x 4 k-steps x every column tile): 34 HMMA per n8
-/// tile, all unrolled; the tiles arrive by TMA; e4m3 caches widened in registers; no local
-/// memory.
+/// per tile, each warp scores every column over half of the 576 dims (18 k-steps) and
+/// accumulates 64 output dims over 64 positions (4 m-tiles x 4 k-steps x every column tile):
+/// 34 HMMA per n8 tile, all unrolled; the tiles arrive by TMA; e4m3 caches widened in
+/// registers; the producer warpgroup hands registers to the consumers; no local memory.
 pub fn check_mla_sass(name: &str, cubin: &[u8], n_tiles: usize, kv_dtype: KvDType) {
     let sass = sass_of(name, cubin);
     let widened = count(&sass, "F2FP.F16.E4M3");
