@@ -37,9 +37,7 @@ use crate::kernels::AnyVariant;
 use crate::launch::{kv_tensor_map, launch, LaunchConfig, TmaElement};
 use crate::params::{PersistentParams, SCHEDULE_LOG_PIECES};
 use crate::plan::{plan_mla, MlaPlan, PlanOptions};
-use crate::problem::{
-    DType, KvDType, KvScaleLayout, KvStrides, PagedKv, MAX_Q_LEN, SUPPORTED_PAGE_SIZES,
-};
+use crate::problem::{DType, KvDType, KvScaleLayout, KvStrides, PagedKv, MAX_Q_LEN};
 use crate::runtime::{LoadedKernel, Runtime};
 use crate::schedule::Piece;
 
@@ -193,24 +191,7 @@ impl MlaProblem {
             ));
         }
         if let Some(pg) = self.paged {
-            if !SUPPORTED_PAGE_SIZES.contains(&pg.page_size) {
-                return Err(Error::invalid(
-                    "page_size",
-                    pg.page_size,
-                    format!("{SUPPORTED_PAGE_SIZES:?}"),
-                ));
-            }
-            if pg.num_pages == 0 || pg.num_pages > i32::MAX as usize {
-                return Err(Error::invalid("num_pages", pg.num_pages, "1..=2^31-1"));
-            }
-            let needed = self.max_len.div_ceil(pg.page_size);
-            if pg.table_stride < needed || pg.table_stride > i32::MAX as usize {
-                return Err(Error::invalid(
-                    "block_table stride",
-                    pg.table_stride,
-                    format!("at least ceil(max_len / page_size) = {needed} entries per request"),
-                ));
-            }
+            pg.validate(self.max_len)?;
         }
         Ok(())
     }

@@ -426,6 +426,28 @@ impl PersistentPlan {
     }
 }
 
+/// The grid of a persistent kernel: one CTA per SM, or `persistent_ctas`.
+fn persistent_grid(device: DeviceFacts, options: &PlanOptions) -> Result<usize> {
+    match options.persistent_ctas {
+        None => Ok(device.sm_count.clamp(1, PERSISTENT_MAX_GRID)),
+        Some(c) if (1..=PERSISTENT_MAX_GRID).contains(&c) => Ok(c),
+        Some(c) => Err(Error::invalid(
+            "persistent_ctas",
+            c,
+            format!("1..={PERSISTENT_MAX_GRID}"),
+        )),
+    }
+}
+
+/// The fewest tiles a working CTA of a persistent kernel takes: `default`, or the knob.
+fn min_tiles_per_cta(options: &PlanOptions, default: usize) -> Result<usize> {
+    match options.min_tiles_per_cta {
+        None => Ok(default),
+        Some(t) if t >= 1 => Ok(t),
+        Some(t) => Err(Error::invalid("min_tiles_per_cta", t, ">= 1")),
+    }
+}
+
 /// The persistent plan for `problem` on `device`.
 pub fn plan_persistent(
     problem: &DecodeProblem,
@@ -482,22 +504,8 @@ pub fn plan_persistent(
             ));
         }
     }
-    let grid = match options.persistent_ctas {
-        None => device.sm_count.clamp(1, PERSISTENT_MAX_GRID),
-        Some(c) if (1..=PERSISTENT_MAX_GRID).contains(&c) => c,
-        Some(c) => {
-            return Err(Error::invalid(
-                "persistent_ctas",
-                c,
-                format!("1..={PERSISTENT_MAX_GRID}"),
-            ))
-        }
-    };
-    let min_tiles_per_cta = match options.min_tiles_per_cta {
-        None => PERSISTENT_MIN_TILES_PER_CTA,
-        Some(t) if t >= 1 => t,
-        Some(t) => return Err(Error::invalid("min_tiles_per_cta", t, ">= 1")),
-    };
+    let grid = persistent_grid(device, &options)?;
+    let min_tiles_per_cta = min_tiles_per_cta(&options, PERSISTENT_MIN_TILES_PER_CTA)?;
     Ok(PersistentPlan {
         variant,
         grid,
@@ -576,36 +584,10 @@ pub fn plan_mla(
     options: PlanOptions,
 ) -> Result<MlaPlan> {
     problem.validate()?;
-    let foreign = options.split_knob().or_else(|| {
-        [
-            ("persistent_stages", options.persistent_stages.is_some()),
-            ("persistent_groups", options.persistent_groups.is_some()),
-            (
-                "persistent_tile_tokens",
-                options.persistent_tile_tokens.is_some(),
-            ),
-            ("persistent_kv_l2", options.persistent_kv_l2.is_some()),
-            (
-                "persistent_paged_gather",
-                options.persistent_paged_gather.is_some(),
-            ),
-            (
-                "persistent_producer_warps",
-                options.persistent_producer_warps.is_some(),
-            ),
-            (
-                "persistent_softmax_slices",
-                options.persistent_softmax_slices.is_some(),
-            ),
-            (
-                "persistent_pair_heads",
-                options.persistent_pair_heads.is_some(),
-            ),
-            ("engine", options.engine.is_some()),
-        ]
-        .into_iter()
-        .find_map(|(name, set)| set.then_some(name))
-    });
+    let foreign = options
+        .split_knob()
+        .or_else(|| options.persistent_ring_knob())
+        .or_else(|| options.engine.is_some().then_some("engine"));
     if let Some(knob) = foreign {
         return Err(Error::invalid(
             knob,
@@ -634,22 +616,8 @@ pub fn plan_mla(
         n_tiles,
         problem.paged.is_some(),
     );
-    let grid = match options.persistent_ctas {
-        None => device.sm_count.clamp(1, PERSISTENT_MAX_GRID),
-        Some(c) if (1..=PERSISTENT_MAX_GRID).contains(&c) => c,
-        Some(c) => {
-            return Err(Error::invalid(
-                "persistent_ctas",
-                c,
-                format!("1..={PERSISTENT_MAX_GRID}"),
-            ))
-        }
-    };
-    let min_tiles_per_cta = match options.min_tiles_per_cta {
-        None => MLA_MIN_TILES_PER_CTA,
-        Some(t) if t >= 1 => t,
-        Some(t) => return Err(Error::invalid("min_tiles_per_cta", t, ">= 1")),
-    };
+    let grid = persistent_grid(device, &options)?;
+    let min_tiles_per_cta = min_tiles_per_cta(&options, MLA_MIN_TILES_PER_CTA)?;
     Ok(MlaPlan {
         variant,
         grid,
@@ -853,6 +821,15 @@ impl PlanOptions {
         [
             ("persistent_ctas", self.persistent_ctas.is_some()),
             ("min_tiles_per_cta", self.min_tiles_per_cta.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(name, set)| set.then_some(name))
+        .or_else(|| self.persistent_ring_knob())
+    }
+
+    /// The first knob of the persistent GQA kernel's ring and mainloop that is set.
+    fn persistent_ring_knob(&self) -> Option<&'static str> {
+        [
             ("persistent_stages", self.persistent_stages.is_some()),
             ("persistent_groups", self.persistent_groups.is_some()),
             (

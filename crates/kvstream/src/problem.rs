@@ -160,6 +160,32 @@ pub struct PagedKv {
     pub table_stride: usize,
 }
 
+impl PagedKv {
+    /// Checks the page size, the pool and the block-table stride for caches of `max_len`
+    /// positions per request.
+    pub fn validate(&self, max_len: usize) -> Result<()> {
+        if !SUPPORTED_PAGE_SIZES.contains(&self.page_size) {
+            return Err(Error::invalid(
+                "page_size",
+                self.page_size,
+                format!("{SUPPORTED_PAGE_SIZES:?}"),
+            ));
+        }
+        if self.num_pages == 0 || self.num_pages > i32::MAX as usize {
+            return Err(Error::invalid("num_pages", self.num_pages, "1..=2^31-1"));
+        }
+        let needed = max_len.div_ceil(self.page_size);
+        if self.table_stride < needed || self.table_stride > i32::MAX as usize {
+            return Err(Error::invalid(
+                "block_table stride",
+                self.table_stride,
+                format!("at least ceil(max_len / page_size) = {needed} entries per request"),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Element strides of one KV cache tensor `[batch, max_len, hkv, d]`; the head dim is contiguous.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvStrides {
@@ -401,24 +427,7 @@ impl DecodeProblem {
             ));
         }
         if let Some(pg) = self.paged {
-            if !SUPPORTED_PAGE_SIZES.contains(&pg.page_size) {
-                return Err(Error::invalid(
-                    "page_size",
-                    pg.page_size,
-                    format!("{SUPPORTED_PAGE_SIZES:?}"),
-                ));
-            }
-            if pg.num_pages == 0 || pg.num_pages > i32::MAX as usize {
-                return Err(Error::invalid("num_pages", pg.num_pages, "1..=2^31-1"));
-            }
-            let needed = self.max_len.div_ceil(pg.page_size);
-            if pg.table_stride < needed || pg.table_stride > i32::MAX as usize {
-                return Err(Error::invalid(
-                    "block_table stride",
-                    pg.table_stride,
-                    format!("at least ceil(max_len / page_size) = {needed} entries per request"),
-                ));
-            }
+            pg.validate(self.max_len)?;
         }
         if let Some(s) = self.softmax_scale {
             if !s.is_finite() || s <= 0.0 {
