@@ -179,4 +179,28 @@ struct PieceWalk {
     }
 };
 
+// Tests (p.schedule_log): one thread records the pieces of this CTA's range, as the roles
+// walk them (a count, then up to SCHEDULE_LOG_PIECES {batch, unit, first, end}).
+template <int TILE_TOKENS>
+__device__ __forceinline__ void record_schedule(const PersistentParams& p, const StartShared& st) {
+    int* log = p.schedule_log + (long long)blockIdx.x * (SCHEDULE_LOG_PIECES + 1) * 4;
+    PieceWalk<TILE_TOKENS> walk(p, st);
+    Piece pc;
+    int count = 0;
+    while (walk.next(p, pc)) {
+        if (count < SCHEDULE_LOG_PIECES) {
+            int* e = log + 4 * (count + 1);
+            e[0] = pc.batch;
+            e[1] = pc.unit;
+            e[2] = pc.first;
+            e[3] = pc.end;
+        }
+        ++count;
+    }
+    log[0] = count;
+    log[1] = st.ctas;
+    log[2] = (int)(st.hi - st.lo);
+    log[3] = 0;
+}
+
 }  // namespace kvs

@@ -463,26 +463,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
     setmaxnreg_inc<CONSUMER_REGS>();
     const StartShared st = *start;
     const Schedule sched = {st.total, st.ctas, st.per};
-    if (p.schedule_log && threadIdx.x == 0) {
-        int* log = p.schedule_log + (long long)blockIdx.x * (SCHEDULE_LOG_PIECES + 1) * 4;
-        Walk walk(p, st);
-        Piece pc;
-        int count = 0;
-        while (walk.next(p, pc)) {
-            if (count < SCHEDULE_LOG_PIECES) {
-                int* e = log + 4 * (count + 1);
-                e[0] = pc.batch;
-                e[1] = pc.unit;
-                e[2] = pc.first;
-                e[3] = pc.end;
-            }
-            ++count;
-        }
-        log[0] = count;
-        log[1] = st.ctas;
-        log[2] = (int)(st.hi - st.lo);
-        log[3] = 0;
-    }
+    if (p.schedule_log && threadIdx.x == 0) record_schedule<TILE_TOKENS>(p, st);
 
     const u32 q_base0 = smem_addr(smem + SharedPlan::q);
     const u32 ring_base = smem_addr(smem + SharedPlan::ring);
