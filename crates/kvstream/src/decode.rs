@@ -442,51 +442,28 @@ impl Decoder {
                     + p.head_dim as i64
             }
         };
-        let checks: [(&'static str, usize, usize); 4] = [
-            ("q", q.len(), need_q),
-            ("k_cache", k.len(), kv_need(p.k_strides) as usize),
-            ("v_cache", v.len(), kv_need(p.v_strides) as usize),
-            ("out", out.len(), need_q),
+        let checks = [
+            ("q", q.len(), need_q, ""),
+            ("k_cache", k.len(), kv_need(p.k_strides) as usize, ""),
+            ("v_cache", v.len(), kv_need(p.v_strides) as usize, ""),
+            ("out", out.len(), need_q, ""),
         ];
-        for (arg, have, need) in checks {
-            if have < need {
-                return Err(Error::invalid(
-                    arg,
-                    format!("{have} elements"),
-                    format!("at least {need}"),
-                ));
-            }
-        }
+        let mut checks = checks.to_vec();
         if let Some(l) = &lse {
-            if l.len() < rows {
-                return Err(Error::invalid(
-                    "lse",
-                    format!("{} elements", l.len()),
-                    format!("at least {rows}"),
-                ));
-            }
+            checks.push(("lse", l.len(), rows, ""));
         }
         if let Some(s) = seqlens {
-            if s.len() < p.batch {
-                return Err(Error::invalid(
-                    "cache_seqlens",
-                    format!("{} elements", s.len()),
-                    format!("at least {} (one per request)", p.batch),
-                ));
-            }
+            checks.push(("cache_seqlens", s.len(), p.batch, " (one per request)"));
         }
         if let (Some(bt), Some(pg)) = (block_table, p.paged) {
-            if bt.len() < p.batch * pg.table_stride {
-                return Err(Error::invalid(
-                    "block_table",
-                    format!("{} elements", bt.len()),
-                    format!(
-                        "at least batch x table_stride = {}",
-                        p.batch * pg.table_stride
-                    ),
-                ));
-            }
+            checks.push((
+                "block_table",
+                bt.len(),
+                p.batch * pg.table_stride,
+                " (batch x table_stride)",
+            ));
         }
+        check_lengths(&checks)?;
         let (qp, _g1) = q.device_ptr(stream);
         let (kp, _g2) = k.device_ptr(stream);
         let (vp, _g3) = v.device_ptr(stream);
@@ -698,6 +675,21 @@ impl SplitEngine {
         }
         Ok(())
     }
+}
+
+/// The element counts of a call on slices: each (argument, elements given, elements needed,
+/// what sets the need) must have at least what it needs.
+pub(crate) fn check_lengths(checks: &[(&'static str, usize, usize, &str)]) -> Result<()> {
+    for &(arg, have, need, why) in checks {
+        if have < need {
+            return Err(Error::invalid(
+                arg,
+                format!("{have} elements"),
+                format!("at least {need}{why}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The pieces per CTA a persistent kernel recorded in its schedule log (`schedule_log` in

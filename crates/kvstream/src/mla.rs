@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::decode::{Element, KvElement, KvScale};
+use crate::decode::{check_lengths, Element, KvElement, KvScale};
 use crate::error::{Error, Result};
 use crate::kernels::AnyVariant;
 use crate::launch::{kv_tensor_map, launch, LaunchConfig, TmaElement};
@@ -492,50 +492,27 @@ impl MlaDecoder {
             ));
         }
         let rows = p.batch * p.q_len * p.hq;
-        let checks: [(&'static str, usize, usize); 3] = [
-            ("q", q.len(), rows * MLA_DIM),
-            ("kv_cache", kv.len(), p.cache_elements()),
-            ("out", out.len(), rows * MLA_V_DIM),
+        let checks = [
+            ("q", q.len(), rows * MLA_DIM, ""),
+            ("kv_cache", kv.len(), p.cache_elements(), ""),
+            ("out", out.len(), rows * MLA_V_DIM, ""),
         ];
-        for (arg, have, need) in checks {
-            if have < need {
-                return Err(Error::invalid(
-                    arg,
-                    format!("{have} elements"),
-                    format!("at least {need}"),
-                ));
-            }
-        }
+        let mut checks = checks.to_vec();
         if let Some(l) = &lse {
-            if l.len() < rows {
-                return Err(Error::invalid(
-                    "lse",
-                    format!("{} elements", l.len()),
-                    format!("at least {rows}"),
-                ));
-            }
+            checks.push(("lse", l.len(), rows, ""));
         }
         if let Some(s) = seqlens {
-            if s.len() < p.batch {
-                return Err(Error::invalid(
-                    "cache_seqlens",
-                    format!("{} elements", s.len()),
-                    format!("at least {} (one per request)", p.batch),
-                ));
-            }
+            checks.push(("cache_seqlens", s.len(), p.batch, " (one per request)"));
         }
         if let (Some(bt), Some(pg)) = (block_table, p.paged) {
-            if bt.len() < p.batch * pg.table_stride {
-                return Err(Error::invalid(
-                    "block_table",
-                    format!("{} elements", bt.len()),
-                    format!(
-                        "at least batch x table_stride = {}",
-                        p.batch * pg.table_stride
-                    ),
-                ));
-            }
+            checks.push((
+                "block_table",
+                bt.len(),
+                p.batch * pg.table_stride,
+                " (batch x table_stride)",
+            ));
         }
+        check_lengths(&checks)?;
         let kv_scale = match kv_scale {
             Some(s) => Some(KvScale {
                 ptr: s.device_ptr(stream).0,

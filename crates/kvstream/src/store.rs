@@ -257,20 +257,11 @@ impl KvWriter {
             ));
         }
         // at least: a larger slot buffer or cache is fine
-        let checks: [(&'static str, usize, usize); 3] = [
-            ("slot_mapping", slots.len(), tokens),
-            ("k_cache", k_cache.len(), cache),
-            ("v_cache", v_cache.len(), cache),
-        ];
-        for (arg, have, need) in checks {
-            if have < need {
-                return Err(Error::invalid(
-                    arg,
-                    format!("{have} elements"),
-                    format!("at least {need}"),
-                ));
-            }
-        }
+        crate::decode::check_lengths(&[
+            ("slot_mapping", slots.len(), tokens, ""),
+            ("k_cache", k_cache.len(), cache, ""),
+            ("v_cache", v_cache.len(), cache, ""),
+        ])?;
         let scale_of = |arg: &'static str, s: &CudaSlice<f32>| -> Result<KvScale> {
             Ok(KvScale {
                 ptr: s.device_ptr(stream).0,
