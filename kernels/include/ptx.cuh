@@ -1,4 +1,5 @@
-// kvstream kernel primitives: the only place where inline PTX lives.
+// kvstream kernel primitives: with wgmma.cuh (the warpgroup MMA), the only place where inline
+// PTX lives.
 //
 // Every wrapper is a single instruction (or a tiny retry loop around one) and cites the PTX ISA
 // section it comes from, so that a reader can check operand order against the manual. Kernels are

@@ -20,6 +20,12 @@
 //             merges them in CTA order (deterministic whatever the arrival order).
 //   slot      only the first and the last piece of a CTA can be cut: a cut piece that starts at
 //             B(c) takes slot 2c, one that starts later (so it ends at B(c + 1)) slot 2c + 1.
+//   lanes     (col_lanes = L > 1: the MLA decode with several column blocks a request) the
+//             grid's CTAs are dealt into L lanes, CTA i to lane i % L at place i / L; each
+//             lane runs the schedule above on its floor(grid / L) CTAs ("c" is the place) over
+//             the units of one column block, lane l's (request, KV head) sequence with column
+//             block l. The lanes stream every tile at about the same time, so memory serves it
+//             once and L2 the other lanes. Slots interleave the lanes: L slot(c, .) + l.
 #pragma once
 
 namespace kvs {
@@ -57,6 +63,9 @@ __device__ __host__ inline Schedule make_schedule(long long total, int grid, int
     }
     return {total, ctas, 0};
 }
+
+// Workspace slot of a cut piece of lane `lane` (of `lanes`) whose in-lane slot is `slot`.
+__device__ __host__ inline int lane_slot(int slot, int lanes, int lane) { return slot * lanes + lane; }
 
 // Tiles of a request of `len` positions.
 __device__ __host__ inline int tiles_of(int len, int tile_tokens) {

@@ -2,7 +2,8 @@
 // of every CTA works out, from the lengths in device memory, the call's tile sequence
 // (schedule.cuh) and where this CTA's share of it starts; every role then walks the CTA's
 // pieces with its own PieceWalk. Units are (request, KV head, column block): p.hkv *
-// p.col_blocks of them per request (an MLA cache has one KV head).
+// p.col_blocks of them per request (an MLA cache has one KV head), in one sequence or, with
+// column lanes (p.col_lanes = p.col_blocks), p.hkv per request in each lane's (schedule.cuh).
 #pragma once
 
 #include "decode_params.cuh"
@@ -18,7 +19,10 @@ __device__ __forceinline__ int request_len(const PersistentParams& p, int b) {
     return p.seqlens ? max(0, min(p.seqlens[b], p.max_len)) : p.max_len;
 }
 
-__device__ __forceinline__ int units_per_request(const PersistentParams& p) { return p.hkv * p.col_blocks; }
+// Units of one request in the sequence of one lane.
+__device__ __forceinline__ int units_per_request(const PersistentParams& p) {
+    return p.hkv * p.col_blocks / p.col_lanes;
+}
 
 // What the scheduler warp leaves for the other roles.
 struct StartShared {
@@ -27,7 +31,8 @@ struct StartShared {
     long long base;   // global index of the first tile of `batch`
     long long per;    // Schedule::per
     int batch;        // the request holding tile lo
-    int ctas;         // working CTAs
+    int ctas;         // working CTAs (of each lane)
+    int lane;         // this CTA's lane: the column block of every unit it streams (col_lanes > 1)
 };
 
 __device__ __forceinline__ long long warp_sum(long long v) {
@@ -98,8 +103,9 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
             t_max = max(t_max, warp_max(hi));
         }
     }
-    const Schedule s = make_schedule(total, gridDim.x, p.min_tiles_per_cta, busy * uh, t_min / uh, t_max / uh);
-    const int c = blockIdx.x;
+    const Schedule s =
+        make_schedule(total, gridDim.x / p.col_lanes, p.min_tiles_per_cta, busy * uh, t_min / uh, t_max / uh);
+    const int c = blockIdx.x / p.col_lanes;  // this CTA's place in its lane
     long long lo = 0, hi = 0, req_base = 0;
     int req = 0;
     if (c < s.ctas) {
@@ -148,17 +154,18 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
             }
         }
     }
-    if (lane == 0) *out = {total, lo, hi, req_base, s.per, req, s.ctas};
+    if (lane == 0) *out = {total, lo, hi, req_base, s.per, req, s.ctas, (int)(blockIdx.x % p.col_lanes)};
 }
 
 // The pieces of this CTA's range, in order; every role walks its own copy.
 template <int TILE_TOKENS>
 struct PieceWalk {
     long long t, hi, base;
-    int batch, tiles, len, uh;
+    int batch, tiles, len, uh, lanes, lane;
 
     __device__ __forceinline__ PieceWalk(const PersistentParams& p, const StartShared& s)
-        : t(s.lo), hi(s.hi), base(s.base), batch(s.batch), uh(units_per_request(p)) {
+        : t(s.lo), hi(s.hi), base(s.base), batch(s.batch), uh(units_per_request(p)), lanes(p.col_lanes),
+          lane(s.lane) {
         len = t < hi ? request_len(p, batch) : 0;
         tiles = tiles_of(len, TILE_TOKENS);
     }
@@ -173,7 +180,7 @@ struct PieceWalk {
         const int unit = (int)((t - base) / tiles);
         const long long start = base + (long long)unit * tiles;
         const long long end = hi - start < tiles ? hi - start : tiles;
-        pc = {batch, unit, len, (int)(t - start), (int)end, tiles, start};
+        pc = {batch, unit * lanes + lane, len, (int)(t - start), (int)end, tiles, start};
         t = start + end;
         return true;
     }

@@ -37,6 +37,23 @@
 //              which its shared memory enforces) is resident at once. The unit's second counter
 //              counts the merged slices; the last one resets both (nothing zeroed between calls).
 //
+// Wide column blocks (KVS_N_TILES 8: 64 query rows, where a request has that many; the op is
+// compute-bound there) take another consumer, on the same schedule, ring, epilogue and merge:
+// the query rows are the M dimension of the warpgroup MMA (wgmma.cuh), both operands of every
+// product in shared memory, so a KV tile is read from shared memory once per product for all 64
+// rows.
+//   warpgroup 0  S = Q K^T (64 rows x TILE_TOKENS positions, 36 k16 steps), the online softmax
+//                of its rows, P (16-bit, 128-byte swizzle) and each row's rescale factor to
+//                shared memory; then O[:, 0..255] += P V;
+//   warpgroup 1  O[:, 256..511] += P V, after rescaling by the posted factors.
+// Warpgroup 0 issues the next tile's S as soon as its P V is issued, so the tensor cores run
+// both warpgroups' P V and the next S back to back; the softmax is the only gap. The one P
+// buffer changes hands at two named barriers of both warpgroups: P_READY (P and the factors
+// written) and P_FREE (warpgroup 1's P V done, before the next P is written; warpgroup 1 has
+// nothing else to wait for, so neither costs a stall an arrive would save). The query rows are staged by the consumers (the 128-byte swizzle of a
+// wgmma operand is no bulk copy's layout); positions past the length are zeroed in the
+// request's last tile before P V reads them as V (P is 0 there, but 0 x NaN is NaN).
+//
 // Ring protocol, n = the CTA's running tile count, stage s = n % STAGES, parity (n / STAGES) & 1:
 //   producer  wait empty[s] (from the second lap); the tile's boxes on full[s]
 //   consumer  wait full[s], S phase, softmax, O phase, every lane arrives on empty[s]
@@ -48,7 +65,8 @@
 // Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
 //   KVS_IS_F16        0: bf16, 1: f16 (q and out; the cache too unless KVS_KV_FP8)
 //   KVS_KV_FP8        1: the cache is float8 e4m3 with an FP32 scale (p.k_scale, as K and as V)
-//   KVS_N_TILES       n8 tiles of query rows per column block (2 or 4: each warp scores half)
+//   KVS_N_TILES       n8 tiles of query rows per column block (2 or 4: each warp scores half;
+//                     8: the wide consumer)
 //   KVS_TILE_TOKENS   positions per ring stage (64: four warps of m16 slices)
 //   KVS_STAGES        ring depth
 //   KVS_PAGED         0: contiguous cache [batch, max_len, 576]; 1: page pool [pages, page_size, 576]
@@ -58,6 +76,7 @@
 #include "schedule.cuh"
 #include "scheduler.cuh"
 #include "trace.cuh"
+#include "wgmma.cuh"
 
 namespace kvs {
 
@@ -88,6 +107,7 @@ constexpr int N_TILES = KVS_N_TILES;
 constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
 constexpr int STAGES = KVS_STAGES;
 constexpr bool PAGED = KVS_PAGED;
+constexpr bool WIDE = N_TILES == 8;  // 64 query rows on the wgmma M dimension
 
 constexpr int MLA_DIM = 576;  // a cached row, and a query row: latent 512 + rope 64
 constexpr int V_DIM = 512;    // the latent part: V, and an output row
@@ -130,7 +150,15 @@ constexpr int P_ROW = TILE_TOKENS * 2 + 16;  // P^T as [column][position], padde
 constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;  // paged: page runs per tile, per producer lane
 constexpr int MERGE_LOADS = 8;                   // partial rows in flight per merging thread
 
-struct SharedPlan {
+// the wide consumer (WIDE): query rows and P in the 128-byte swizzle, box after box like a tile
+constexpr int WIDE_ROWS = 64;
+constexpr int WIDE_Q_BYTES = WIDE_ROWS * MLA_DIM * 2;
+constexpr int WIDE_P_BYTES = WIDE_ROWS * TILE_TOKENS * 2;
+constexpr int WG_THREADS = 128;
+constexpr int WIDE_O_DIMS = V_DIM / 2;  // output dims per consumer warpgroup
+enum WideBarrier { BAR_CONSUMERS = 1, BAR_P_READY = 2, BAR_P_FREE = 3 };
+
+struct NarrowShared {
     static constexpr int align = 1024;  // the 128-byte swizzle repeats every 1024 bytes
     static constexpr int ring = 0;
     static constexpr int q = STAGES * TILE_BYTES;
@@ -145,11 +173,38 @@ struct SharedPlan {
     static constexpr int start = q_empty + 8 * Q_BUFFERS;  // StartShared
     static constexpr int bytes = start + 64;
 };
+struct WideShared {
+    static constexpr int align = 1024;
+    static constexpr int ring = 0;
+    static constexpr int q = STAGES * TILE_BYTES;
+    static constexpr int p = q + WIDE_Q_BYTES;
+    static constexpr int row_alpha = p + WIDE_P_BYTES;  // [row]: this tile's rescale factor
+    static constexpr int row_m = row_alpha + 4 * WIDE_ROWS;  // [row]: the piece's max and
+    static constexpr int row_l = row_m + 4 * WIDE_ROWS;      // denominator, for the epilogue
+    static constexpr int full = row_l + 4 * WIDE_ROWS;
+    static constexpr int empty = full + 8 * STAGES;
+    static constexpr int q_full = empty + 8 * STAGES;  // unused: the consumers stage the rows
+    static constexpr int q_empty = q_full + 8 * Q_BUFFERS;
+    static constexpr int start = q_empty + 8 * Q_BUFFERS;
+    static constexpr int bytes = start + 64;
+};
+template <bool C, class A, class B>
+struct Pick {
+    using type = A;
+};
+template <class A, class B>
+struct Pick<false, A, B> {
+    using type = B;
+};
+using SharedPlan = typename Pick<WIDE, WideShared, NarrowShared>::type;
 
 static_assert(CONSUMER_WARPS % SLICES == 0 && N_TILES % COL_SPLIT == 0 && K_STEPS % (2 * COL_SPLIT) == 0,
               "warps cover slices x parts of the dims and of the columns");
 static_assert(V_DIM % (16 * CONSUMER_WARPS) == 0 && O_TILES % 2 == 0, "O^T m-tiles in pairs per warp");
-static_assert(N_TILES >= 1 && N_TILES <= 4, "column blocks of up to 32 rows");
+static_assert(N_TILES == 2 || N_TILES == 4 || N_TILES == 8, "column blocks of 16, 32 or 64 rows");
+static_assert(!WIDE || (!KV_FP8 && TILE_TOKENS == 64 && CONSUMER_WARPS == 8 && BOX_BYTES == 8192),
+              "wide: 2-byte tiles of 64 positions x 64 dims a box, two consumer warpgroups");
+static_assert(!WIDE || SharedPlan::p % 1024 == 0 && SharedPlan::q % 1024 == 0, "swizzled operands 1024-aligned");
 static_assert(TILE_BYTES % 1024 == 0, "every stage starts on a swizzle-pattern boundary");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
 static_assert(sizeof(StartShared) <= 64, "StartShared slot");
@@ -212,7 +267,7 @@ __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, co
     Piece pc;
     int n = 0, j = 0;
     while (walk.next(p, pc)) {
-        load_query_rows(p, r, pc, j++);
+        if constexpr (!WIDE) load_query_rows(p, r, pc, j++);
         for (int k = pc.first; k < pc.end; ++k, ++n) {
             const int s = acquire_stage(r, n);
             mbarrier_arrive_expect_tx(r.full + 8 * s, TILE_BYTES);
@@ -241,7 +296,7 @@ __device__ __forceinline__ void produce_paged(const PersistentParams& p, const R
     Piece pc;
     int n = 0, j = 0;
     while (walk.next(p, pc)) {
-        if (lane == 0) load_query_rows(p, r, pc, j);
+        if (!WIDE && lane == 0) load_query_rows(p, r, pc, j);
         ++j;
         const int* table = p.block_table + (long long)pc.batch * p.table_stride;
         const int end_page = ((pc.len - 1) >> shift) + 1;
@@ -279,8 +334,15 @@ __device__ __forceinline__ float lse_of(float m, float l) {
     return l > 0.f ? (m + __log2f(l)) * 0.69314718055994531f : neg_inf();
 }
 
-// Slot of piece i of a cut unit whose pieces lie in CTAs c0, c0 + 1, ...: only the first can
-// sit in its CTA's second slot (schedule.cuh).
+// This CTA's place in its lane (schedule.cuh), and the workspace slot of its cut piece that
+// starts at tile `start` of the lane's sequence.
+__device__ __forceinline__ int lane_place(const PersistentParams& p) { return blockIdx.x / p.col_lanes; }
+__device__ __forceinline__ int piece_slot(const PersistentParams& p, const Schedule& s, int lane, long long start) {
+    return lane_slot(s.slot(lane_place(p), start), p.col_lanes, lane);
+}
+
+// Slot of piece i of a cut unit whose pieces lie in the CTAs at places c0, c0 + 1, ... of a
+// lane: only the first can sit in its CTA's second slot (schedule.cuh).
 struct CutUnit {
     int batch, unit;
     long long start;  // global index of the unit's first tile
@@ -306,13 +368,14 @@ struct MergeState {
     }
 };
 
-__device__ __forceinline__ void merge_slice(const PersistentParams& p, const Schedule& s, const CutUnit& u) {
+__device__ __forceinline__ void merge_slice(const PersistentParams& p, const Schedule& s, const CutUnit& u,
+                                            int lane) {
     const int c0 = s.cta_of(u.start), pieces = s.cta_of(u.start + u.tiles - 1) - c0 + 1;
-    const int first_slot = s.slot(c0, u.start);
-    auto slot_of = [&](int i) { return i == 0 ? first_slot : 2 * (c0 + i); };
+    const int first_slot = lane_slot(s.slot(c0, u.start), p.col_lanes, lane);
+    auto slot_of = [&](int i) { return i == 0 ? first_slot : lane_slot(2 * (c0 + i), p.col_lanes, lane); };
     const int count = columns_in(p, u.unit);
     const int groups = count * (V_DIM / 4);
-    const int me = blockIdx.x - c0;
+    const int me = lane_place(p) - c0;
     const int g_begin = (int)((long long)me * groups / pieces), g_end = (int)((long long)(me + 1) * groups / pieces);
     int split = 1;
     while (split < 32 && split * (g_end - g_begin) < CONSUMER_THREADS && split < pieces) split *= 2;
@@ -367,7 +430,8 @@ __device__ __forceinline__ void merge_slice(const PersistentParams& p, const Sch
 
 // Waits until every piece of the cut unit is parked, merges this CTA's slice, counts it in;
 // the last slice resets both counters.
-__device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const CutUnit& u) {
+__device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const CutUnit& u,
+                                               int lane) {
     const int pieces = s.cta_of(u.start + u.tiles - 1) - s.cta_of(u.start) + 1;
     int* counters = p.arrivals + 2 * ((long long)u.batch * p.col_blocks + u.unit);
     if (threadIdx.x == 0) {
@@ -377,7 +441,7 @@ __device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const 
     named_barrier_sync(1, CONSUMER_THREADS);
     const bool first = TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_MERGE_START);
     if (first) trace_stamp(TRACE_MERGE_START);
-    merge_slice(p, s, u);
+    merge_slice(p, s, u, lane);
     if (first) trace_stamp(TRACE_MERGE_DONE);
     named_barrier_sync(1, CONSUMER_THREADS);
     if (first) trace_stamp(TRACE_MERGE_SYNCED);
@@ -402,82 +466,56 @@ __device__ __forceinline__ void write_empty_requests(const PersistentParams& p) 
     }
 }
 
-}  // namespace kvs
+// ================================ consumers ===============================================
+// The cut units a CTA parked a piece of: only its first and its last piece can be cut.
+struct CutUnits {
+    CutUnit first = {}, last = {};
+    bool has_first = false, has_last = false;
+};
+// What a CTA's consumers streamed, for the trace.
+struct Tally {
+    int tiles, pieces;
+};
 
-using namespace kvs;
+// Parks a cut piece once every consumer has written its partials (the barrier orders them before
+// thread 0's release) and remembers its unit for the merge.
+__device__ __forceinline__ void park_piece(const PersistentParams& p, const StartShared& st, const Piece& pc,
+                                           CutUnits& cuts) {
+    named_barrier_sync(1, CONSUMER_THREADS);
+    if (threadIdx.x == 0) atom_add_acq_rel_gpu(p.arrivals + 2 * ((long long)pc.batch * p.col_blocks + pc.unit), 1);
+    const CutUnit u = {pc.batch, pc.unit, pc.start, pc.tiles};
+    if (pc.start + pc.first == st.lo) {
+        cuts.first = u;
+        cuts.has_first = true;
+    } else {
+        cuts.last = u;
+        cuts.has_last = true;
+    }
+}
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __grid_constant__ PersistentParams p) {
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    unsigned char* smem = smem_raw + ((SharedPlan::align - smem_addr(smem_raw) % SharedPlan::align) %
-                                      SharedPlan::align);
-    u64* full = reinterpret_cast<u64*>(smem + SharedPlan::full);
-    u64* empty = reinterpret_cast<u64*>(smem + SharedPlan::empty);
-    u64* q_full = reinterpret_cast<u64*>(smem + SharedPlan::q_full);
-    u64* q_empty = reinterpret_cast<u64*>(smem + SharedPlan::q_empty);
-    float* tile_max = reinterpret_cast<float*>(smem + SharedPlan::tile_max);
-    float* slice_l = reinterpret_cast<float*>(smem + SharedPlan::slice_l);
-    StartShared* start = reinterpret_cast<StartShared*>(smem + SharedPlan::start);
+// The eight consumer warps of a narrow column block (16 or 32 rows; see the top of the file).
+__device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsigned char* smem, const StartShared& st,
+                                                CutUnits& cuts) {
+    u64* full = reinterpret_cast<u64*>(smem + NarrowShared::full);
+    u64* empty = reinterpret_cast<u64*>(smem + NarrowShared::empty);
+    u64* q_full = reinterpret_cast<u64*>(smem + NarrowShared::q_full);
+    u64* q_empty = reinterpret_cast<u64*>(smem + NarrowShared::q_empty);
+    float* tile_max = reinterpret_cast<float*>(smem + NarrowShared::tile_max);
+    float* slice_l = reinterpret_cast<float*>(smem + NarrowShared::slice_l);
+    const Schedule sched = {st.total, st.ctas, st.per};
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    if (TRACE && threadIdx.x == 0) {
-        trace_clear();
-        trace_stamp(TRACE_ENTRY);
-    }
 
-    if (threadIdx.x == PRODUCER_WARP * 32) prefetch_tensor_map(&p.k_map);
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], CONSUMER_THREADS);
-        }
-        for (int b = 0; b < Q_BUFFERS; ++b) {
-            mbarrier_init(&q_full[b], 1);
-            mbarrier_init(&q_empty[b], CONSUMER_THREADS);
-        }
-        fence_mbarrier_init();
-    }
-    // Nothing below may read global memory the previous kernel writes before it has finished.
-    pdl_wait_for_producer();
-    pdl_release_dependents();
-    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
-    if (warp == 0) schedule_start<TILE_TOKENS>(p, start);
-    __syncthreads();
-    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_SCHEDULED);
-    if (warp >= PRODUCER_WARP) {
-        // ================================ producer warpgroup =============================
-        setmaxnreg_dec<PRODUCER_REGS>();
-        if (warp != PRODUCER_WARP) return;
-        const StartShared st = *start;
-        const Ring ring = {smem_addr(smem + SharedPlan::ring), smem_addr(full),  smem_addr(empty),
-                           smem_addr(smem + SharedPlan::q),    smem_addr(q_full), smem_addr(q_empty)};
-        const u64 policy = l2_policy_evict_first();
-        if constexpr (PAGED) {
-            produce_paged(p, ring, st, policy);
-        } else if (lane == 0) {
-            produce_contiguous(p, ring, st, policy);
-        }
-        return;
-    }
-
-    // ================================= consumer warps ======================================
-    setmaxnreg_inc<CONSUMER_REGS>();
-    const StartShared st = *start;
-    const Schedule sched = {st.total, st.ctas, st.per};
-    if (p.schedule_log && threadIdx.x == 0) record_schedule<TILE_TOKENS>(p, st);
-
-    const u32 q_base0 = smem_addr(smem + SharedPlan::q);
-    const u32 ring_base = smem_addr(smem + SharedPlan::ring);
-    const u32 p_base = smem_addr(smem + SharedPlan::p);
+    const u32 q_base0 = smem_addr(smem + NarrowShared::q);
+    const u32 ring_base = smem_addr(smem + NarrowShared::ring);
+    const u32 p_base = smem_addr(smem + NarrowShared::p);
     const int slice = warp % SLICES, row0 = slice * 16;  // this warp's positions of every tile,
     const int part = warp / SLICES;                          // its part of the dims and columns:
     const int k0 = part * S_STEPS;                           // its first k16 step,
     const int s_nt0 = part * S_TILES;                        // its first n8 tile of the softmax
-    const u32 partial_base = smem_addr(smem + SharedPlan::partial);
+    const u32 partial_base = smem_addr(smem + NarrowShared::partial);
     // ldmatrix lane addressing of a [column][k] row-major B operand, two k-steps
     const int b_row = lane % 8, b_col = (lane / 8) * 8;
-    // the cut units this CTA parked a piece of: only its first and its last piece can be cut
-    CutUnit first_cut = {}, last_cut = {};
-    bool has_first_cut = false, has_last_cut = false;
 
     Walk walk(p, st);
     Piece pc;
@@ -707,7 +745,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
             }
         named_barrier_sync(1, CONSUMER_THREADS);
         const bool whole = pc.whole();
-        const long long slot_row = whole ? 0 : (long long)sched.slot(blockIdx.x, pc.start + pc.first) * GROUP_PAD;
+        const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, pc.start + pc.first) * GROUP_PAD;
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
@@ -743,32 +781,327 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
                     }
                 }
             }
-        if (!whole) {
-            // park: the barrier orders every thread's partials before thread 0's release
-            named_barrier_sync(1, CONSUMER_THREADS);
-            if (threadIdx.x == 0) atom_add_acq_rel_gpu(p.arrivals + 2 * ((long long)pc.batch * p.col_blocks + pc.unit), 1);
-            const CutUnit u = {pc.batch, pc.unit, pc.start, pc.tiles};
-            if (pc.start + pc.first == st.lo) {
-                first_cut = u;
-                has_first_cut = true;
-            } else {
-                last_cut = u;
-                has_last_cut = true;
-            }
-        }
+        if (!whole) park_piece(p, st, pc, cuts);
         // the next piece's epilogue rewrites warp_l only after at least one more tile's two
         // barriers, which every warp reaches after reading it here
     }
+    return {n0, pieces_done};
+}
+
+// ---------------------------------- wide consumer ------------------------------------------
+// A piece's query rows into the wide layout (BOXES boxes of [64 rows][128 bytes], 128-byte
+// swizzle; rows past `count` zero), by every consumer thread; the caller fences and syncs.
+__device__ __forceinline__ void stage_query_rows_wide(const PersistentParams& p, const Piece& pc,
+                                                      unsigned char* q, int count) {
+    constexpr int CHUNKS = MLA_DIM * 2 / 16;
+    for (int i = threadIdx.x; i < WIDE_ROWS * CHUNKS; i += CONSUMER_THREADS) {
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < count) {
+            const Column col = column_of(p, pc.unit, r);
+            const u16* src = reinterpret_cast<const u16*>(p.q) + pc.batch * p.q_batch_stride +
+                             (long long)col.token * p.q_token_stride + (long long)col.head * p.q_head_stride;
+            v = *reinterpret_cast<const uint4*>(src + c * 8);
+        }
+        *reinterpret_cast<uint4*>(q + (c / 8) * BOX_BYTES + r * 128 + (((c % 8) ^ (r % 8)) << 4)) = v;
+    }
+}
+
+// Zeroes the V part (dims 0..511) of a tile's positions [from, TILE_TOKENS), by one warpgroup.
+__device__ __forceinline__ void clear_v_rows(unsigned char* smem, int tile_offset, int from) {
+    constexpr int CHUNKS = V_DIM * 2 / 16;
+    for (int i = threadIdx.x % WG_THREADS; i < (TILE_TOKENS - from) * CHUNKS; i += WG_THREADS) {
+        const int t = from + i / CHUNKS, c = i % CHUNKS;
+        *reinterpret_cast<uint4*>(smem + tile_offset + (int)Kv::Rows::chunk(0, t, c)) = make_uint4(0, 0, 0, 0);
+    }
+}
+
+// O[:, 256 wg .. + 256] of rows r0, r0 + 8 times their factors (a warp whose rows all keep
+// their max skips it).
+__device__ __forceinline__ void rescale_o(float (&o)[WIDE_O_DIMS / 2], float a0, float a1) {
+    if (!__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) return;
+#pragma unroll
+    for (int j = 0; j < WIDE_O_DIMS / 8; ++j) {
+        o[4 * j] *= a0;
+        o[4 * j + 1] *= a0;
+        o[4 * j + 2] *= a1;
+        o[4 * j + 3] *= a1;
+    }
+}
+
+// Issues O[:, 256 wg .. + 256] += P V for the tile at `tile`, P from shared memory (p_desc). V
+// is N-major: rows are positions (8 of them 1024 bytes apart), 64 dims a box, boxes BOX_BYTES
+// apart.
+__device__ __forceinline__ void issue_pv(float (&o)[WIDE_O_DIMS / 2], u64 p_desc, u32 tile, int wg) {
+    const u64 v_desc = smem_desc_sw128(tile + wg * (WIDE_O_DIMS / 64) * BOX_BYTES, BOX_BYTES, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < TILE_TOKENS / 16; ++ks)
+        wgmma_m64n256k16<MMA_F16, 1>(o, p_desc + ((ks * 32) >> 4), v_desc + ((ks * 16 * 128) >> 4), true);
+    wgmma_commit();
+}
+
+// Two consumer warpgroups on column blocks of 64 rows (see the top of the file). Thread t of
+// warpgroup wg holds rows r0 = 16 (t / 32) + (t % 32) / 4 and r0 + 8 of S (warpgroup 0) and of
+// O[:, 256 wg .. + 256], in the wgmma accumulator layout (wgmma.cuh).
+__device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigned char* smem, const StartShared& st,
+                                              CutUnits& cuts) {
+    u64* full = reinterpret_cast<u64*>(smem + WideShared::full);
+    u64* empty = reinterpret_cast<u64*>(smem + WideShared::empty);
+    float* row_alpha = reinterpret_cast<float*>(smem + WideShared::row_alpha);
+    float* row_m = reinterpret_cast<float*>(smem + WideShared::row_m);
+    float* row_l = reinterpret_cast<float*>(smem + WideShared::row_l);
+    const Schedule sched = {st.total, st.ctas, st.per};
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / WG_THREADS, 0);  // warp-uniform for ptxas
+    const int lane = threadIdx.x % 32;
+    const int r0 = 16 * ((threadIdx.x % WG_THREADS) / 32) + lane / 4;  // and r0 + 8
+    const int pair = 2 * (lane % 4);  // first of the two accumulator columns of an n8 tile
+    const u32 ring_base = smem_addr(smem + WideShared::ring);
+    const u32 p_base = smem_addr(smem + WideShared::p);
+    // K-major operands (Q, K, P): a k16 step is 32 bytes along the row, a box 64 k further
+    const u64 q_desc = smem_desc_sw128(smem_addr(smem + WideShared::q), 16, 1024);
+    const u64 p_desc = smem_desc_sw128(p_base, 16, 1024);
+    const float score_scale = p.scale_log2;
+
+    Walk walk(p, st);
+    Piece pc;
+    int n0 = 0, pieces_done = 0;
+    while (walk.next(p, pc)) {
+        const int count = columns_in(p, pc.unit);
+        stage_query_rows_wide(p, pc, smem + WideShared::q, count);
+        fence_proxy_async_shared();
+        named_barrier_sync(BAR_CONSUMERS, CONSUMER_THREADS);
+        if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);
+
+        float o[WIDE_O_DIMS / 2];
+        float s[TILE_TOKENS / 2];
+#pragma unroll
+        for (int i = 0; i < WIDE_O_DIMS / 2; ++i) o[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < TILE_TOKENS / 2; ++i) s[i] = 0.f;
+        float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+        int limit[2];  // positions (exclusive) each of the thread's rows may see
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = r0 + 8 * i;
+            limit[i] = r < count ? pc.len - p.q_len + 1 + column_of(p, pc.unit, r).token : 0;
+        }
+
+        // the warpgroups' loops apart: a wgmma left in flight on one side of a branch inside the
+        // loop would make ptxas serialise every wgmma
+        if (wg == 0) {
+            for (int k = pc.first; k < pc.end; ++k) {
+                const int n = n0 + k - pc.first;
+                const int stage = n % STAGES;
+                const u32 tile = ring_base + stage * TILE_BYTES;
+                const int tile_begin = k * TILE_TOKENS;
+                mbarrier_wait(&full[stage], (n / STAGES) & 1);
+                if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
+                // ---- S = Q K^T over the 576 dims ----
+                const u64 k_desc = smem_desc_sw128(tile, 16, 1024);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < K_STEPS; ++kk)
+                    wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * BOX_BYTES + (kk % 4) * 32) >> 4),
+                                                k_desc + (((kk / 4) * BOX_BYTES + (kk % 4) * 32) >> 4), kk > 0);
+                wgmma_commit();
+                wgmma_wait<0>();  // this S, and the previous tile's P V
+                wgmma_hold(s);
+                wgmma_hold(o);
+                if (k > pc.first) mbarrier_arrive(&empty[(n - 1) % STAGES]);
+                if (tile_begin + TILE_TOKENS > pc.len) clear_v_rows(smem, stage * TILE_BYTES, pc.len - tile_begin);
+
+                // ---- online softmax of rows r0, r0 + 8 over the tile's positions ----
+                float alpha[2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    float mx = neg_inf();
+#pragma unroll
+                    for (int j = 0; j < TILE_TOKENS / 8; ++j)
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            float& v = s[4 * j + 2 * i + c];
+                            v = tile_begin + 8 * j + pair + c < limit[i] ? v * score_scale : neg_inf();
+                            mx = fmaxf(mx, v);
+                        }
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    const float m_new = fmaxf(m_run[i], mx);
+                    // rows that have seen only masked positions keep m = -inf: subtract 0 then
+                    const float m_use = m_new == neg_inf() ? 0.f : m_new;
+                    alpha[i] = exp2_approx(m_run[i] - m_use);
+                    m_run[i] = m_new;
+                    float sum = 0.f;
+#pragma unroll
+                    for (int j = 0; j < TILE_TOKENS / 8; ++j)
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            float& v = s[4 * j + 2 * i + c];
+                            v = exp2_approx(v - m_use);
+                            sum += v;
+                        }
+                    l_run[i] = l_run[i] * alpha[i] + sum;
+                }
+                // ---- hand P and the factors to warpgroup 1 (once it is done with the last) ----
+                if (k > pc.first) named_barrier_sync(BAR_P_FREE, CONSUMER_THREADS);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int r = r0 + 8 * i;
+#pragma unroll
+                    for (int j = 0; j < TILE_TOKENS / 8; ++j)
+                        *reinterpret_cast<u32*>(smem + WideShared::p + r * 128 + ((j ^ (r % 8)) << 4) + 2 * pair) =
+                            pack_half2<MMA_F16>(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]);
+                    if (lane % 4 == 0) row_alpha[r] = alpha[i];
+                }
+                fence_proxy_async_shared();
+                named_barrier_sync(BAR_P_READY, CONSUMER_THREADS);
+                // ---- O[:, 0..255] += P V; the next tile's S follows it on the tensor cores ----
+                rescale_o(o, alpha[0], alpha[1]);
+                issue_pv(o, p_desc, tile, 0);
+            }
+            wgmma_wait<0>();
+            wgmma_hold(o);
+            mbarrier_arrive(&empty[(n0 + pc.end - pc.first - 1) % STAGES]);
+        } else {
+            for (int k = pc.first; k < pc.end; ++k) {
+                const int stage = (n0 + k - pc.first) % STAGES;
+                named_barrier_sync(BAR_P_READY, CONSUMER_THREADS);
+                rescale_o(o, row_alpha[r0], row_alpha[r0 + 8]);
+                issue_pv(o, p_desc, ring_base + stage * TILE_BYTES, 1);
+                wgmma_wait<0>();
+                wgmma_hold(o);
+                mbarrier_arrive(&empty[stage]);
+                if (k + 1 < pc.end) named_barrier_sync(BAR_P_FREE, CONSUMER_THREADS);
+            }
+        }
+        if (TRACE && threadIdx.x == 0) trace_stamp(n0 == 0 ? TRACE_FIRST_LOOP : TRACE_LAST_LOOP);
+        n0 += pc.end - pc.first;
+        ++pieces_done;
+
+        // ============================ epilogue ============================================
+        if (wg == 0)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float l = l_run[i];
+                l += __shfl_xor_sync(0xffffffffu, l, 1);
+                l += __shfl_xor_sync(0xffffffffu, l, 2);
+                if (lane % 4 == 0) {
+                    row_l[r0 + 8 * i] = l;
+                    row_m[r0 + 8 * i] = m_run[i];
+                }
+            }
+        named_barrier_sync(BAR_CONSUMERS, CONSUMER_THREADS);
+        const bool whole = pc.whole();
+        const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, pc.start + pc.first) * GROUP_PAD;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = r0 + 8 * i;
+            if (r >= count) continue;
+            const float l = row_l[r], m = row_m[r];
+            const int d0 = wg * WIDE_O_DIMS + pair;
+            if (whole) {
+                const Column col = column_of(p, pc.unit, r);
+                u16* out = out_ptr(p, pc.batch, col) + d0;
+                const float inv = normaliser(l, 1.f);
+#pragma unroll
+                for (int j = 0; j < WIDE_O_DIMS / 8; ++j)
+                    *reinterpret_cast<u32*>(out + 8 * j) =
+                        pack_half2<IS_F16>(o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
+                if (p.lse && wg == 0 && lane % 4 == 0) p.lse[out_row(p, pc.batch, col)] = lse_of(m, l);
+            } else {
+                float* out = p.o_partial + (slot_row + r) * V_DIM + d0;
+#pragma unroll
+                for (int j = 0; j < WIDE_O_DIMS / 8; ++j)
+                    *reinterpret_cast<float2*>(out + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
+                if (wg == 0 && lane % 4 == 0) {
+                    p.ml_partial[(slot_row + r) * 2] = m;
+                    p.ml_partial[(slot_row + r) * 2 + 1] = l;
+                }
+            }
+        }
+        if (!whole) park_piece(p, st, pc, cuts);
+    }
+    return {n0, pieces_done};
+}
+
+}  // namespace kvs
+
+using namespace kvs;
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __grid_constant__ PersistentParams p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((SharedPlan::align - smem_addr(smem_raw) % SharedPlan::align) %
+                                      SharedPlan::align);
+    u64* full = reinterpret_cast<u64*>(smem + SharedPlan::full);
+    u64* empty = reinterpret_cast<u64*>(smem + SharedPlan::empty);
+    u64* q_full = reinterpret_cast<u64*>(smem + SharedPlan::q_full);
+    u64* q_empty = reinterpret_cast<u64*>(smem + SharedPlan::q_empty);
+    StartShared* start = reinterpret_cast<StartShared*>(smem + SharedPlan::start);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (TRACE && threadIdx.x == 0) {
+        trace_clear();
+        trace_stamp(TRACE_ENTRY);
+    }
+
+    if (threadIdx.x == PRODUCER_WARP * 32) prefetch_tensor_map(&p.k_map);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], CONSUMER_THREADS);
+        }
+        for (int b = 0; b < Q_BUFFERS; ++b) {
+            mbarrier_init(&q_full[b], 1);
+            mbarrier_init(&q_empty[b], CONSUMER_THREADS);
+        }
+        fence_mbarrier_init();
+    }
+    // Nothing below may read global memory the previous kernel writes before it has finished.
+    pdl_wait_for_producer();
+    pdl_release_dependents();
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
+    if (warp == 0) schedule_start<TILE_TOKENS>(p, start);
+    __syncthreads();
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_SCHEDULED);
+    if (warp >= PRODUCER_WARP) {
+        // ================================ producer warpgroup =============================
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (warp != PRODUCER_WARP) return;
+        const StartShared st = *start;
+        const Ring ring = {smem_addr(smem + SharedPlan::ring), smem_addr(full),  smem_addr(empty),
+                           smem_addr(smem + SharedPlan::q),    smem_addr(q_full), smem_addr(q_empty)};
+        // a tile is streamed once, but by every lane (schedule.cuh): evict it first only then
+        const u64 policy = p.col_lanes > 1 ? l2_policy_evict_normal() : l2_policy_evict_first();
+        if constexpr (PAGED) {
+            produce_paged(p, ring, st, policy);
+        } else if (lane == 0) {
+            produce_contiguous(p, ring, st, policy);
+        }
+        return;
+    }
+
+    // ================================= consumer warps ======================================
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const StartShared st = *start;
+    if (p.schedule_log && threadIdx.x == 0) record_schedule<TILE_TOKENS>(p, st);
+    CutUnits cuts;
+    Tally tally;
+    if constexpr (WIDE) {
+        tally = consume_wide(p, smem, st, cuts);
+    } else {
+        tally = consume_narrow(p, smem, st, cuts);
+    }
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
-    if (has_first_cut) merge_cut_unit(p, sched, first_cut);
-    if (has_last_cut) merge_cut_unit(p, sched, last_cut);
+    const Schedule sched = {st.total, st.ctas, st.per};
+    if (cuts.has_first) merge_cut_unit(p, sched, cuts.first, st.lane);
+    if (cuts.has_last) merge_cut_unit(p, sched, cuts.last, st.lane);
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);
     write_empty_requests(p);
     if (TRACE) {
         named_barrier_sync(1, CONSUMER_THREADS);
-        if (threadIdx.x == 0 && n0 > 0) {
+        if (threadIdx.x == 0 && tally.tiles > 0) {
             trace_stamp(TRACE_EXIT);
-            trace_write(n0, pieces_done, (int)(st.hi - st.lo), PAGED ? 1u : 0u);
+            trace_write(tally.tiles, tally.pieces, (int)(st.hi - st.lo), PAGED ? 1u : 0u);
         }
     }
 }

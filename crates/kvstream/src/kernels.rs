@@ -8,7 +8,7 @@ use crate::plan;
 use crate::problem::{DType, DecodeProblem, KvDType, MAX_GROUP, SUPPORTED_HEAD_DIMS};
 
 /// Headers the kernels include, by the name they use in `#include "..."`.
-pub const HEADERS: [(&str, &str); 7] = [
+pub const HEADERS: [(&str, &str); 8] = [
     ("ptx.cuh", include_str!("../../../kernels/include/ptx.cuh")),
     (
         "kv_format.cuh",
@@ -33,6 +33,10 @@ pub const HEADERS: [(&str, &str); 7] = [
     (
         "trace.cuh",
         include_str!("../../../kernels/include/trace.cuh"),
+    ),
+    (
+        "wgmma.cuh",
+        include_str!("../../../kernels/include/wgmma.cuh"),
     ),
 ];
 
@@ -458,7 +462,8 @@ pub struct MlaVariant {
     pub dtype: DType,
     /// Element type of the cache.
     pub kv_dtype: KvDType,
-    /// n8 tiles of query rows per column block: 2 or 4 (each consumer warp scores half).
+    /// n8 tiles of query rows per column block: 2 or 4 (the narrow consumer: each warp scores
+    /// half), or 8 (the wide consumer: 64 rows on the warpgroup MMA; 2-byte caches only).
     pub n_tiles: usize,
     /// Positions per ring stage (16 per slice of four consumer warps).
     pub tile_tokens: usize,
@@ -480,6 +485,14 @@ impl MlaVariant {
         let columns = self.n_tiles * 8;
         let ring =
             self.stages * self.tile_tokens * crate::mla::MLA_DIM * self.kv_dtype.size(self.dtype);
+        if self.is_wide() {
+            // `WideShared`: ring, query rows and P (128-byte swizzle), three row vectors
+            let q = columns * crate::mla::MLA_DIM * 2;
+            let p = columns * self.tile_tokens * 2;
+            let rows = 3 * 4 * columns;
+            let barriers = 2 * 8 * self.stages + 2 * 8 * self.q_buffers();
+            return 1024 + ring + q + p + rows + barriers + 64;
+        }
         let q = self.q_buffers() * columns * (crate::mla::MLA_DIM * 2 + 16);
         let p = columns * (self.tile_tokens * 2 + 16);
         let slices = self.tile_tokens / 16;
@@ -489,7 +502,12 @@ impl MlaVariant {
         1024 + ring + q + p + stats + partial_scores + barriers + 64
     }
 
-    /// Query-row buffers (`Q_BUFFERS` in decode_mla.cu): two for 16 rows, one for 32.
+    /// The wide consumer (64 rows on the warpgroup MMA) rather than the narrow one.
+    pub fn is_wide(&self) -> bool {
+        self.n_tiles == plan::MLA_WIDE_N_TILES
+    }
+
+    /// Query-row buffers (`Q_BUFFERS` in decode_mla.cu): two for 16 rows, one for 32 or 64.
     pub fn q_buffers(&self) -> usize {
         if self.n_tiles <= 2 {
             2
@@ -794,6 +812,9 @@ pub fn all_variants() -> Vec<AnyVariant> {
     for dtype in [DType::Bf16, DType::F16] {
         for kv_dtype in [KvDType::AsQuery, KvDType::Fp8E4m3] {
             for n_tiles in plan::MLA_N_TILES {
+                if n_tiles == plan::MLA_WIDE_N_TILES && kv_dtype != KvDType::AsQuery {
+                    continue;
+                }
                 for paged in [false, true] {
                     out.push(AnyVariant::Mla(plan::mla_variant(
                         dtype, kv_dtype, n_tiles, paged,

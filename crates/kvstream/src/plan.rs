@@ -516,9 +516,12 @@ pub fn plan_persistent(
     })
 }
 
-/// Column-block widths (n8 tiles) of the MLA decode: each of its consumer warps scores half
-/// of a block's columns, so blocks are 16 or 32 query rows.
-pub const MLA_N_TILES: [usize; 2] = [2, 4];
+/// Column-block widths (n8 tiles) of the MLA decode: 16 or 32 query rows for the narrow
+/// consumer (each of its warps scores half of a block's columns), 64 for the wide one (the
+/// rows are the M dimension of the warpgroup MMA; 2-byte caches).
+pub const MLA_N_TILES: [usize; 3] = [2, 4, MLA_WIDE_N_TILES];
+/// The wide consumer's column block, in n8 tiles (64 query rows).
+pub const MLA_WIDE_N_TILES: usize = 8;
 /// Positions per ring stage of the MLA decode: four m16 slices, one per scoring warp of a
 /// column half (decode_mla.cu).
 pub const MLA_TILE_TOKENS: usize = 64;
@@ -556,6 +559,10 @@ pub struct MlaPlan {
     pub min_tiles_per_cta: usize,
     /// Column blocks per request.
     pub col_blocks: usize,
+    /// Lanes of CTAs (schedule.cuh): `col_blocks` where there are several (each lane streams
+    /// one column block of every request, all lanes the same tiles at about the same time, so
+    /// the cache is read from memory once), else 1.
+    pub col_lanes: usize,
     /// Launch with PDL.
     pub pdl: bool,
     /// L2 promotion of the cache's tensor map.
@@ -609,7 +616,15 @@ pub fn plan_mla(
         }
     }
     let columns = problem.columns();
-    let n_tiles = if columns <= 16 { 2 } else { 4 };
+    // More rows than a narrow block holds share the KV tile of one wide block: the tile is read
+    // from memory (or L2) once for 64 rows, not once per 32 (docs/tuning.md, MLA).
+    let n_tiles = if columns <= 16 {
+        2
+    } else if columns <= 32 || problem.kv_dtype != KvDType::AsQuery {
+        4
+    } else {
+        MLA_WIDE_N_TILES
+    };
     let variant = mla_variant(
         problem.dtype,
         problem.kv_dtype,
@@ -618,11 +633,13 @@ pub fn plan_mla(
     );
     let grid = persistent_grid(device, &options)?;
     let min_tiles_per_cta = min_tiles_per_cta(&options, MLA_MIN_TILES_PER_CTA)?;
+    let col_blocks = columns.div_ceil(n_tiles * 8);
     Ok(MlaPlan {
         variant,
         grid,
         min_tiles_per_cta,
-        col_blocks: columns.div_ceil(n_tiles * 8),
+        col_blocks,
+        col_lanes: if col_blocks <= grid { col_blocks } else { 1 },
         pdl: !options.disable_pdl,
         kv_promotion: options.kv_promotion.unwrap_or_default(),
     })

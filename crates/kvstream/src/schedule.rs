@@ -150,6 +150,43 @@ pub fn pieces(
     (s, out)
 }
 
+/// Workspace slot of a cut piece of lane `lane` (of `lanes`) whose in-lane slot is `slot`
+/// (`lane_slot` in schedule.cuh).
+pub fn lane_slot(slot: usize, lanes: usize, lane: usize) -> usize {
+    slot * lanes + lane
+}
+
+/// The whole schedule of one call with column lanes (schedule.cuh): the grid's CTAs dealt into
+/// `lanes` lanes (CTA i in lane i % lanes, at place i / lanes), each lane scheduled as
+/// [`pieces`] over `grid / lanes` CTAs and the units of its column block. `units` are the units
+/// per request of all lanes (hkv x column blocks, a multiple of `lanes`); the result is indexed
+/// by CTA, `lanes` x the schedule's working CTAs of them.
+pub fn pieces_in_lanes(
+    lens: &[usize],
+    units: usize,
+    lanes: usize,
+    tile_tokens: usize,
+    grid: usize,
+    min_tiles: usize,
+) -> (Schedule, Vec<Vec<Piece>>) {
+    assert!(lanes >= 1 && units % lanes == 0 && grid >= lanes);
+    let (s, per_place) = pieces(lens, units / lanes, tile_tokens, grid / lanes, min_tiles);
+    let mut out = Vec::with_capacity(per_place.len() * lanes);
+    for list in &per_place {
+        for lane in 0..lanes {
+            out.push(
+                list.iter()
+                    .map(|p| Piece {
+                        unit: p.unit * lanes + lane,
+                        ..*p
+                    })
+                    .collect(),
+            );
+        }
+    }
+    (s, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -230,6 +267,44 @@ mod tests {
                 for u in 0..units {
                     let want = tiles_of(l, 64);
                     assert_eq!(seen.get(&(b, u)).copied().unwrap_or(0), want);
+                }
+            }
+        }
+    }
+
+    /// With lanes, every tile of every unit is streamed once, by the CTAs of its column
+    /// block's lane, the lanes in step (the same tiles at the same places), and the cut
+    /// pieces' slots are distinct across all lanes and within twice the grid.
+    #[test]
+    fn lanes_stream_every_unit_once_in_step() {
+        let mut rng = Rng(5);
+        for case in 0..200 {
+            let batch = 1 + (rng.next() % 20) as usize;
+            let lanes = 1 + (rng.next() % 4) as usize;
+            let grid = lanes + (rng.next() % 140) as usize;
+            let lens: Vec<usize> = (0..batch).map(|_| (rng.next() % 9000) as usize).collect();
+            let (s, per_cta) = pieces_in_lanes(&lens, lanes, lanes, 64, grid, 2);
+            assert_eq!(per_cta.len(), s.ctas * lanes);
+            let mut seen = std::collections::HashMap::new();
+            let mut slots = std::collections::HashSet::new();
+            for (i, list) in per_cta.iter().enumerate() {
+                let (place, lane) = (i / lanes, i % lanes);
+                let first = &per_cta[place * lanes];
+                assert_eq!(list.len(), first.len(), "case {case}: lanes out of step");
+                for (p, q) in list.iter().zip(first) {
+                    assert_eq!((p.batch, p.first, p.end), (q.batch, q.first, q.end));
+                    assert_eq!(p.unit % lanes, lane, "case {case}: a unit of another lane");
+                    if !p.whole() {
+                        let slot = lane_slot(s.slot(place, p.start + p.first as u64), lanes, lane);
+                        assert!(slot < 2 * grid && slots.insert(slot), "case {case}: slot {slot}");
+                    }
+                    *seen.entry((p.batch, p.unit)).or_insert(0usize) += p.end - p.first;
+                }
+            }
+            for (b, &l) in lens.iter().enumerate() {
+                for u in 0..lanes {
+                    let got = seen.get(&(b, u)).copied().unwrap_or(0);
+                    assert_eq!(got, tiles_of(l, 64), "case {case}");
                 }
             }
         }

@@ -694,6 +694,16 @@ fn check_schedule(
         pp.grid,
         pp.min_tiles_per_cta,
     );
+    same_schedule(&got, &want, lens)
+}
+
+/// The pieces a kernel recorded per CTA (`got`, every CTA of the grid) are the model's (`want`,
+/// the working CTAs; the others record none), up to the log's capacity.
+fn same_schedule(
+    got: &[Vec<kvstream::schedule::Piece>],
+    want: &[Vec<kvstream::schedule::Piece>],
+    lens: &[usize],
+) -> Result<(), String> {
     let logged = |c: usize| -> Vec<(usize, usize, usize, usize)> {
         let none = Vec::new();
         want.get(c)

@@ -76,11 +76,14 @@ pub fn check_decode_sass(
     }
 }
 
-/// The SASS facts of one MLA variant with `n_tiles` n8 tiles of query rows per column block:
-/// per tile, each warp scores every column over half of the 576 dims (18 k-steps) and
-/// accumulates 64 output dims over 64 positions (4 m-tiles x 4 k-steps x every column tile):
-/// 34 HMMA per n8 tile, all unrolled; the tiles arrive by TMA; e4m3 caches widened in
-/// registers; the producer warpgroup hands registers to the consumers; no local memory.
+/// The SASS facts of one MLA variant with `n_tiles` n8 tiles of query rows per column block.
+/// Narrow (16 or 32 rows): per tile, each warp scores every column over half of the 576 dims
+/// (18 k-steps) and accumulates 64 output dims over 64 positions (4 m-tiles x 4 k-steps x every
+/// column tile): 34 HMMA per n8 tile, all unrolled. Wide (64 rows): warpgroup MMAs only, 36
+/// m64n64k16 for S and 4 m64n256k16 for each warpgroup's half of O, none serialised by ptxas
+/// (three waits: in warpgroup 0's loop, after it, and in warpgroup 1's loop).
+/// Either way the tiles arrive by TMA, e4m3 caches are widened in registers, the producer
+/// warpgroup hands registers to the consumers, and nothing lives in local memory.
 pub fn check_mla_sass(name: &str, cubin: &[u8], n_tiles: usize, kv_dtype: KvDType) {
     let sass = sass_of(name, cubin);
     let widened = count(&sass, "F2FP.F16.E4M3");
@@ -91,8 +94,17 @@ pub fn check_mla_sass(name: &str, cubin: &[u8], n_tiles: usize, kv_dtype: KvDTyp
         }
         KvDType::AsQuery => assert_eq!(widened, 0, "{name}: e4m3 conversions"),
     }
-    let hmma = count(&sass, "HMMA");
-    assert_eq!(hmma, 34 * n_tiles, "{name}: {hmma} HMMA");
+    let (hmma, hgmma) = (count(&sass, "HMMA"), count(&sass, "HGMMA"));
+    if n_tiles == kvstream::plan::MLA_WIDE_N_TILES {
+        assert_eq!(hmma, 0, "{name}: {hmma} HMMA");
+        assert_eq!(count(&sass, "HGMMA.64x64x16.F32"), 36, "{name}: S products");
+        assert_eq!(count(&sass, "HGMMA.64x256x16.F32"), 8, "{name}: P V products");
+        let waits = count(&sass, "WARPGROUP.DEPBAR");
+        assert_eq!(waits, 3, "{name}: {waits} wgmma waits (serialised?)");
+    } else {
+        assert_eq!(hgmma, 0, "{name}: {hgmma} HGMMA");
+        assert_eq!(hmma, 34 * n_tiles, "{name}: {hmma} HMMA");
+    }
     assert!(count(&sass, "UTMALDG") > 0, "{name}: no TMA loads");
     assert!(
         count(&sass, "USETMAXREG") >= 2,

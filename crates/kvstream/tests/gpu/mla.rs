@@ -254,10 +254,29 @@ fn mla_case<T: Half>(
     let x = mla_inputs::<T>(rng, p, lens, scale_len);
     let want = mla_want(p, &x, lens);
     let mut dev = MlaDevice::upload(stream, rng, p, &x, lens);
-    let dec = MlaDecoder::new(rt, p.clone(), PlanOptions::default())
-        .map_err(|e| format!("MlaDecoder::new: {e}"))?;
+    let options = PlanOptions {
+        record_schedule: true,
+        ..PlanOptions::default()
+    };
+    let dec = MlaDecoder::new(rt, p.clone(), options).map_err(|e| format!("MlaDecoder::new: {e}"))?;
     let first = dev.run(stream, &dec)?;
     let errors = check_mla::<T>(p, lens, &first, &want)?;
+    // the pieces each CTA streamed are the model's, in its lanes
+    let plan = dec.plan();
+    let clamped: Vec<usize> = lens.iter().map(|&l| l.min(p.max_len)).collect();
+    let (_, model) = kvstream::schedule::pieces_in_lanes(
+        &clamped,
+        plan.col_blocks,
+        plan.col_lanes,
+        plan.variant.tile_tokens,
+        plan.grid,
+        plan.min_tiles_per_cta,
+    );
+    let recorded = dec
+        .last_schedule(stream)
+        .map_err(|e| e.to_string())?
+        .ok_or("no schedule recorded")?;
+    same_schedule(&recorded, &model, lens)?;
     let second = dev.run(stream, &dec)?;
     if first != second {
         return Err("two runs differ".into());
@@ -272,7 +291,9 @@ fn mla_cases_match_reference() {
     let (rt, stream) = open_gpu();
     let cases = env_u64("KVSTREAM_GPU_CASES", 48).min(48) as usize;
     let mut rng = SplitMix64::new(0x4D4C41);
-    let heads = [16, 12, 8, 32, 64, 128, 16, 24];
+    // 2-byte cases (even i) meet heads 16, 8, 64 and 24 at 1, 2 or 8 new tokens: narrow blocks
+    // and wide ones (more than 32 rows: 48, 64, 128, 192), whole and partial
+    let heads = [16, 12, 8, 32, 64, 128, 24, 16];
     let pages = [
         None,
         Some(64),
@@ -361,9 +382,14 @@ fn mla_cases_match_reference() {
 fn mla_graph_replays_with_skewed_lengths() {
     let (rt, stream) = open_gpu_own_stream();
     let ctx = rt.context().clone();
-    for (kv, page) in [(KvDType::Fp8E4m3, None), (KvDType::AsQuery, Some(64))] {
-        let (batch, max_len) = (16, 8192);
-        let mut p = MlaProblem::new(batch, 16, max_len, DType::Bf16, 0.0722)
+    // (the last: 64 rows a request, the wide consumer)
+    for (kv, page, hq) in [
+        (KvDType::Fp8E4m3, None, 16),
+        (KvDType::AsQuery, Some(64), 16),
+        (KvDType::AsQuery, Some(32), 64),
+    ] {
+        let (batch, max_len) = (16, if hq > 16 { 2048 } else { 8192 });
+        let mut p = MlaProblem::new(batch, hq, max_len, DType::Bf16, 0.0722)
             .and_then(|p| p.with_kv_dtype(kv))
             .expect("a valid problem");
         if let Some(page) = page {
