@@ -296,7 +296,10 @@ mod tests {
                     assert_eq!(p.unit % lanes, lane, "case {case}: a unit of another lane");
                     if !p.whole() {
                         let slot = lane_slot(s.slot(place, p.start + p.first as u64), lanes, lane);
-                        assert!(slot < 2 * grid && slots.insert(slot), "case {case}: slot {slot}");
+                        assert!(
+                            slot < 2 * grid && slots.insert(slot),
+                            "case {case}: slot {slot}"
+                        );
                     }
                     *seen.entry((p.batch, p.unit)).or_insert(0usize) += p.end - p.first;
                 }

@@ -98,7 +98,11 @@ pub fn check_mla_sass(name: &str, cubin: &[u8], n_tiles: usize, kv_dtype: KvDTyp
     if n_tiles == kvstream::plan::MLA_WIDE_N_TILES {
         assert_eq!(hmma, 0, "{name}: {hmma} HMMA");
         assert_eq!(count(&sass, "HGMMA.64x64x16.F32"), 36, "{name}: S products");
-        assert_eq!(count(&sass, "HGMMA.64x256x16.F32"), 8, "{name}: P V products");
+        assert_eq!(
+            count(&sass, "HGMMA.64x256x16.F32"),
+            8,
+            "{name}: P V products"
+        );
         let waits = count(&sass, "WARPGROUP.DEPBAR");
         assert_eq!(waits, 3, "{name}: {waits} wgmma waits (serialised?)");
     } else {

@@ -258,7 +258,8 @@ fn mla_case<T: Half>(
         record_schedule: true,
         ..PlanOptions::default()
     };
-    let dec = MlaDecoder::new(rt, p.clone(), options).map_err(|e| format!("MlaDecoder::new: {e}"))?;
+    let dec =
+        MlaDecoder::new(rt, p.clone(), options).map_err(|e| format!("MlaDecoder::new: {e}"))?;
     let first = dev.run(stream, &dec)?;
     let errors = check_mla::<T>(p, lens, &first, &want)?;
     // the pieces each CTA streamed are the model's, in its lanes
