@@ -107,7 +107,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub device_plan: bool,
     /// Results file (docs/benchmarking.md format); rewritten after every shape.
-    #[arg(long, default_value = "bench/results/kvstream-bench-latest.json")]
+    #[arg(long, default_value = DEFAULT_RESULTS)]
     pub json: PathBuf,
     /// Directory for the plots (`<json stem>-<group>.svg|png`).
     #[arg(long, default_value = "bench/results")]
@@ -484,7 +484,13 @@ fn shape_implementations(
 }
 
 /// `kvstream bench`.
+/// Where `kvstream bench` writes its results unless told otherwise.
+pub const DEFAULT_RESULTS: &str = "bench/results/kvstream-bench-latest.json";
+
 pub fn run(args: &BenchArgs) -> Result<(), String> {
+    if crate::mla::is_mla_matrix(&args.matrix)? {
+        return crate::mla::bench_matrix(args);
+    }
     let shapes = select_shapes(args)?;
     let rt = match Runtime::new(0) {
         Ok(rt) => rt,

@@ -126,6 +126,11 @@ enum Command {
         /// Timed rounds (each replays one CUDA graph over the whole input pool); at least 7, 0 = check only.
         #[arg(long, default_value_t = 15)]
         rounds: usize,
+        /// An MLA decode instead (DeepSeek-V3 class, one latent head of 576; `kvstream mla`
+        /// with --batch, --hq, --q-len, --len, --dtype, --kv-dtype and --page-size; --hkv and
+        /// --head-dim do not apply).
+        #[arg(long)]
+        mla: bool,
     },
     /// Compile every kernel variant with NVRTC (or take it from the cache) and print its ptxas
     /// report. Needs NVRTC, not a GPU.
@@ -166,7 +171,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let lib = |r: kvstream::Result<()>| r.map_err(|e| e.to_string());
     let result = match cli.command {
-        Command::Demo { shape, rounds } => lib(demo::run(&shape, rounds)),
+        Command::Demo { shape, rounds, mla } if mla => lib(mla::demo(&shape, rounds)),
+        Command::Demo { shape, rounds, .. } => lib(demo::run(&shape, rounds)),
         Command::Kernels { dump, only, rings } => {
             lib(kernels(dump.as_deref(), only.as_deref(), &rings))
         }

@@ -18,7 +18,7 @@ use kvstream::reference::{
 };
 use kvstream::{DType, Element, Error, KvDType, KvScale, KvScaleLayout, PlanOptions, Runtime};
 
-use crate::bench::StreamReader;
+use crate::bench::{BenchArgs, StreamReader};
 use crate::timing::{self, alloc, driver};
 
 /// Shape and options of `kvstream mla`.
@@ -49,7 +49,7 @@ pub struct MlaArgs {
     #[arg(long)]
     pub page_size: Option<usize>,
     /// Softmax scale (DeepSeek-V3: 1/sqrt(192) x its YaRN factor).
-    #[arg(long, default_value_t = 0.0722)]
+    #[arg(long, default_value_t = DEEPSEEK_SCALE)]
     pub scale: f32,
     /// Timed rounds (at least 7; 0 = check only).
     #[arg(long, default_value_t = 15)]
@@ -76,10 +76,149 @@ struct MlaRow {
     kernel: String,
 }
 
+/// DeepSeek-V3's softmax scale: 1/sqrt(192) times its YaRN factor (about 1.0).
+pub const DEEPSEEK_SCALE: f32 = 0.0722;
+
 /// Scale of the fp8 cache (its values span e4m3's range, the dequantised ones about 1).
 const FP8_SCALE: f32 = 0.25;
 /// Relative error a row must stay under.
 const TOLERANCE: f64 = 1e-2;
+
+/// `kvstream demo --mla`: one MLA decode of the demo's shape; without a GPU, a clear message
+/// and the f64 reference on a small problem.
+pub fn demo(shape: &crate::ShapeArgs, rounds: usize) -> kvstream::Result<()> {
+    let gqa_only = [
+        ("splits", shape.splits.is_some()),
+        ("consumer_groups", shape.consumer_groups.is_some()),
+        ("reduction", shape.reduction.is_some()),
+        ("device_plan", shape.device_plan),
+        ("engine", shape.engine.is_some()),
+        ("ring", shape.ring.is_some()),
+    ];
+    if let Some((name, _)) = gqa_only.iter().find(|(_, set)| *set) {
+        return Err(Error::invalid(
+            name,
+            "set",
+            "unset with --mla (a GQA engine knob; the MLA decode plans itself)",
+        ));
+    }
+    let args = MlaArgs {
+        batch: shape.batch,
+        hq: shape.hq,
+        q_len: shape.q_len,
+        len: shape.len,
+        skew: None,
+        dtype: shape.dtype.clone(),
+        kv_dtype: shape.kv_dtype.clone(),
+        page_size: shape.page_size,
+        scale: DEEPSEEK_SCALE,
+        rounds,
+        matrix: None,
+        ids: Vec::new(),
+        json: None,
+    };
+    match Runtime::new(0) {
+        Ok(_) => run(&args),
+        Err(e @ (Error::DriverUnavailable(_) | Error::NoSuitableDevice(_))) => {
+            println!("No usable GPU: {e}.");
+            println!(
+                "kvstream's kernels need an NVIDIA H100/H200 (sm_90). Running the f64 CPU reference \
+                 of the MLA decode instead.\n"
+            );
+            cpu_demo()
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The absorbed-MLA reference on a small problem (16 heads, 2 new tokens, 1000 positions).
+fn cpu_demo() -> kvstream::Result<()> {
+    let p = MlaProblem::new(1, 16, 1000, DType::Bf16, DEEPSEEK_SCALE)?.with_q_len(2)?;
+    let mut rng = SplitMix64::new(7);
+    let (_, q) = random_bf16(&mut rng, p.q_len * p.hq * MLA_DIM, 1.0);
+    let (_, kv) = random_bf16(&mut rng, p.max_len * MLA_DIM, 1.0);
+    let t = Instant::now();
+    let out = mla_reference(&RefShape::from(&p), &q, &kv, &[p.max_len]);
+    println!(
+        "MLA reference (f64): 1 request, {} heads x {} new tokens, {} cached rows of {MLA_DIM} \
+         (values: the first {MLA_V_DIM}) in {:.1} ms",
+        p.hq,
+        p.q_len,
+        p.max_len,
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    println!(
+        "  out[0][0][0..4] = {:?}, lse[0][0] = {:.4}",
+        &out.out[..4],
+        out.lse[0]
+    );
+    Ok(())
+}
+
+/// Whether a matrix file is an MLA one (`"kind": "mla"`, as bench/matrix-mla.json).
+pub fn is_mla_matrix(path: &std::path::Path) -> Result<bool, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let doc: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(doc["kind"].as_str() == Some("mla"))
+}
+
+/// `kvstream bench --matrix bench/matrix-mla.json`: `kvstream mla --matrix` with the bench's
+/// --ids, --rounds and --json (default: bench/results/kvstream-mla-latest.json); the GQA
+/// engines' sweep options are refused.
+pub fn bench_matrix(args: &BenchArgs) -> Result<(), String> {
+    let sweeps = [
+        ("shape", !args.shapes.is_empty()),
+        ("kv_dtype", args.kv_dtype.is_some()),
+        ("consumer_groups", !args.consumer_groups.is_empty()),
+        ("stages", !args.stages.is_empty()),
+        ("splits", !args.splits.is_empty()),
+        ("resident_ctas", !args.resident_ctas.is_empty()),
+        ("ctas", !args.ctas.is_empty()),
+        ("min_tiles", !args.min_tiles.is_empty()),
+        ("rings", !args.rings.is_empty()),
+        ("modes", args.modes),
+        ("cluster_splits", !args.cluster_splits.is_empty()),
+        ("no_pdl", args.no_pdl),
+        ("device_plan", args.device_plan),
+    ];
+    if let Some((name, _)) = sweeps.iter().find(|(_, set)| *set) {
+        return Err(format!(
+            "--{}: not with an MLA matrix ({}): a GQA engine option; the MLA rows take --ids, \
+             --rounds and --json",
+            name.replace('_', "-"),
+            args.matrix.display()
+        ));
+    }
+    if let Err(e @ (Error::DriverUnavailable(_) | Error::NoSuitableDevice(_))) = Runtime::new(0) {
+        return Err(format!(
+            "kvstream bench needs an NVIDIA H100/H200 (sm_90) and found none: {e}. \
+             (`kvstream demo --mla` runs the MLA reference on the CPU.)"
+        ));
+    }
+    let json = if args.json == std::path::Path::new(crate::bench::DEFAULT_RESULTS) {
+        std::path::PathBuf::from("bench/results/kvstream-mla-latest.json")
+    } else {
+        args.json.clone()
+    };
+    let mla = MlaArgs {
+        batch: 1,
+        hq: 16,
+        q_len: 1,
+        len: 32768,
+        skew: None,
+        dtype: "bf16".into(),
+        kv_dtype: "auto".into(),
+        page_size: None,
+        scale: DEEPSEEK_SCALE,
+        rounds: args.rounds as usize,
+        matrix: Some(args.matrix.clone()),
+        ids: args.ids.clone(),
+        json: Some(json),
+    };
+    run(&mla).map_err(|e| e.to_string())
+}
 
 pub fn run(args: &MlaArgs) -> kvstream::Result<()> {
     let Some(path) = &args.matrix else {
@@ -493,6 +632,29 @@ fn check_request<T: Element + Sync>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `kvstream bench --matrix` runs the MLA matrix as `kvstream mla --matrix` and refuses the
+    /// GQA sweep options with it.
+    #[test]
+    fn bench_dispatches_the_mla_matrix_and_refuses_gqa_sweeps() {
+        use clap::Parser;
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+        let mla = std::path::PathBuf::from(format!("{root}/bench/matrix-mla.json"));
+        assert!(is_mla_matrix(&mla).unwrap());
+        assert!(!is_mla_matrix(&std::path::PathBuf::from(format!(
+            "{root}/bench/matrix.json"
+        )))
+        .unwrap());
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            bench: BenchArgs,
+        }
+        let args =
+            Cli::parse_from(["bench", "--matrix", mla.to_str().unwrap(), "--stages", "2"]).bench;
+        let e = bench_matrix(&args).unwrap_err();
+        assert!(e.contains("--stages") && e.contains("MLA matrix"), "{e}");
+    }
 
     #[test]
     fn the_repository_mla_matrix_has_valid_unique_shapes() {
