@@ -224,10 +224,12 @@ pub fn run(args: &MlaArgs) -> kvstream::Result<()> {
     let Some(path) = &args.matrix else {
         let row = run_one(args)?;
         return match (&args.json, row) {
-            (Some(out), Some(row)) => write_results(out, &[row]),
+            (Some(out), Some(row)) => write_results(out, &[row_json(&row)], &gpu_name()?),
             _ => Ok(()),
         };
     };
+    // no GPU: say so once, write nothing
+    let gpu = gpu_name()?;
     let text = std::fs::read_to_string(path)
         .map_err(|e| Error::invalid("matrix", path.display(), format!("a readable file ({e})")))?;
     let doc: serde_json::Value = serde_json::from_str(&text)
@@ -258,38 +260,56 @@ pub fn run(args: &MlaArgs) -> kvstream::Result<()> {
             Ok(Some(mut row)) => {
                 row.id = id;
                 row.shape = shape;
-                rows.push(row);
+                rows.push(row_json(&row));
             }
             Ok(None) => {}
-            Err(e) => println!("  error: {e}"),
+            Err(e) => {
+                println!("  error: {e}");
+                // the row stays, with the error in place of numbers (docs/benchmarking.md)
+                let mut v = shape;
+                v["id"] = id.into();
+                v["results"] = serde_json::json!({ "kvstream": { "error": e.to_string() } });
+                rows.push(v);
+            }
         }
     }
     match &args.json {
-        Some(out) => write_results(out, &rows),
+        Some(out) => write_results(out, &rows, &gpu),
         None => Ok(()),
     }
 }
 
+/// The name of GPU 0 (an error without one).
+fn gpu_name() -> kvstream::Result<String> {
+    Ok(Runtime::new(0)?
+        .context()
+        .name()
+        .unwrap_or_else(|_| "unknown GPU".into()))
+}
+
+/// A timed row as the results file keeps it.
+fn row_json(r: &MlaRow) -> serde_json::Value {
+    let mut v = r.shape.clone();
+    v["id"] = r.id.clone().into();
+    v["io_bytes"] = r.io_bytes.into();
+    v["floor_us"] = r.floor_us.into();
+    v["results"] = serde_json::json!({ "kvstream": {
+        "us": r.us, "GBps": r.io_bytes as f64 / r.us / 1e3, "rel_err": r.rel_err,
+        "mode": r.kernel } });
+    v
+}
+
 /// The results file: docs/benchmarking.md's keys, a row per shape with its byte floor and the
 /// `kvstream` result (peers are added by bench/mla_peers.py --merge).
-fn write_results(path: &std::path::Path, rows: &[MlaRow]) -> kvstream::Result<()> {
-    let rows: Vec<serde_json::Value> = rows
-        .iter()
-        .map(|r| {
-            let mut v = r.shape.clone();
-            v["id"] = r.id.clone().into();
-            v["io_bytes"] = r.io_bytes.into();
-            v["floor_us"] = r.floor_us.into();
-            v["results"] = serde_json::json!({ "kvstream": {
-                "us": r.us, "GBps": r.io_bytes as f64 / r.us / 1e3, "rel_err": r.rel_err,
-                "mode": r.kernel } });
-            v
-        })
-        .collect();
+fn write_results(
+    path: &std::path::Path,
+    rows: &[serde_json::Value],
+    gpu: &str,
+) -> kvstream::Result<()> {
     let doc = serde_json::json!({
         "date": crate::results::today(),
         "commit": crate::results::current_commit(),
-        "gpu": "NVIDIA H200",
+        "gpu": gpu,
         "rows": rows,
     });
     let text = serde_json::to_string_pretty(&doc).expect("plain JSON values");
