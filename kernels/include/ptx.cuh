@@ -184,6 +184,11 @@ __device__ __forceinline__ float ld_global_l2(const float* ptr) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(ptr));
     return v;
 }
+__device__ __forceinline__ float2 ld_global_l2(const float2* ptr) {
+    float2 v;
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(ptr));
+    return v;
+}
 __device__ __forceinline__ float4 ld_global_l2(const float4* ptr) {
     float4 v;
     asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"

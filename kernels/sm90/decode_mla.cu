@@ -377,8 +377,9 @@ __device__ __forceinline__ void merge_slice(const PersistentParams& p, const Sch
     const int groups = count * (V_DIM / 4);
     const int me = lane_place(p) - c0;
     const int g_begin = (int)((long long)me * groups / pieces), g_end = (int)((long long)(me + 1) * groups / pieces);
+    // as many threads a group as keep every group in one trip
     int split = 1;
-    while (split < 32 && split * (g_end - g_begin) < CONSUMER_THREADS && split < pieces) split *= 2;
+    while (split < 32 && 2 * split * (g_end - g_begin) <= CONSUMER_THREADS && split < pieces) split *= 2;
     const int part = threadIdx.x % split, lanes = CONSUMER_THREADS / split;
     const float v_scale = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, u.batch, 0);
     // every thread of a group of `split` runs the same trips, so the butterfly's lanes match
@@ -389,19 +390,23 @@ __device__ __forceinline__ void merge_slice(const PersistentParams& p, const Sch
         const int c = (valid ? e : g_begin) / (V_DIM / 4), d = ((valid ? e : g_begin) % (V_DIM / 4)) * 4;
         MergeState st = {neg_inf(), 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
         for (int i0 = part; i0 < pieces; i0 += MERGE_LOADS * split) {
-            // every load leaves before the first use; an index past the end is not folded in
+            // every load leaves before the first use; an index past the end loads nothing (the
+            // load queue, not the latency, is what a merge waits on) and is not folded in
             float4 v[MERGE_LOADS];
-            float m[MERGE_LOADS], l[MERGE_LOADS];
+            float2 ml[MERGE_LOADS];
 #pragma unroll
             for (int k = 0; k < MERGE_LOADS; ++k) {
-                const long long row = (long long)slot_of(min(i0 + k * split, pieces - 1)) * GROUP_PAD + c;
-                v[k] = ld_global_l2(reinterpret_cast<const float4*>(p.o_partial + row * V_DIM + d));
-                m[k] = ld_global_l2(p.ml_partial + row * 2);
-                l[k] = ld_global_l2(p.ml_partial + row * 2 + 1);
+                v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+                ml[k] = make_float2(neg_inf(), 0.f);
+                if (i0 + k * split < pieces) {
+                    const long long row = (long long)slot_of(i0 + k * split) * GROUP_PAD + c;
+                    v[k] = ld_global_l2(reinterpret_cast<const float4*>(p.o_partial + row * V_DIM + d));
+                    ml[k] = ld_global_l2(reinterpret_cast<const float2*>(p.ml_partial + row * 2));
+                }
             }
 #pragma unroll
             for (int k = 0; k < MERGE_LOADS; ++k)
-                if (i0 + k * split < pieces) st.add(m[k], l[k], v[k]);
+                if (i0 + k * split < pieces) st.add(ml[k].x, ml[k].y, v[k]);
         }
         for (int off = 1; off < split; off *= 2) {
             const float m_o = __shfl_xor_sync(0xffffffffu, st.m, off), l_o = __shfl_xor_sync(0xffffffffu, st.l, off);
