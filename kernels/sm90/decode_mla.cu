@@ -55,7 +55,8 @@
 // request's last tile before P V reads them as V (P is 0 there, but 0 x NaN is NaN).
 //
 // Ring protocol, n = the CTA's running tile count, stage s = n % STAGES, parity (n / STAGES) & 1:
-//   producer  wait empty[s] (from the second lap); the tile's boxes on full[s]
+//   producer  wait empty[s] (from the second lap); the tile's boxes on full[s] (wide: box b on
+//             full[s][b], so that S starts on a tile's first box)
 //   consumer  wait full[s], S phase, softmax, O phase, every lane arrives on empty[s]
 // Query rows, j = the CTA's piece count, buffer b = j % Q_BUFFERS, parity (j / Q_BUFFERS) & 1:
 //   producer  when it reaches piece j: wait q_empty[b] (from the second lap), bulk copies on
@@ -149,6 +150,10 @@ constexpr int Q_BUFFERS = N_TILES <= 2 ? 2 : 1;
 constexpr int P_ROW = TILE_TOKENS * 2 + 16;  // P^T as [column][position], padded likewise
 constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;  // paged: page runs per tile, per producer lane
 constexpr int MERGE_LOADS = 8;                   // partial rows in flight per merging thread
+// full barriers a stage: one a box for the wide consumer, whose S starts on a tile's first box
+// while the rest are still landing (a 72 KB tile takes ~1.5 us to arrive at an SM's share of
+// the bandwidth); one for the narrow consumer, whose warps split the dims among them
+constexpr int FULL_PARTS = WIDE ? BOXES : 1;
 
 // the wide consumer (WIDE): query rows and P in the 128-byte swizzle, box after box like a tile
 constexpr int WIDE_ROWS = 64;
@@ -167,7 +172,7 @@ struct NarrowShared {
     static constexpr int slice_l = tile_max + 4 * SLICES * GROUP_PAD;  // [slice][column]
     static constexpr int partial = slice_l + 4 * SLICES * GROUP_PAD;   // [slice][n8 tile][lane] x 4
     static constexpr int full = partial + 16 * SLICES * N_TILES * 32;
-    static constexpr int empty = full + 8 * STAGES;
+    static constexpr int empty = full + 8 * STAGES * FULL_PARTS;
     static constexpr int q_full = empty + 8 * STAGES;
     static constexpr int q_empty = q_full + 8 * Q_BUFFERS;
     static constexpr int start = q_empty + 8 * Q_BUFFERS;  // StartShared
@@ -181,8 +186,8 @@ struct WideShared {
     static constexpr int row_alpha = p + WIDE_P_BYTES;  // [row]: this tile's rescale factor
     static constexpr int row_m = row_alpha + 4 * WIDE_ROWS;  // [row]: the piece's max and
     static constexpr int row_l = row_m + 4 * WIDE_ROWS;      // denominator, for the epilogue
-    static constexpr int full = row_l + 4 * WIDE_ROWS;
-    static constexpr int empty = full + 8 * STAGES;
+    static constexpr int full = row_l + 4 * WIDE_ROWS;  // [stage][part]
+    static constexpr int empty = full + 8 * STAGES * FULL_PARTS;
     static constexpr int q_full = empty + 8 * STAGES;  // unused: the consumers stage the rows
     static constexpr int q_empty = q_full + 8 * Q_BUFFERS;
     static constexpr int start = q_empty + 8 * Q_BUFFERS;
@@ -235,6 +240,16 @@ __device__ __forceinline__ int columns_in(const PersistentParams& p, int unit) {
 struct Ring {
     u32 base, full, empty, q, q_full, q_empty;
     __device__ __forceinline__ u32 stage(int s) const { return base + s * TILE_BYTES; }
+    // the full barrier of box `box` of stage s
+    __device__ __forceinline__ u32 full_of(int s, int box) const {
+        return full + 8 * (s * FULL_PARTS + box * FULL_PARTS / BOXES);
+    }
+    // one arrival a part announcing its bytes
+    __device__ __forceinline__ void expect_tile(int s) const {
+#pragma unroll
+        for (int part = 0; part < FULL_PARTS; ++part)
+            mbarrier_arrive_expect_tx(full + 8 * (s * FULL_PARTS + part), TILE_BYTES / FULL_PARTS);
+    }
 };
 
 __device__ __forceinline__ int acquire_stage(const Ring& r, int n) {
@@ -270,11 +285,11 @@ __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, co
         if constexpr (!WIDE) load_query_rows(p, r, pc, j++);
         for (int k = pc.first; k < pc.end; ++k, ++n) {
             const int s = acquire_stage(r, n);
-            mbarrier_arrive_expect_tx(r.full + 8 * s, TILE_BYTES);
+            r.expect_tile(s);
 #pragma unroll
             for (int box = 0; box < BOXES; ++box)
                 tma_load_4d(r.stage(s) + box * BOX_BYTES, &p.k_map, box * Kv::DIMS_PER_BOX, 0, k * TILE_TOKENS,
-                            pc.batch, r.full + 8 * s, policy);
+                            pc.batch, r.full_of(s, box), policy);
             if (TRACE && n == 0) trace_stamp(TRACE_FIRST_ISSUE);
         }
     }
@@ -310,7 +325,7 @@ __device__ __forceinline__ void produce_paged(const PersistentParams& p, const R
                 ids[i] = rr < runs && page < end_page ? ld_global_l2(table + page) : -1;
             }
             const int s = acquire_stage(r, n);
-            if (lane == 0) mbarrier_arrive_expect_tx(r.full + 8 * s, TILE_BYTES);
+            if (lane == 0) r.expect_tile(s);
             __syncwarp();
 #pragma unroll
             for (int i = 0; i < RUNS_PER_LANE; ++i) {
@@ -320,7 +335,7 @@ __device__ __forceinline__ void produce_paged(const PersistentParams& p, const R
 #pragma unroll
                 for (int box = 0; box < BOXES; ++box)
                     tma_load_4d(r.stage(s) + box * BOX_BYTES + rr * run * Kv::ROW_BYTES, &p.k_map,
-                                box * Kv::DIMS_PER_BOX, 0, in_page, ids[i], r.full + 8 * s, policy);
+                                box * Kv::DIMS_PER_BOX, 0, in_page, ids[i], r.full_of(s, box), policy);
             }
         }
     }
@@ -576,7 +591,7 @@ __device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsig
         for (int k = pc.first; k < pc.end; ++k) {
             const int n = n0 + k - pc.first;
             const int stage = n % STAGES;
-            mbarrier_wait(&full[stage], (n / STAGES) & 1);
+            mbarrier_wait(&full[stage * FULL_PARTS], (n / STAGES) & 1);
             if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
             const u32 tile = ring_base + stage * TILE_BYTES;
             const int tile_begin = k * TILE_TOKENS;
@@ -900,15 +915,19 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                 const int stage = n % STAGES;
                 const u32 tile = ring_base + stage * TILE_BYTES;
                 const int tile_begin = k * TILE_TOKENS;
-                mbarrier_wait(&full[stage], (n / STAGES) & 1);
                 if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
-                // ---- S = Q K^T over the 576 dims ----
+                // ---- S = Q K^T over the 576 dims, each box's k-steps as soon as it lands ----
                 const u64 k_desc = smem_desc_sw128(tile, 16, 1024);
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < K_STEPS; ++kk)
+                for (int kk = 0; kk < K_STEPS; ++kk) {
+                    if (kk % 4 == 0) {
+                        mbarrier_wait(&full[stage * FULL_PARTS + kk / 4], (n / STAGES) & 1);
+                        wgmma_fence();  // ordered after the wait's loop, not left to ptxas
+                    }
                     wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * BOX_BYTES + (kk % 4) * 32) >> 4),
                                                 k_desc + (((kk / 4) * BOX_BYTES + (kk % 4) * 32) >> 4), kk > 0);
+                }
                 wgmma_commit();
                 wgmma_wait<0>();  // this S, and the previous tile's P V
                 wgmma_hold(s);
@@ -1052,7 +1071,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
     if (threadIdx.x == PRODUCER_WARP * 32) prefetch_tensor_map(&p.k_map);
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(&full[s], 1);
+            for (int part = 0; part < FULL_PARTS; ++part) mbarrier_init(&full[s * FULL_PARTS + part], 1);
             mbarrier_init(&empty[s], CONSUMER_THREADS);
         }
         for (int b = 0; b < Q_BUFFERS; ++b) {

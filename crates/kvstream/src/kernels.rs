@@ -490,7 +490,9 @@ impl MlaVariant {
             let q = columns * crate::mla::MLA_DIM * 2;
             let p = columns * self.tile_tokens * 2;
             let rows = 3 * 4 * columns;
-            let barriers = 2 * 8 * self.stages + 2 * 8 * self.q_buffers();
+            // a full barrier a box of 64 dims (`FULL_PARTS`), an empty one a stage
+            let boxes = crate::mla::MLA_DIM / 64;
+            let barriers = 8 * self.stages * (boxes + 1) + 2 * 8 * self.q_buffers();
             return 1024 + ring + q + p + rows + barriers + 64;
         }
         let q = self.q_buffers() * columns * (crate::mla::MLA_DIM * 2 + 16);
