@@ -485,24 +485,35 @@ struct Tally {
 };
 
 // Parks a cut piece once every consumer has written its partials (the barrier orders them before
-// thread 0's release) and remembers its unit for the merge.
-__device__ __forceinline__ void park_piece(const PersistentParams& p, const StartShared& st, const Piece& pc,
-                                           CutUnits& cuts) {
+// thread 0's release).
+__device__ __forceinline__ void park_piece(const PersistentParams& p, const Piece& pc) {
     named_barrier_sync(1, CONSUMER_THREADS);
     if (threadIdx.x == 0) atom_add_acq_rel_gpu(p.arrivals + 2 * ((long long)pc.batch * p.col_blocks + pc.unit), 1);
-    const CutUnit u = {pc.batch, pc.unit, pc.start, pc.tiles};
-    if (pc.start + pc.first == st.lo) {
-        cuts.first = u;
-        cuts.has_first = true;
-    } else {
-        cuts.last = u;
-        cuts.has_last = true;
+}
+
+// The cut units this CTA parked a piece of, found again from the schedule once the consumers are
+// done (held through the KV loop, they would take registers there): only the CTA's first and
+// last piece can be cut.
+__device__ __forceinline__ CutUnits cut_units(const PersistentParams& p, const StartShared& st) {
+    CutUnits cuts;
+    Walk walk(p, st);
+    Piece pc;
+    for (bool first = true; walk.next(p, pc); first = false) {
+        if (pc.whole()) continue;
+        const CutUnit u = {pc.batch, pc.unit, pc.start, pc.tiles};
+        if (first) {
+            cuts.first = u;
+            cuts.has_first = true;
+        } else {
+            cuts.last = u;
+            cuts.has_last = true;
+        }
     }
+    return cuts;
 }
 
 // The eight consumer warps of a narrow column block (16 or 32 rows; see the top of the file).
-__device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsigned char* smem, const StartShared& st,
-                                                CutUnits& cuts) {
+__device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsigned char* smem, const StartShared& st) {
     u64* full = reinterpret_cast<u64*>(smem + NarrowShared::full);
     u64* empty = reinterpret_cast<u64*>(smem + NarrowShared::empty);
     u64* q_full = reinterpret_cast<u64*>(smem + NarrowShared::q_full);
@@ -788,7 +799,7 @@ __device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsig
                     }
                 }
             }
-        if (!whole) park_piece(p, st, pc, cuts);
+        if (!whole) park_piece(p, pc);
         // the next piece's epilogue rewrites warp_l only after at least one more tile's two
         // barriers, which every warp reaches after reading it here
     }
@@ -893,8 +904,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[WIDE_O_DIMS / 2], u64 p_desc
 // Two consumer warpgroups on column blocks of 64 rows (see the top of the file). Thread t of
 // warpgroup wg holds rows r0 = 16 (t / 32) + (t % 32) / 4 and r0 + 8 of S (warpgroup 0) and of
 // O[:, 256 wg .. + 256], in the wgmma accumulator layout (wgmma.cuh).
-__device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigned char* smem, const StartShared& st,
-                                              CutUnits& cuts) {
+__device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigned char* smem, const StartShared& st) {
     u64* full = reinterpret_cast<u64*>(smem + WideShared::full);
     u64* empty = reinterpret_cast<u64*>(smem + WideShared::empty);
     float* row_alpha = reinterpret_cast<float*>(smem + WideShared::row_alpha);
@@ -1093,7 +1103,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                 }
             }
         }
-        if (!whole) park_piece(p, st, pc, cuts);
+        if (!whole) park_piece(p, pc);
     }
     return {n0, pieces_done};
 }
@@ -1158,13 +1168,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
     setmaxnreg_inc<CONSUMER_REGS>();
     const StartShared st = *start;
     if (p.schedule_log && threadIdx.x == 0) record_schedule<TILE_TOKENS>(p, st);
-    CutUnits cuts;
     Tally tally;
     if constexpr (WIDE) {
-        tally = consume_wide(p, smem, st, cuts);
+        tally = consume_wide(p, smem, st);
     } else {
-        tally = consume_narrow(p, smem, st, cuts);
+        tally = consume_narrow(p, smem, st);
     }
+    const CutUnits cuts = cut_units(p, st);
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
     const Schedule sched = {st.total, st.ctas, st.per};
     if (cuts.has_first) merge_cut_unit(p, sched, cuts.first, st.lane);
