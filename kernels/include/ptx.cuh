@@ -149,6 +149,10 @@ __device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
 }
 
+// Waits until every cp.async this thread issued has landed (PTX ISA 9.7.9.25.3.3,
+// cp.async.wait_all).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // Prefetch of one global line into L2 through the load/store path (PTX ISA 9.7.9.15,
 // prefetch): nothing returns, so nothing waits for it, and the TMA unit is not involved.
 __device__ __forceinline__ void prefetch_l2(const void* ptr) {

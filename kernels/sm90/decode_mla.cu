@@ -121,9 +121,11 @@ constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // of a warpgroup of its own (set
 constexpr int THREADS = CONSUMER_THREADS + 128;
 // registers per thread: the producer warpgroup gives its share to the consumers
 // (2 x 128 x CONSUMER_REGS + 128 x PRODUCER_REGS <= 65536)
-// (the paged producer holds a tile's page ids and runs: it needs more than one lane's loop)
-constexpr int PRODUCER_REGS = PAGED ? 56 : 40;
-constexpr int CONSUMER_REGS = PAGED ? 224 : 232;
+// (the narrow paged producer holds a tile's page ids and runs: it needs more than one lane's
+// loop; the wide consumers need the most a thread can have, their O half and S live at once,
+// so their producer keeps the least that serves it: 24, the setmaxnreg floor, contiguous)
+constexpr int PRODUCER_REGS = WIDE ? (PAGED ? 40 : 24) : (PAGED ? 56 : 40);
+constexpr int CONSUMER_REGS = WIDE ? (PAGED ? 232 : 240) : (PAGED ? 224 : 232);
 constexpr int GROUP_PAD = N_TILES * 8;                 // columns per block
 constexpr int K_STEPS = MLA_DIM / 16;                  // k16 steps of a score
 // independent score accumulators per n8 tile (with four n8 tiles, two chains are as many
@@ -150,18 +152,23 @@ constexpr int Q_BUFFERS = N_TILES <= 2 ? 2 : 1;
 constexpr int P_ROW = TILE_TOKENS * 2 + 16;  // P^T as [column][position], padded likewise
 constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;  // paged: page runs per tile, per producer lane
 constexpr int MERGE_LOADS = 8;                   // partial rows in flight per merging thread
-// full barriers a stage: one a box for the wide consumer, whose S starts on a tile's first box
-// while the rest are still landing (a 72 KB tile takes ~1.5 us to arrive at an SM's share of
-// the bandwidth); one for the narrow consumer, whose warps split the dims among them
-constexpr int FULL_PARTS = WIDE ? BOXES : 1;
+// full barriers a stage: one a box for the wide consumer of a 2-byte cache, whose S starts on a
+// tile's first box while the rest are still landing (a 72 KB tile takes ~1.5 us to arrive at an
+// SM's share of the bandwidth); one for the narrow consumer, whose warps split the dims among
+// them, and for an e4m3 tile, widened whole first
+constexpr int FULL_PARTS = WIDE && !KV_FP8 ? BOXES : 1;
 
 // the wide consumer (WIDE): query rows and P in the 128-byte swizzle, box after box like a tile
+// of a 2-byte cache; an e4m3 tile is widened into one such tile (the staging tile) first
+using WideTile = KvHalf<MLA_DIM, TILE_TOKENS, MMA_F16>;
+constexpr int WIDE_BOX = WideTile::BOX_BYTES;
+constexpr int WIDE_STAGING_BYTES = KV_FP8 ? WideTile::TILE_BYTES : 0;
 constexpr int WIDE_ROWS = 64;
 constexpr int WIDE_Q_BYTES = WIDE_ROWS * MLA_DIM * 2;
 constexpr int WIDE_P_BYTES = WIDE_ROWS * TILE_TOKENS * 2;
 constexpr int WG_THREADS = 128;
 constexpr int WIDE_O_DIMS = V_DIM / 2;  // output dims per consumer warpgroup
-enum WideBarrier { BAR_CONSUMERS = 1, BAR_P_READY = 2, BAR_P_FREE = 3 };
+enum WideBarrier { BAR_CONSUMERS = 1, BAR_P_READY = 2, BAR_P_FREE = 3, BAR_STAGING = 4 };
 
 struct NarrowShared {
     static constexpr int align = 1024;  // the 128-byte swizzle repeats every 1024 bytes
@@ -181,7 +188,8 @@ struct NarrowShared {
 struct WideShared {
     static constexpr int align = 1024;
     static constexpr int ring = 0;
-    static constexpr int q = STAGES * TILE_BYTES;
+    static constexpr int staging = STAGES * TILE_BYTES;  // e4m3: the tile widened to f16
+    static constexpr int q = staging + WIDE_STAGING_BYTES;
     static constexpr int p = q + WIDE_Q_BYTES;
     static constexpr int row_alpha = p + WIDE_P_BYTES;  // [row]: this tile's rescale factor
     static constexpr int row_m = row_alpha + 4 * WIDE_ROWS;  // [row]: the piece's max and
@@ -207,9 +215,10 @@ static_assert(CONSUMER_WARPS % SLICES == 0 && N_TILES % COL_SPLIT == 0 && K_STEP
               "warps cover slices x parts of the dims and of the columns");
 static_assert(V_DIM % (16 * CONSUMER_WARPS) == 0 && O_TILES % 2 == 0, "O^T m-tiles in pairs per warp");
 static_assert(N_TILES == 2 || N_TILES == 4 || N_TILES == 8, "column blocks of 16, 32 or 64 rows");
-static_assert(!WIDE || (!KV_FP8 && TILE_TOKENS == 64 && CONSUMER_WARPS == 8 && BOX_BYTES == 8192),
-              "wide: 2-byte tiles of 64 positions x 64 dims a box, two consumer warpgroups");
-static_assert(!WIDE || SharedPlan::p % 1024 == 0 && SharedPlan::q % 1024 == 0, "swizzled operands 1024-aligned");
+static_assert(!WIDE || (TILE_TOKENS == 64 && CONSUMER_WARPS == 8 && STAGES == 2 && WIDE_BOX == 8192),
+              "wide: tiles of 64 positions (64 dims a box once 2-byte), two consumer warpgroups, two stages");
+static_assert(!WIDE || (SharedPlan::p % 1024 == 0 && SharedPlan::q % 1024 == 0 && WideShared::staging % 1024 == 0),
+              "swizzled operands 1024-aligned");
 static_assert(TILE_BYTES % 1024 == 0, "every stage starts on a swizzle-pattern boundary");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
 static_assert(sizeof(StartShared) <= 64, "StartShared slot");
@@ -498,24 +507,35 @@ struct Tally {
 };
 
 // Parks a cut piece once every consumer has written its partials (the barrier orders them before
-// thread 0's release) and remembers its unit for the merge.
-__device__ __forceinline__ void park_piece(const PersistentParams& p, const StartShared& st, const Piece& pc,
-                                           CutUnits& cuts) {
+// thread 0's release).
+__device__ __forceinline__ void park_piece(const PersistentParams& p, const Piece& pc) {
     named_barrier_sync(1, CONSUMER_THREADS);
     if (threadIdx.x == 0) atom_add_acq_rel_gpu(p.arrivals + 2 * ((long long)pc.batch * p.col_blocks + pc.unit), 1);
-    const CutUnit u = {pc.batch, pc.unit, pc.start, pc.tiles};
-    if (pc.start + pc.first == st.lo) {
-        cuts.first = u;
-        cuts.has_first = true;
-    } else {
-        cuts.last = u;
-        cuts.has_last = true;
+}
+
+// The cut units this CTA parked a piece of, found again from the schedule once the consumers are
+// done (held through the KV loop, they would take registers there): only the CTA's first and
+// last piece can be cut.
+__device__ __forceinline__ CutUnits cut_units(const PersistentParams& p, const StartShared& st) {
+    CutUnits cuts;
+    Walk walk(p, st);
+    Piece pc;
+    for (bool first = true; walk.next(p, pc); first = false) {
+        if (pc.whole()) continue;
+        const CutUnit u = {pc.batch, pc.unit, pc.start, pc.tiles};
+        if (first) {
+            cuts.first = u;
+            cuts.has_first = true;
+        } else {
+            cuts.last = u;
+            cuts.has_last = true;
+        }
     }
+    return cuts;
 }
 
 // The eight consumer warps of a narrow column block (16 or 32 rows; see the top of the file).
-__device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsigned char* smem, const StartShared& st,
-                                                CutUnits& cuts) {
+__device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsigned char* smem, const StartShared& st) {
     u64* full = reinterpret_cast<u64*>(smem + NarrowShared::full);
     u64* empty = reinterpret_cast<u64*>(smem + NarrowShared::empty);
     u64* q_full = reinterpret_cast<u64*>(smem + NarrowShared::q_full);
@@ -801,7 +821,7 @@ __device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsig
                     }
                 }
             }
-        if (!whole) park_piece(p, st, pc, cuts);
+        if (!whole) park_piece(p, pc);
         // the next piece's epilogue rewrites warp_l only after at least one more tile's two
         // barriers, which every warp reaches after reading it here
     }
@@ -810,29 +830,71 @@ __device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsig
 
 // ---------------------------------- wide consumer ------------------------------------------
 // A piece's query rows into the wide layout (BOXES boxes of [64 rows][128 bytes], 128-byte
-// swizzle; rows past `count` zero), by every consumer thread; the caller fences and syncs.
+// swizzle; rows past `count` zero), by every consumer thread, copied without registers
+// (cp.async; a register round trip would hold 18 loads a thread while O's registers are
+// taken); for an e4m3 cache then made f16 in place (its MMAs are f16 ones, as its values
+// widen exactly), saturated to +-65504. The caller fences and syncs.
 __device__ __forceinline__ void stage_query_rows_wide(const PersistentParams& p, const Piece& pc,
                                                       unsigned char* q, int count) {
     constexpr int CHUNKS = MLA_DIM * 2 / 16;
+    const u64 policy = l2_policy_evict_normal();
+    const u32 base = smem_addr(q);
+    auto at = [&](int r, int c) { return base + (c / 8) * WIDE_BOX + r * 128 + (((c % 8) ^ (r % 8)) << 4); };
     for (int i = threadIdx.x; i < WIDE_ROWS * CHUNKS; i += CONSUMER_THREADS) {
         const int r = i / CHUNKS, c = i % CHUNKS;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < count) {
-            const Column col = column_of(p, pc.unit, r);
-            const u16* src = reinterpret_cast<const u16*>(p.q) + pc.batch * p.q_batch_stride +
-                             (long long)col.token * p.q_token_stride + (long long)col.head * p.q_head_stride;
-            v = *reinterpret_cast<const uint4*>(src + c * 8);
+        const Column col = column_of(p, pc.unit, r < count ? r : 0);
+        const u16* src = reinterpret_cast<const u16*>(p.q) + pc.batch * p.q_batch_stride +
+                         (long long)col.token * p.q_token_stride + (long long)col.head * p.q_head_stride;
+        cp_async_16(at(r, c), src + c * 8, r < count ? 16 : 0, policy);
+    }
+    cp_async_wait_all();
+    if constexpr (KV_FP8 && !IS_F16) {
+        for (int i = threadIdx.x; i < WIDE_ROWS * CHUNKS; i += CONSUMER_THREADS) {
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            u32 w[4];
+            ld_shared_v4(w, at(r, c));
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float lo, hi;
+                unpack_half2<false>(w[j], lo, hi);
+                w[j] = pack_half2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
+            }
+            st_shared_v4(at(r, c), w);
         }
-        *reinterpret_cast<uint4*>(q + (c / 8) * BOX_BYTES + r * 128 + (((c % 8) ^ (r % 8)) << 4)) = v;
     }
 }
 
-// Zeroes the V part (dims 0..511) of a tile's positions [from, TILE_TOKENS), by one warpgroup.
-__device__ __forceinline__ void clear_v_rows(unsigned char* smem, int tile_offset, int from) {
+// Zeroes the V part (dims 0..511) of a 2-byte tile's positions [from, TILE_TOKENS), by THREADS
+// threads (thread index `me`).
+template <int THREADS>
+__device__ __forceinline__ void clear_v_rows(unsigned char* smem, int tile_offset, int from, int me) {
     constexpr int CHUNKS = V_DIM * 2 / 16;
-    for (int i = threadIdx.x % WG_THREADS; i < (TILE_TOKENS - from) * CHUNKS; i += WG_THREADS) {
+    for (int i = me; i < (TILE_TOKENS - from) * CHUNKS; i += THREADS) {
         const int t = from + i / CHUNKS, c = i % CHUNKS;
-        *reinterpret_cast<uint4*>(smem + tile_offset + (int)Kv::Rows::chunk(0, t, c)) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(smem + tile_offset + (int)WideTile::Rows::chunk(0, t, c)) = make_uint4(0, 0, 0, 0);
+    }
+}
+
+// e4m3 caches: the tile of ring stage `stage` widened into the staging tile (f16, exact), by
+// every consumer thread; positions past the length (from `valid` on) zeroed there, as V.
+__device__ __forceinline__ void widen_tile(unsigned char* smem, int stage, int valid) {
+    if constexpr (KV_FP8) {
+        constexpr int CHUNKS = MLA_DIM / 16;  // 16-byte e4m3 chunks a position
+        const u32 src = smem_addr(smem + stage * TILE_BYTES);
+        for (int i = threadIdx.x; i < TILE_TOKENS * CHUNKS; i += CONSUMER_THREADS) {
+            const int t = i / CHUNKS, c = i % CHUNKS;
+            u32 in[4];
+            ld_shared_v4(in, Kv::Rows::chunk(src, t, c));
+            const u32 dst = smem_addr(smem + WideShared::staging);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // 8 e4m3 bytes -> one 16-byte chunk of f16
+                u32 out[4];
+                e4m3x4_to_f16x2(in[2 * h], out[0], out[1]);
+                e4m3x4_to_f16x2(in[2 * h + 1], out[2], out[3]);
+                st_shared_v4(WideTile::Rows::chunk(dst, t, 2 * c + h), out);
+            }
+        }
+        if (valid < TILE_TOKENS) clear_v_rows<CONSUMER_THREADS>(smem, WideShared::staging, valid, threadIdx.x);
     }
 }
 
@@ -849,11 +911,11 @@ __device__ __forceinline__ void rescale_o(float (&o)[WIDE_O_DIMS / 2], float a0,
     }
 }
 
-// Issues O[:, 256 wg .. + 256] += P V for the tile at `tile`, P from shared memory (p_desc). V
-// is N-major: rows are positions (8 of them 1024 bytes apart), 64 dims a box, boxes BOX_BYTES
-// apart.
+// Issues O[:, 256 wg .. + 256] += P V for the 2-byte tile at `tile`, P from shared memory
+// (p_desc). V is N-major: rows are positions (8 of them 1024 bytes apart), 64 dims a box, boxes
+// WIDE_BOX apart.
 __device__ __forceinline__ void issue_pv(float (&o)[WIDE_O_DIMS / 2], u64 p_desc, u32 tile, int wg) {
-    const u64 v_desc = smem_desc_sw128(tile + wg * (WIDE_O_DIMS / 64) * BOX_BYTES, BOX_BYTES, 1024);
+    const u64 v_desc = smem_desc_sw128(tile + wg * (WIDE_O_DIMS / 64) * WIDE_BOX, WIDE_BOX, 1024);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < TILE_TOKENS / 16; ++ks)
@@ -864,8 +926,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[WIDE_O_DIMS / 2], u64 p_desc
 // Two consumer warpgroups on column blocks of 64 rows (see the top of the file). Thread t of
 // warpgroup wg holds rows r0 = 16 (t / 32) + (t % 32) / 4 and r0 + 8 of S (warpgroup 0) and of
 // O[:, 256 wg .. + 256], in the wgmma accumulator layout (wgmma.cuh).
-__device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigned char* smem, const StartShared& st,
-                                              CutUnits& cuts) {
+__device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigned char* smem, const StartShared& st) {
     u64* full = reinterpret_cast<u64*>(smem + WideShared::full);
     u64* empty = reinterpret_cast<u64*>(smem + WideShared::empty);
     float* row_alpha = reinterpret_cast<float*>(smem + WideShared::row_alpha);
@@ -881,13 +942,15 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
     // K-major operands (Q, K, P): a k16 step is 32 bytes along the row, a box 64 k further
     const u64 q_desc = smem_desc_sw128(smem_addr(smem + WideShared::q), 16, 1024);
     const u64 p_desc = smem_desc_sw128(p_base, 16, 1024);
-    const float score_scale = p.scale_log2;
+    const u32 staging = ring_base + (WideShared::staging - WideShared::ring);  // an offset, no register
 
     Walk walk(p, st);
     Piece pc;
     int n0 = 0, pieces_done = 0;
     while (walk.next(p, pc)) {
         const int count = columns_in(p, pc.unit);
+        const float score_scale =
+            p.scale_log2 * kv_scale<KV_FP8>(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride, pc.batch, 0);
         stage_query_rows_wide(p, pc, smem + WideShared::q, count);
         fence_proxy_async_shared();
         named_barrier_sync(BAR_CONSUMERS, CONSUMER_THREADS);
@@ -913,27 +976,40 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
             for (int k = pc.first; k < pc.end; ++k) {
                 const int n = n0 + k - pc.first;
                 const int stage = n % STAGES;
-                const u32 tile = ring_base + stage * TILE_BYTES;
                 const int tile_begin = k * TILE_TOKENS;
                 if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
-                // ---- S = Q K^T over the 576 dims, each box's k-steps as soon as it lands ----
+                if constexpr (KV_FP8) {
+                    // the staging tile is free once both warpgroups' P V of the last tile is
+                    // done; widened, the e4m3 stage goes back to the producer at once
+                    mbarrier_wait(&full[stage * FULL_PARTS], (n / STAGES) & 1);
+                    wgmma_wait<0>();
+                    wgmma_hold(o);
+                    named_barrier_sync(BAR_STAGING, CONSUMER_THREADS);
+                    widen_tile(smem, stage, pc.len - tile_begin);
+                    fence_proxy_async_shared();
+                    mbarrier_arrive(&empty[stage]);
+                    named_barrier_sync(BAR_STAGING, CONSUMER_THREADS);
+                }
+                const u32 tile = KV_FP8 ? staging : ring_base + stage * TILE_BYTES;
+                // ---- S = Q K^T over the 576 dims, a 2-byte tile's boxes as they land ----
                 const u64 k_desc = smem_desc_sw128(tile, 16, 1024);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < K_STEPS; ++kk) {
-                    if (kk % 4 == 0) {
+                    if (FULL_PARTS > 1 && kk % 4 == 0) {
                         mbarrier_wait(&full[stage * FULL_PARTS + kk / 4], (n / STAGES) & 1);
                         wgmma_fence();  // ordered after the wait's loop, not left to ptxas
                     }
-                    wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * BOX_BYTES + (kk % 4) * 32) >> 4),
-                                                k_desc + (((kk / 4) * BOX_BYTES + (kk % 4) * 32) >> 4), kk > 0);
+                    wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4),
+                                                k_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4), kk > 0);
                 }
                 wgmma_commit();
                 wgmma_wait<0>();  // this S, and the previous tile's P V
                 wgmma_hold(s);
                 wgmma_hold(o);
-                if (k > pc.first) mbarrier_arrive(&empty[(n - 1) % STAGES]);
-                if (tile_begin + TILE_TOKENS > pc.len) clear_v_rows(smem, stage * TILE_BYTES, pc.len - tile_begin);
+                if (!KV_FP8 && k > pc.first) mbarrier_arrive(&empty[(n - 1) % STAGES]);
+                if (!KV_FP8 && tile_begin + TILE_TOKENS > pc.len)
+                    clear_v_rows<WG_THREADS>(smem, stage * TILE_BYTES, pc.len - tile_begin, threadIdx.x % WG_THREADS);
 
                 // ---- online softmax of rows r0, r0 + 8 over the tile's positions ----
                 float alpha[2];
@@ -985,16 +1061,26 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
             }
             wgmma_wait<0>();
             wgmma_hold(o);
-            mbarrier_arrive(&empty[(n0 + pc.end - pc.first - 1) % STAGES]);
+            if (!KV_FP8) mbarrier_arrive(&empty[(n0 + pc.end - pc.first - 1) % STAGES]);
         } else {
             for (int k = pc.first; k < pc.end; ++k) {
-                const int stage = (n0 + k - pc.first) % STAGES;
+                const int n = n0 + k - pc.first;
+                const int stage = n % STAGES;
+                if constexpr (KV_FP8) {
+                    // (this warpgroup's P V of the last tile is done: waited below)
+                    mbarrier_wait(&full[stage * FULL_PARTS], (n / STAGES) & 1);
+                    named_barrier_sync(BAR_STAGING, CONSUMER_THREADS);
+                    widen_tile(smem, stage, pc.len - k * TILE_TOKENS);
+                    fence_proxy_async_shared();
+                    mbarrier_arrive(&empty[stage]);
+                    named_barrier_sync(BAR_STAGING, CONSUMER_THREADS);
+                }
                 named_barrier_sync(BAR_P_READY, CONSUMER_THREADS);
                 rescale_o(o, row_alpha[r0], row_alpha[r0 + 8]);
-                issue_pv(o, p_desc, ring_base + stage * TILE_BYTES, 1);
+                issue_pv(o, p_desc, KV_FP8 ? staging : ring_base + stage * TILE_BYTES, 1);
                 wgmma_wait<0>();
                 wgmma_hold(o);
-                mbarrier_arrive(&empty[stage]);
+                if (!KV_FP8) mbarrier_arrive(&empty[stage]);
                 if (k + 1 < pc.end) named_barrier_sync(BAR_P_FREE, CONSUMER_THREADS);
             }
         }
@@ -1026,7 +1112,8 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
             if (whole) {
                 const Column col = column_of(p, pc.unit, r);
                 u16* out = out_ptr(p, pc.batch, col) + d0;
-                const float inv = normaliser(l, 1.f);
+                const float inv = normaliser(
+                    l, kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, pc.batch, 0));
 #pragma unroll
                 for (int j = 0; j < WIDE_O_DIMS / 8; ++j)
                     *reinterpret_cast<u32*>(out + 8 * j) =
@@ -1043,7 +1130,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                 }
             }
         }
-        if (!whole) park_piece(p, st, pc, cuts);
+        if (!whole) park_piece(p, pc);
     }
     return {n0, pieces_done};
 }
@@ -1108,13 +1195,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
     setmaxnreg_inc<CONSUMER_REGS>();
     const StartShared st = *start;
     if (p.schedule_log && threadIdx.x == 0) record_schedule<TILE_TOKENS>(p, st);
-    CutUnits cuts;
     Tally tally;
     if constexpr (WIDE) {
-        tally = consume_wide(p, smem, st, cuts);
+        tally = consume_wide(p, smem, st);
     } else {
-        tally = consume_narrow(p, smem, st, cuts);
+        tally = consume_narrow(p, smem, st);
     }
+    const CutUnits cuts = cut_units(p, st);
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
     const Schedule sched = {st.total, st.ctas, st.per};
     if (cuts.has_first) merge_cut_unit(p, sched, cuts.first, st.lane);

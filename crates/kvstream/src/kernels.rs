@@ -486,8 +486,13 @@ impl MlaVariant {
         let ring =
             self.stages * self.tile_tokens * crate::mla::MLA_DIM * self.kv_dtype.size(self.dtype);
         if self.is_wide() {
-            // `WideShared`: ring, query rows and P (128-byte swizzle), three row vectors
-            let q = columns * crate::mla::MLA_DIM * 2;
+            // `WideShared`: ring, the e4m3 staging tile, query rows and P (128-byte swizzle),
+            // three row vectors
+            let staging = match self.kv_dtype {
+                KvDType::Fp8E4m3 => self.tile_tokens * crate::mla::MLA_DIM * 2,
+                KvDType::AsQuery => 0,
+            };
+            let q = staging + columns * crate::mla::MLA_DIM * 2;
             let p = columns * self.tile_tokens * 2;
             let rows = 3 * 4 * columns;
             // a full barrier a box of 64 dims (`FULL_PARTS`), an empty one a stage
@@ -814,9 +819,6 @@ pub fn all_variants() -> Vec<AnyVariant> {
     for dtype in [DType::Bf16, DType::F16] {
         for kv_dtype in [KvDType::AsQuery, KvDType::Fp8E4m3] {
             for n_tiles in plan::MLA_N_TILES {
-                if n_tiles == plan::MLA_WIDE_N_TILES && kv_dtype != KvDType::AsQuery {
-                    continue;
-                }
                 for paged in [false, true] {
                     out.push(AnyVariant::Mla(plan::mla_variant(
                         dtype, kv_dtype, n_tiles, paged,

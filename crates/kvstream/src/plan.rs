@@ -539,9 +539,11 @@ pub fn mla_variant(dtype: DType, kv_dtype: KvDType, n_tiles: usize, paged: bool)
         kv_dtype,
         n_tiles,
         tile_tokens: MLA_TILE_TOKENS,
+        // (the wide consumer keeps two stages whatever the cache: an e4m3 one is widened into
+        // a 2-byte staging tile next to them)
         stages: match kv_dtype {
-            KvDType::AsQuery => MLA_STAGES,
-            KvDType::Fp8E4m3 => 2 * MLA_STAGES,
+            KvDType::Fp8E4m3 if n_tiles != MLA_WIDE_N_TILES => 2 * MLA_STAGES,
+            _ => MLA_STAGES,
         },
         paged,
     }
@@ -620,7 +622,7 @@ pub fn plan_mla(
     // from memory (or L2) once for 64 rows, not once per 32 (docs/tuning.md, MLA).
     let n_tiles = if columns <= 16 {
         2
-    } else if columns <= 32 || problem.kv_dtype != KvDType::AsQuery {
+    } else if columns <= 32 {
         4
     } else {
         MLA_WIDE_N_TILES
