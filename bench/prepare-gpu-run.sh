@@ -5,6 +5,10 @@
 # into .carry/ab/<commit>/ with every bf16 kernel in their caches (this tree under its own short
 # commit, `-dirty` when crates/ or kernels/ differ from it), packed as .carry/ab.tar.gz.
 # RINGS="g2s4,r2" also compiles the persistent variants of those forced rings (bench --rings).
+# ONLY="decode_mla stream_read" compiles only the variants whose names contain one of those words
+# (for a run of a few parts: a minute instead of half an hour on two cores; every variant those
+# parts load must be among them, as the GPU machine may have no NVRTC on its library path);
+# WHEEL=0 skips the Python wheel.
 # Carry .carry and .whl (the FA3 wheel) together: about 55 MB; with AB_REFS, .carry alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,16 +24,26 @@ for l in sys.stdin:
 cp "$exe" .carry/bin/gpu-tests
 # every variant into the cache; raw CUBINs only with DUMP_CUBINS=1 (gpu-run.sh's `sass` part;
 # CI runs the same SASS checks in tests/nvrtc.rs)
-if [ -n "${DUMP_CUBINS:-}" ]; then
+if [ -n "${ONLY:-}" ]; then
+  for only in $ONLY; do
+    KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --only "$only" > /dev/null
+  done
+elif [ -n "${DUMP_CUBINS:-}" ]; then
   KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --dump .carry/cubins
 else
   KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels ${RINGS:+--rings "$RINGS"} > /dev/null
 fi
 # TRACE=1: the phase-trace builds too (gpu-run.sh's `trace` part; their cache keys differ).
 # Any KVSTREAM_TRACE value turns the trace on; `kernels` only compiles, so nothing is written.
-[ -z "${TRACE:-}" ] || KVSTREAM_TRACE=/dev/null KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels > /dev/null
-[ -n "$(ls target/wheels/kvstream-*.whl 2>/dev/null)" ] || bash scripts/test-python.sh
-cp target/wheels/kvstream-*.whl .carry/wheels/
+if [ -n "${TRACE:-}" ]; then
+  for only in ${ONLY:-""}; do
+    KVSTREAM_TRACE=/dev/null KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels ${only:+--only "$only"} > /dev/null
+  done
+fi
+if [ "${WHEEL:-1}" != 0 ]; then
+  [ -n "$(ls target/wheels/kvstream-*.whl 2>/dev/null)" ] || bash scripts/test-python.sh
+  cp target/wheels/kvstream-*.whl .carry/wheels/
+fi
 if [ -n "${AB_REFS:-}" ]; then
   keep() { for f in "$1"/*; do case $(basename "$f") in
     decode.bf16.*|decode_gqa.bf16.*|combine.bf16.*|plan_work.*|stream_read.*) cp "$f" "$2"/ ;; esac; done; }
