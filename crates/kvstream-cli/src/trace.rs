@@ -48,27 +48,10 @@ const PERSISTENT_POINTS: [&str; 12] = [
     "merged",
     "exit",
 ];
-/// Trace points of decode_mla.cu's `TracePoint`: the persistent engine's, then the steps of the
+/// Trace points of decode_mla.cu's `TracePoint` after the persistent engine's: the steps of the
 /// CTA's first merge (its cut unit's pieces all parked, the merge started, its own part done,
 /// every thread's part done).
-const MLA_POINTS: [&str; 16] = [
-    "entry",
-    "waited",
-    "scheduled",
-    "first_issue",
-    "last_issue",
-    "q_staged",
-    "first_tile",
-    "first_loop",
-    "last_loop",
-    "parked",
-    "merged",
-    "exit",
-    "all_parked",
-    "merge_start",
-    "merge_done",
-    "merge_synced",
-];
+const MLA_MERGE_POINTS: [&str; 4] = ["all_parked", "merge_start", "merge_done", "merge_synced"];
 /// Record ring size, trace slots per record and record bytes of decode_gqa.cu
 /// (`TRACE_RECORDS`, `TRACE_SLOTS`, `TraceRecord`).
 const RECORDS: usize = 1 << 15;
@@ -128,12 +111,12 @@ pub fn dump(
         if n == 0 {
             continue;
         }
-        let points: &[&str] = if variant.starts_with("decode_gqa.") {
-            &SPLIT_POINTS
+        let points: Vec<&str> = if variant.starts_with("decode_gqa.") {
+            SPLIT_POINTS.to_vec()
         } else if variant.starts_with("decode_mla.") {
-            &MLA_POINTS
+            [PERSISTENT_POINTS.as_slice(), MLA_MERGE_POINTS.as_slice()].concat()
         } else {
-            &PERSISTENT_POINTS
+            PERSISTENT_POINTS.to_vec()
         };
         // the persistent kernel's `splits` field counts its pieces
         let tail = if variant.starts_with("decode_gqa.") {
@@ -143,10 +126,10 @@ pub fn dump(
         };
         let mut csv = String::new();
         let _ = write!(csv, "seq");
-        for p in points {
+        for p in &points {
             let _ = write!(csv, ",{p}_ns");
         }
-        for p in points {
+        for p in &points {
             let _ = write!(csv, ",{p}_cycles");
         }
         let _ = writeln!(csv, ",block_x,block_y,block_z,sm,{tail}");

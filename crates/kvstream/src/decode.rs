@@ -449,20 +449,15 @@ impl Decoder {
             ("out", out.len(), need_q, ""),
         ];
         let mut checks = checks.to_vec();
-        if let Some(l) = &lse {
-            checks.push(("lse", l.len(), rows, ""));
-        }
-        if let Some(s) = seqlens {
-            checks.push(("cache_seqlens", s.len(), p.batch, " (one per request)"));
-        }
-        if let (Some(bt), Some(pg)) = (block_table, p.paged) {
-            checks.push((
-                "block_table",
-                bt.len(),
-                p.batch * pg.table_stride,
-                " (batch x table_stride)",
-            ));
-        }
+        checks.extend(optional_checks(
+            rows,
+            p.batch,
+            lse.as_ref().map(|l| l.len()),
+            seqlens.map(|s| s.len()),
+            block_table
+                .zip(p.paged)
+                .map(|(bt, pg)| (bt.len(), pg.table_stride)),
+        ));
         check_lengths(&checks)?;
         let (qp, _g1) = q.device_ptr(stream);
         let (kp, _g2) = k.device_ptr(stream);
@@ -690,6 +685,34 @@ pub(crate) fn check_lengths(checks: &[(&'static str, usize, usize, &str)]) -> Re
         }
     }
     Ok(())
+}
+
+/// The checks of the optional arguments every decode call on slices takes, by element count:
+/// LSE (one per output row), the lengths (one per request), the block table (batch x its
+/// `table_stride`, paged caches only).
+pub(crate) fn optional_checks(
+    rows: usize,
+    batch: usize,
+    lse: Option<usize>,
+    seqlens: Option<usize>,
+    block_table: Option<(usize, usize)>,
+) -> Vec<(&'static str, usize, usize, &'static str)> {
+    let mut checks = Vec::new();
+    if let Some(have) = lse {
+        checks.push(("lse", have, rows, ""));
+    }
+    if let Some(have) = seqlens {
+        checks.push(("cache_seqlens", have, batch, " (one per request)"));
+    }
+    if let Some((have, table_stride)) = block_table {
+        checks.push((
+            "block_table",
+            have,
+            batch * table_stride,
+            " (batch x table_stride)",
+        ));
+    }
+    checks
 }
 
 /// The pieces per CTA a persistent kernel recorded in its schedule log (`schedule_log` in

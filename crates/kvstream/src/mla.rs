@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::decode::{check_lengths, Element, KvElement, KvScale};
+use crate::decode::{check_lengths, optional_checks, Element, KvElement, KvScale};
 use crate::error::{Error, Result};
 use crate::kernels::AnyVariant;
 use crate::launch::{kv_tensor_map, launch, LaunchConfig, TmaElement};
@@ -499,20 +499,15 @@ impl MlaDecoder {
             ("out", out.len(), rows * MLA_V_DIM, ""),
         ];
         let mut checks = checks.to_vec();
-        if let Some(l) = &lse {
-            checks.push(("lse", l.len(), rows, ""));
-        }
-        if let Some(s) = seqlens {
-            checks.push(("cache_seqlens", s.len(), p.batch, " (one per request)"));
-        }
-        if let (Some(bt), Some(pg)) = (block_table, p.paged) {
-            checks.push((
-                "block_table",
-                bt.len(),
-                p.batch * pg.table_stride,
-                " (batch x table_stride)",
-            ));
-        }
+        checks.extend(optional_checks(
+            rows,
+            p.batch,
+            lse.as_ref().map(|l| l.len()),
+            seqlens.map(|s| s.len()),
+            block_table
+                .zip(p.paged)
+                .map(|(bt, pg)| (bt.len(), pg.table_stride)),
+        ));
         check_lengths(&checks)?;
         let kv_scale = match kv_scale {
             Some(s) => Some(KvScale {
