@@ -980,11 +980,13 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                 if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
                 if constexpr (KV_FP8) {
                     // the staging tile is free once both warpgroups' P V of the last tile is
-                    // done; widened, the e4m3 stage goes back to the producer at once
+                    // done (this one's waited here, the other's announced by P_FREE, which
+                    // frees the P buffer too); widened, the e4m3 stage goes back to the
+                    // producer at once
                     mbarrier_wait(&full[stage * FULL_PARTS], (n / STAGES) & 1);
                     wgmma_wait<0>();
                     wgmma_hold(o);
-                    named_barrier_sync(BAR_STAGING, CONSUMER_THREADS);
+                    if (k > pc.first) named_barrier_sync(BAR_P_FREE, CONSUMER_THREADS);
                     widen_tile(smem, stage, pc.len - tile_begin);
                     fence_proxy_async_shared();
                     mbarrier_arrive(&empty[stage]);
@@ -1043,7 +1045,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                     l_run[i] = l_run[i] * alpha[i] + sum;
                 }
                 // ---- hand P and the factors to warpgroup 1 (once it is done with the last) ----
-                if (k > pc.first) named_barrier_sync(BAR_P_FREE, CONSUMER_THREADS);
+                if (!KV_FP8 && k > pc.first) named_barrier_sync(BAR_P_FREE, CONSUMER_THREADS);
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
                     const int r = r0 + 8 * i;
@@ -1067,9 +1069,9 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                 const int n = n0 + k - pc.first;
                 const int stage = n % STAGES;
                 if constexpr (KV_FP8) {
-                    // (this warpgroup's P V of the last tile is done: waited below)
+                    // (both warpgroups' P V of the last tile is done: this one's waited below,
+                    // the other's before it passed P_FREE with this one)
                     mbarrier_wait(&full[stage * FULL_PARTS], (n / STAGES) & 1);
-                    named_barrier_sync(BAR_STAGING, CONSUMER_THREADS);
                     widen_tile(smem, stage, pc.len - k * TILE_TOKENS);
                     fence_proxy_async_shared();
                     mbarrier_arrive(&empty[stage]);

@@ -350,6 +350,8 @@ fn mla_cases_match_reference() {
             if f16_q { "f16" } else { "bf16" },
             kv.name()
         );
+        // (with --nocapture, a case that never returns is named by the last line)
+        eprintln!("MLA case {i}: {name}");
         let r = if f16_q {
             p.dtype = DType::F16;
             mla_case::<f16>(&rt, &stream, &mut rng, &p, &lens, i % 4 == 1)
