@@ -876,15 +876,16 @@ __device__ __forceinline__ void clear_v_rows(unsigned char* smem, int tile_offse
 }
 
 // e4m3 caches: the tile of ring stage `stage` widened into the staging tile (f16, exact), by
-// every consumer thread; positions past the length (from `valid` on) zeroed there, as V.
+// every consumer thread; positions past the length (from `valid` on) written as zeros, for V
+// (in the same pass: a second one would race with this one's writes).
 __device__ __forceinline__ void widen_tile(unsigned char* smem, int stage, int valid) {
     if constexpr (KV_FP8) {
         constexpr int CHUNKS = MLA_DIM / 16;  // 16-byte e4m3 chunks a position
         const u32 src = smem_addr(smem + stage * TILE_BYTES);
         for (int i = threadIdx.x; i < TILE_TOKENS * CHUNKS; i += CONSUMER_THREADS) {
             const int t = i / CHUNKS, c = i % CHUNKS;
-            u32 in[4];
-            ld_shared_v4(in, Kv::Rows::chunk(src, t, c));
+            u32 in[4] = {0u, 0u, 0u, 0u};
+            if (t < valid) ld_shared_v4(in, Kv::Rows::chunk(src, t, c));
             const u32 dst = smem_addr(smem + WideShared::staging);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {  // 8 e4m3 bytes -> one 16-byte chunk of f16
@@ -894,7 +895,6 @@ __device__ __forceinline__ void widen_tile(unsigned char* smem, int stage, int v
                 st_shared_v4(WideTile::Rows::chunk(dst, t, 2 * c + h), out);
             }
         }
-        if (valid < TILE_TOKENS) clear_v_rows<CONSUMER_THREADS>(smem, WideShared::staging, valid, threadIdx.x);
     }
 }
 
