@@ -6,7 +6,8 @@
 # travel back as one $OUT/ab-results.tar.gz.
 # SERVING_IDS adds rows of bench/serving.json (paged, multi-token), timed by the builds named in
 # SERVING_BUILDS (default: all; builds from before paged caches cannot run them) with
-# AB_SERVING_ARGS (e.g. `--splits 1,4,16`).
+# AB_SERVING_ARGS (e.g. `--splits 1,4,16`). MLA_IDS adds rows of bench/matrix-mla.json (`kvstream
+# mla --matrix`, each checked against the f64 reference); IDS= (empty) skips the GQA rows.
 #   AB_DIR=.carry/ab IDS=mqa-d128-L1024,gqa-d64-L1024 PASSES=2 bash bench/ab.sh
 set -u
 AB_DIR=${AB_DIR:-.carry/ab}
@@ -14,7 +15,7 @@ AB_DIR=${AB_DIR:-.carry/ab}
 if [ ! -d "$AB_DIR" ] && [ -f "$AB_DIR.tar.gz" ]; then
   mkdir -p "$AB_DIR" && tar xzf "$AB_DIR.tar.gz" -C "$AB_DIR"
 fi
-IDS=${IDS:-mqa-d128-L1024,gqa-d64-L1024,gqa-d128-L4096,mqa-d64-L4096,batch-b16-L4096}
+IDS=${IDS-mqa-d128-L1024,gqa-d64-L1024,gqa-d128-L4096,mqa-d64-L4096,batch-b16-L4096}
 PASSES=${PASSES:-2}
 O=$(mktemp -d)
 builds=$(ls "$AB_DIR" | tr '\n' ' ')
@@ -24,9 +25,16 @@ for pass in $(seq 1 "$PASSES"); do
     # builds from before the cluster reduction have one mode and no --modes
     modes=$("$AB_DIR/$b/kvstream" bench --help | grep -q -- --modes && echo --modes)
     # (builds before KVSTREAM_COMMIT existed write this checkout's commit into their files)
-    KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" bench --ids "$IDS" \
-      $modes --rounds 7 --no-plots --json "$O/$b-$pass.json" > "$O/$b-$pass.txt" 2>&1
-    echo "$b pass $pass rc=$?"
+    if [ -n "$IDS" ]; then
+      KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" bench --ids "$IDS" \
+        $modes --rounds 7 --no-plots --json "$O/$b-$pass.json" > "$O/$b-$pass.txt" 2>&1
+      echo "$b pass $pass rc=$?"
+    fi
+    if [ -n "${MLA_IDS:-}" ]; then
+      KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 300 "$AB_DIR/$b/kvstream" mla \
+        --matrix bench/matrix-mla.json --ids "$MLA_IDS" --rounds 9 --json "$O/$b-m$pass.json" > "$O/$b-m$pass.txt" 2>&1
+      echo "$b mla pass $pass rc=$? $(grep -c RESULT "$O/$b-m$pass.txt") rows, $(grep -ci error "$O/$b-m$pass.txt") errors"
+    fi
     if [ -n "${SERVING_IDS:-}" ] && [[ " ${SERVING_BUILDS:-$builds} " == *" $b "* ]]; then
       KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 300 "$AB_DIR/$b/kvstream" bench \
         --matrix bench/serving.json --ids "$SERVING_IDS" ${AB_SERVING_ARGS:-} --rounds 7 --no-plots \

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds what bench/gpu-run.sh needs into the git-ignored .carry/ folder: the release CLI, the
 # GPU test executable, every kernel compiled (cache + raw CUBINs) and the Python wheel.
-# AB_REFS="c790eea 1ca18d6" also builds those commits (and this tree) for bench/ab.sh
-# into .carry/ab/<commit>/ with every bf16 kernel in their caches (this tree under its own short
-# commit, `-dirty` when crates/ or kernels/ differ from it), packed as .carry/ab.tar.gz.
+# AB_REFS="c790eea 1ca18d6" also builds those commits or branches (and this tree) for
+# bench/ab.sh into .carry/ab/<ref>/ (slashes as dashes) with every bf16 kernel in their caches
+# (ONLY narrows them as below; this tree under its own short commit, `-dirty` when crates/ or
+# kernels/ differ from it), packed as .carry/ab.tar.gz.
 # RINGS="g2s4,r2" also compiles the persistent variants of those forced rings (bench --rings).
 # ONLY="decode_mla stream_read" compiles only the variants whose names contain one of those words
 # (for a run of a few parts: a minute instead of half an hour on two cores; every variant those
@@ -46,15 +47,20 @@ if [ "${WHEEL:-1}" != 0 ]; then
 fi
 if [ -n "${AB_REFS:-}" ]; then
   keep() { for f in "$1"/*; do case $(basename "$f") in
-    decode.bf16.*|decode_gqa.bf16.*|combine.bf16.*|plan_work.*|stream_read.*) cp "$f" "$2"/ ;; esac; done; }
+    decode.bf16.*|decode_gqa.bf16.*|combine.bf16.*|plan_work.*|stream_read.*|decode_mla.bf16.*) cp "$f" "$2"/ ;; esac; done; }
   head=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates kernels || echo -dirty)
   mkdir -p ".carry/ab/$head/cache" && cp .carry/bin/kvstream ".carry/ab/$head/" && keep .carry/cache ".carry/ab/$head/cache"
   for ref in $AB_REFS; do
+    name=${ref//\//-}  # a branch's slashes would nest folders
     wt=$(mktemp -d) && git worktree add -q --detach "$wt" "$ref"
-    CARGO_TARGET_DIR="$PWD/target/ab" cargo build --release -q -p kvstream-cli --manifest-path "$wt/Cargo.toml"
-    mkdir -p ".carry/ab/$ref/cache" && cp target/ab/release/kvstream ".carry/ab/$ref/"
-    tmp=$(mktemp -d) && KVSTREAM_CACHE_DIR="$tmp" ".carry/ab/$ref/kvstream" kernels > /dev/null
-    keep "$tmp" ".carry/ab/$ref/cache" && rm -rf "$tmp"
+    # (a target folder a ref: one shared by worktrees handed out a stale binary once)
+    CARGO_TARGET_DIR="$PWD/target/ab-$name" cargo build --release -q -p kvstream-cli --manifest-path "$wt/Cargo.toml"
+    mkdir -p ".carry/ab/$name/cache" && cp "target/ab-$name/release/kvstream" ".carry/ab/$name/"
+    tmp=$(mktemp -d)
+    for only in ${ONLY:-""}; do
+      KVSTREAM_CACHE_DIR="$tmp" ".carry/ab/$name/kvstream" kernels ${only:+--only "$only"} > /dev/null
+    done
+    keep "$tmp" ".carry/ab/$name/cache" && rm -rf "$tmp"
     git worktree remove --force "$wt"
   done
   tar czf .carry/ab.tar.gz -C .carry/ab . && rm -rf .carry/ab
