@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving mla mlamatrix mlapeers mlatrace ab (default:
+# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -189,6 +189,17 @@ if want mlatrace; then
   mkdir -p $O/trace
   KVSTREAM_TRACE=$O/trace timeout 200 $B mla ${MLA_TRACE_SHAPE:---hq 16 --len 131072} --rounds 7 2>&1 | grep -E "RESULT|trace"
   python3 bench/trace.py $O/trace > $O/trace/summary.txt 2>&1; cat $O/trace/summary.txt | head -30
+fi
+if want mlancu; then
+  # ncu on one MLA decode at MLA_NCU_SHAPE (default the wide h128 b64 row, a launch inside the
+  # timed graph): the full section set, then the per-instruction source page (warp stall
+  # samples by SASS line: where the consumers wait) -> $OUT/mla-ncu.*
+  timeout 400 ncu --kernel-name regex:kvs_decode_mla --launch-skip 3 --launch-count 1 --set full \
+    --import-source yes --export $O/mla-ncu -f $B mla ${MLA_NCU_SHAPE:---batch 64 --hq 128 --len 32768} --rounds 7 \
+    > $O/mla-ncu.log 2>&1; echo "ncu rc=$?"
+  ncu --import $O/mla-ncu.ncu-rep --page details --csv > $O/mla-ncu-details.csv 2>&1
+  ncu --import $O/mla-ncu.ncu-rep --page source --csv --print-source sass > $O/mla-ncu-source.csv 2>&1
+  grep -E "Compute \(SM\) Throughput|Memory Throughput|Tensor|Shared|Issue Slots" $O/mla-ncu-details.csv | head -20
 fi
 if want ab; then
   bash bench/ab.sh
