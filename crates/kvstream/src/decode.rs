@@ -18,7 +18,7 @@ use crate::launch::{
 };
 use crate::params::{DecodeParams, PersistentParams, SCHEDULE_LOG_PIECES};
 use crate::plan::{choose, DecodePlan, PersistentPlan, Plan, PlanOptions, Reduction};
-use crate::problem::{DType, DecodeProblem, KvDType, KvScaleLayout, KvStrides};
+use crate::problem::{DType, DecodeProblem, KvDType, KvScaleLayout, KvStrides, PagedKv};
 use crate::runtime::{LoadedKernel, Runtime};
 use crate::schedule::Piece;
 
@@ -442,23 +442,20 @@ impl Decoder {
                     + p.head_dim as i64
             }
         };
-        let checks = [
-            ("q", q.len(), need_q, ""),
-            ("k_cache", k.len(), kv_need(p.k_strides) as usize, ""),
-            ("v_cache", v.len(), kv_need(p.v_strides) as usize, ""),
-            ("out", out.len(), need_q, ""),
-        ];
-        let mut checks = checks.to_vec();
-        checks.extend(optional_checks(
+        check_slice_lengths(
+            &[
+                ("q", q.len(), need_q, ""),
+                ("k_cache", k.len(), kv_need(p.k_strides) as usize, ""),
+                ("v_cache", v.len(), kv_need(p.v_strides) as usize, ""),
+                ("out", out.len(), need_q, ""),
+            ],
             rows,
             p.batch,
             lse.as_ref().map(|l| l.len()),
-            seqlens.map(|s| s.len()),
-            block_table
-                .zip(p.paged)
-                .map(|(bt, pg)| (bt.len(), pg.table_stride)),
-        ));
-        check_lengths(&checks)?;
+            seqlens,
+            block_table,
+            p.paged,
+        )?;
         let (qp, _g1) = q.device_ptr(stream);
         let (kp, _g2) = k.device_ptr(stream);
         let (vp, _g3) = v.device_ptr(stream);
@@ -687,32 +684,34 @@ pub(crate) fn check_lengths(checks: &[(&'static str, usize, usize, &str)]) -> Re
     Ok(())
 }
 
-/// The checks of the optional arguments every decode call on slices takes, by element count:
-/// LSE (one per output row), the lengths (one per request), the block table (batch x its
-/// `table_stride`, paged caches only).
-pub(crate) fn optional_checks(
+/// Checks a decode call on slices: the `required` (argument, have, need, why) element counts,
+/// then the optional arguments every such call takes: LSE (one per output row), the lengths (one
+/// per request), the block table (batch x its `table_stride`, paged caches only).
+pub(crate) fn check_slice_lengths(
+    required: &[(&'static str, usize, usize, &'static str)],
     rows: usize,
     batch: usize,
     lse: Option<usize>,
-    seqlens: Option<usize>,
-    block_table: Option<(usize, usize)>,
-) -> Vec<(&'static str, usize, usize, &'static str)> {
-    let mut checks = Vec::new();
+    seqlens: Option<&CudaSlice<i32>>,
+    block_table: Option<&CudaSlice<i32>>,
+    paged: Option<PagedKv>,
+) -> Result<()> {
+    let mut checks = required.to_vec();
     if let Some(have) = lse {
         checks.push(("lse", have, rows, ""));
     }
-    if let Some(have) = seqlens {
-        checks.push(("cache_seqlens", have, batch, " (one per request)"));
+    if let Some(s) = seqlens {
+        checks.push(("cache_seqlens", s.len(), batch, " (one per request)"));
     }
-    if let Some((have, table_stride)) = block_table {
+    if let Some((bt, pg)) = block_table.zip(paged) {
         checks.push((
             "block_table",
-            have,
-            batch * table_stride,
+            bt.len(),
+            batch * pg.table_stride,
             " (batch x table_stride)",
         ));
     }
-    checks
+    check_lengths(&checks)
 }
 
 /// The pieces per CTA a persistent kernel recorded in its schedule log (`schedule_log` in

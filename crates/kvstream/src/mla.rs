@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::decode::{check_lengths, optional_checks, Element, KvElement, KvScale};
+use crate::decode::{check_slice_lengths, Element, KvElement, KvScale};
 use crate::error::{Error, Result};
 use crate::kernels::AnyVariant;
 use crate::launch::{kv_tensor_map, launch, LaunchConfig, TmaElement};
@@ -493,22 +493,19 @@ impl MlaDecoder {
             ));
         }
         let rows = p.batch * p.q_len * p.hq;
-        let checks = [
-            ("q", q.len(), rows * MLA_DIM, ""),
-            ("kv_cache", kv.len(), p.cache_elements(), ""),
-            ("out", out.len(), rows * MLA_V_DIM, ""),
-        ];
-        let mut checks = checks.to_vec();
-        checks.extend(optional_checks(
+        check_slice_lengths(
+            &[
+                ("q", q.len(), rows * MLA_DIM, ""),
+                ("kv_cache", kv.len(), p.cache_elements(), ""),
+                ("out", out.len(), rows * MLA_V_DIM, ""),
+            ],
             rows,
             p.batch,
             lse.as_ref().map(|l| l.len()),
-            seqlens.map(|s| s.len()),
-            block_table
-                .zip(p.paged)
-                .map(|(bt, pg)| (bt.len(), pg.table_stride)),
-        ));
-        check_lengths(&checks)?;
+            seqlens,
+            block_table,
+            p.paged,
+        )?;
         let kv_scale = match kv_scale {
             Some(s) => Some(KvScale {
                 ptr: s.device_ptr(stream).0,
