@@ -864,12 +864,11 @@ __device__ __forceinline__ void stage_query_rows_wide(const PersistentParams& p,
     }
 }
 
-// Zeroes the V part (dims 0..511) of a 2-byte tile's positions [from, TILE_TOKENS), by THREADS
-// threads (thread index `me`).
-template <int THREADS>
+// Zeroes the V part (dims 0..511) of a 2-byte tile's positions [from, TILE_TOKENS), by the
+// threads of one warpgroup (index `me` in it).
 __device__ __forceinline__ void clear_v_rows(unsigned char* smem, int tile_offset, int from, int me) {
     constexpr int CHUNKS = V_DIM * 2 / 16;
-    for (int i = me; i < (TILE_TOKENS - from) * CHUNKS; i += THREADS) {
+    for (int i = me; i < (TILE_TOKENS - from) * CHUNKS; i += WG_THREADS) {
         const int t = from + i / CHUNKS, c = i % CHUNKS;
         *reinterpret_cast<uint4*>(smem + tile_offset + (int)WideTile::Rows::chunk(0, t, c)) = make_uint4(0, 0, 0, 0);
     }
@@ -1011,7 +1010,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                 wgmma_hold(o);
                 if (!KV_FP8 && k > pc.first) mbarrier_arrive(&empty[(n - 1) % STAGES]);
                 if (!KV_FP8 && tile_begin + TILE_TOKENS > pc.len)
-                    clear_v_rows<WG_THREADS>(smem, stage * TILE_BYTES, pc.len - tile_begin, threadIdx.x % WG_THREADS);
+                    clear_v_rows(smem, stage * TILE_BYTES, pc.len - tile_begin, threadIdx.x % WG_THREADS);
 
                 // ---- online softmax of rows r0, r0 + 8 over the tile's positions ----
                 float alpha[2];
