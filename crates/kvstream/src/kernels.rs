@@ -819,10 +819,6 @@ pub fn all_variants() -> Vec<AnyVariant> {
     for dtype in [DType::Bf16, DType::F16] {
         for kv_dtype in [KvDType::AsQuery, KvDType::Fp8E4m3] {
             for n_tiles in plan::MLA_N_TILES {
-                // (the plan puts no e4m3 cache on the wide consumer)
-                if n_tiles == plan::MLA_WIDE_N_TILES && kv_dtype != KvDType::AsQuery {
-                    continue;
-                }
                 for paged in [false, true] {
                     out.push(AnyVariant::Mla(plan::mla_variant(
                         dtype, kv_dtype, n_tiles, paged,

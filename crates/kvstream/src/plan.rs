@@ -619,11 +619,10 @@ pub fn plan_mla(
     }
     let columns = problem.columns();
     // More rows than a narrow block holds share the KV tile of one wide block: the tile is read
-    // from memory (or L2) once for 64 rows, not once per 32 (docs/tuning.md, MLA). An e4m3
-    // cache stays on narrow blocks: its wide consumer is not yet through the GPU suite.
+    // from memory (or L2) once for 64 rows, not once per 32 (docs/tuning.md, MLA).
     let n_tiles = if columns <= 16 {
         2
-    } else if columns <= 32 || problem.kv_dtype != KvDType::AsQuery {
+    } else if columns <= 32 {
         4
     } else {
         MLA_WIDE_N_TILES
