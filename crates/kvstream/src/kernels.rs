@@ -504,7 +504,12 @@ impl MlaVariant {
         let p = columns * (self.tile_tokens * 2 + 16);
         let slices = self.tile_tokens / 16;
         let stats = 2 * 4 * slices * columns;
-        let partial_scores = 16 * slices * self.n_tiles * 32;
+        // (eight slices: each warp scores all the dims of its positions, no partials swapped)
+        let partial_scores = if slices < MLA_CONSUMER_WARPS {
+            16 * slices * self.n_tiles * 32
+        } else {
+            0
+        };
         let barriers = 2 * 8 * self.stages + 2 * 8 * self.q_buffers();
         1024 + ring + q + p + stats + partial_scores + barriers + 64
     }

@@ -593,11 +593,13 @@ mod tests {
             (p.variant.n_tiles, p.col_blocks, p.variant.stages),
             (2, 1, 2)
         );
+        // e4m3 on narrow blocks: two stages of 128 positions (72 KB each, as 2-byte ones)
         let p = plan(12, 1, KvDType::Fp8E4m3);
         assert_eq!(
-            (p.variant.n_tiles, p.col_blocks, p.variant.stages),
-            (2, 1, 4)
+            (p.variant.n_tiles, p.col_blocks, p.variant.stages, p.variant.tile_tokens),
+            (2, 1, 2, 128)
         );
+        assert!(p.variant.shared_bytes() <= 227 * 1024);
         // more than 32 rows: wide blocks of 64 for a 2-byte cache, in lanes
         let p = plan(16, 8, KvDType::AsQuery);
         assert_eq!((p.variant.n_tiles, p.col_blocks, p.col_lanes), (8, 2, 2));
