@@ -596,7 +596,12 @@ mod tests {
         // e4m3 on narrow blocks: two stages of 128 positions (72 KB each, as 2-byte ones)
         let p = plan(12, 1, KvDType::Fp8E4m3);
         assert_eq!(
-            (p.variant.n_tiles, p.col_blocks, p.variant.stages, p.variant.tile_tokens),
+            (
+                p.variant.n_tiles,
+                p.col_blocks,
+                p.variant.stages,
+                p.variant.tile_tokens
+            ),
             (2, 1, 2, 128)
         );
         assert!(p.variant.shared_bytes() <= 227 * 1024);
