@@ -48,10 +48,8 @@
 //                of its rows, P (16-bit, 128-byte swizzle) and each row's rescale factor to
 //                shared memory; then O[:, 0..255] += P V;
 //   warpgroup 1  O[:, 256..511] += P V, after rescaling by the posted factors.
-// Warpgroup 0 issues the next tile's S once its own P V is done (the tensor cores run the
-// products in issue order, so the wait costs little while warpgroup 1's P V still runs) and
-// gives that tile's stage back then, a whole S earlier than after it; the tensor cores run
-// both warpgroups' P V and the next S back to back, and the softmax is the only gap. The one P
+// Warpgroup 0 issues the next tile's S as soon as its P V is issued, so the tensor cores run
+// both warpgroups' P V and the next S back to back; the softmax is the only gap. The one P
 // buffer changes hands at two named barriers of both warpgroups: P_READY (P and the factors
 // written) and P_FREE (warpgroup 1's P V done, before the next P is written; warpgroup 1 has
 // nothing else to wait for, so neither costs a stall an arrive would save). The query rows are staged by the consumers (the 128-byte swizzle of a
@@ -998,13 +996,6 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                     mbarrier_arrive(&empty[stage]);
                     named_barrier_sync(BAR_STAGING, CONSUMER_THREADS);
                 }
-                if constexpr (!KV_FP8) {
-                    // the previous tile's P V (this warpgroup's) before this S: the tensor
-                    // cores run them in that order anyway, and its stage goes back while S runs
-                    wgmma_wait<0>();
-                    wgmma_hold(o);
-                    if (k > pc.first) mbarrier_arrive(&empty[(n - 1) % STAGES]);
-                }
                 const u32 tile = KV_FP8 ? staging : ring_base + stage * TILE_BYTES;
                 // ---- S = Q K^T over the 576 dims, a 2-byte tile's boxes as they land ----
                 const u64 k_desc = smem_desc_sw128(tile, 16, 1024);
@@ -1019,9 +1010,10 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                                                 k_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4), kk > 0);
                 }
                 wgmma_commit();
-                wgmma_wait<0>();  // this S
+                wgmma_wait<0>();  // this S, and the previous tile's P V
                 wgmma_hold(s);
                 wgmma_hold(o);
+                if (!KV_FP8 && k > pc.first) mbarrier_arrive(&empty[(n - 1) % STAGES]);
                 if (!KV_FP8 && tile_begin + WIDE_TOKENS > pc.len)
                     clear_v_rows(smem, stage * TILE_BYTES, pc.len - tile_begin, threadIdx.x % WG_THREADS);
 
