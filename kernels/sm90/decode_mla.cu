@@ -10,10 +10,12 @@
 //
 // A row is too wide for one warp to keep O^T for all of it, so the eight consumer warps split
 // every tile two ways:
-//   S phase   warp w scores positions [16 (w % 4), + 16) of the tile over its half of the 576
-//             dims (w / 4) against every column (so each K row is read once), swaps the
-//             partial scores of the other half's columns with its partner warp (barrier 1),
+//   S phase   warp w scores positions [16 (w % 4), + 16) of a 64-position tile over its half
+//             of the 576 dims (w / 4) against every column (so each K row is read once), swaps
+//             the partial scores of the other half's columns with its partner warp (barrier 1),
 //             and posts the maxima of its half of the columns over its positions (barrier 2);
+//             of a 128-position tile (e4m3), positions [16 w, + 16) over all the dims: no
+//             partner, no barrier 1, and it posts the maxima of every column;
 //   softmax   every warp derives the same running max of every column from the four posts of
 //             its positions' slices, rescales its O^T, and turns its scores into P^T rows in
 //             shared memory, summing its share of the denominators (barrier 3);
@@ -68,7 +70,8 @@
 //   KVS_KV_FP8        1: the cache is float8 e4m3 with an FP32 scale (p.k_scale, as K and as V)
 //   KVS_N_TILES       n8 tiles of query rows per column block (2 or 4: each warp scores half;
 //                     8: the wide consumer)
-//   KVS_TILE_TOKENS   positions per ring stage (64: four warps of m16 slices)
+//   KVS_TILE_TOKENS   positions per ring stage (64: four warps of m16 slices, each slice
+//                     scored by two; 128: eight slices, one warp each)
 //   KVS_STAGES        ring depth
 //   KVS_PAGED         0: contiguous cache [batch, max_len, 576]; 1: page pool [pages, page_size, 576]
 #include "ptx.cuh"
@@ -133,9 +136,9 @@ constexpr int K_STEPS = MLA_DIM / 16;                  // k16 steps of a score
 constexpr int S_CHAINS = N_TILES <= 2 ? 4 : 2;
 constexpr int S_TILES = N_TILES / COL_SPLIT;          // n8 tiles whose softmax a warp does
 constexpr int S_STEPS = K_STEPS / COL_SPLIT;          // k16 steps of a warp's partial scores
-// the query rows' B fragments of a warp's dims stay in registers where they fit (16 rows:
-// 72 registers); 32 rows are read from shared memory at every tile
-constexpr bool Q_IN_REGISTERS = N_TILES <= 2;
+// the query rows' B fragments of a warp's dims stay in registers where they fit (16 rows over
+// half the dims: 72 registers); more are read from shared memory at every tile
+constexpr bool Q_IN_REGISTERS = N_TILES * S_STEPS <= 2 * 18;
 constexpr int O_TILES = V_DIM / 16 / CONSUMER_WARPS;   // m16 tiles of O^T per warp
 constexpr int PV_STEPS = TILE_TOKENS / 16;             // k16 steps of the O^T update
 
@@ -160,12 +163,13 @@ constexpr int FULL_PARTS = WIDE && !KV_FP8 ? BOXES : 1;
 
 // the wide consumer (WIDE): query rows and P in the 128-byte swizzle, box after box like a tile
 // of a 2-byte cache; an e4m3 tile is widened into one such tile (the staging tile) first
-using WideTile = KvHalf<MLA_DIM, TILE_TOKENS, MMA_F16>;
+constexpr int WIDE_TOKENS = 64;  // positions a wide tile: the N of S's MMA
+using WideTile = KvHalf<MLA_DIM, WIDE_TOKENS, MMA_F16>;
 constexpr int WIDE_BOX = WideTile::BOX_BYTES;
 constexpr int WIDE_STAGING_BYTES = KV_FP8 ? WideTile::TILE_BYTES : 0;
 constexpr int WIDE_ROWS = 64;
 constexpr int WIDE_Q_BYTES = WIDE_ROWS * MLA_DIM * 2;
-constexpr int WIDE_P_BYTES = WIDE_ROWS * TILE_TOKENS * 2;
+constexpr int WIDE_P_BYTES = WIDE_ROWS * WIDE_TOKENS * 2;
 constexpr int WG_THREADS = 128;
 constexpr int WIDE_O_DIMS = V_DIM / 2;  // output dims per consumer warpgroup
 enum WideBarrier { BAR_CONSUMERS = 1, BAR_P_READY = 2, BAR_P_FREE = 3, BAR_STAGING = 4 };
@@ -178,7 +182,7 @@ struct NarrowShared {
     static constexpr int tile_max = p + GROUP_PAD * P_ROW;          // [slice][column]
     static constexpr int slice_l = tile_max + 4 * SLICES * GROUP_PAD;  // [slice][column]
     static constexpr int partial = slice_l + 4 * SLICES * GROUP_PAD;   // [slice][n8 tile][lane] x 4
-    static constexpr int full = partial + 16 * SLICES * N_TILES * 32;
+    static constexpr int full = partial + (COL_SPLIT > 1 ? 16 * SLICES * N_TILES * 32 : 0);
     static constexpr int empty = full + 8 * STAGES * FULL_PARTS;
     static constexpr int q_full = empty + 8 * STAGES;
     static constexpr int q_empty = q_full + 8 * Q_BUFFERS;
@@ -215,7 +219,7 @@ static_assert(CONSUMER_WARPS % SLICES == 0 && N_TILES % COL_SPLIT == 0 && K_STEP
               "warps cover slices x parts of the dims and of the columns");
 static_assert(V_DIM % (16 * CONSUMER_WARPS) == 0 && O_TILES % 2 == 0, "O^T m-tiles in pairs per warp");
 static_assert(N_TILES == 2 || N_TILES == 4 || N_TILES == 8, "column blocks of 16, 32 or 64 rows");
-static_assert(!WIDE || (TILE_TOKENS == 64 && CONSUMER_WARPS == 8 && STAGES == 2 && WIDE_BOX == 8192),
+static_assert(!WIDE || (TILE_TOKENS == WIDE_TOKENS && CONSUMER_WARPS == 8 && STAGES == 2 && WIDE_BOX == 8192),
               "wide: tiles of 64 positions (64 dims a box once 2-byte), two consumer warpgroups, two stages");
 static_assert(!WIDE || (SharedPlan::p % 1024 == 0 && SharedPlan::q % 1024 == 0 && WideShared::staging % 1024 == 0),
               "swizzled operands 1024-aligned");
@@ -667,9 +671,10 @@ __device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsig
 #pragma unroll
                         for (int i = 0; i < 4; ++i) s[st_][i] = v[i];
             }
-            named_barrier_sync(1, CONSUMER_THREADS);
+            // (a warp that scores all the dims of its positions has no partner)
+            if constexpr (COL_SPLIT > 1) named_barrier_sync(1, CONSUMER_THREADS);
 #pragma unroll
-            for (int st_ = 0; st_ < S_TILES; ++st_) {
+            for (int st_ = 0; st_ < S_TILES && COL_SPLIT > 1; ++st_) {
                 u32 w[4];
                 ld_shared_v4(w, partial_base + ((slice * N_TILES + s_nt0 + st_) * 32 + lane) * 16);
                 // the lower dims' partial first in both warps of a pair: the same sums as
@@ -864,11 +869,11 @@ __device__ __forceinline__ void stage_query_rows_wide(const PersistentParams& p,
     }
 }
 
-// Zeroes the V part (dims 0..511) of a 2-byte tile's positions [from, TILE_TOKENS), by the
+// Zeroes the V part (dims 0..511) of a 2-byte tile's positions [from, WIDE_TOKENS), by the
 // threads of one warpgroup (index `me` in it).
 __device__ __forceinline__ void clear_v_rows(unsigned char* smem, int tile_offset, int from, int me) {
     constexpr int CHUNKS = V_DIM * 2 / 16;
-    for (int i = me; i < (TILE_TOKENS - from) * CHUNKS; i += WG_THREADS) {
+    for (int i = me; i < (WIDE_TOKENS - from) * CHUNKS; i += WG_THREADS) {
         const int t = from + i / CHUNKS, c = i % CHUNKS;
         *reinterpret_cast<uint4*>(smem + tile_offset + (int)WideTile::Rows::chunk(0, t, c)) = make_uint4(0, 0, 0, 0);
     }
@@ -881,7 +886,7 @@ __device__ __forceinline__ void widen_tile(unsigned char* smem, int stage, int v
     if constexpr (KV_FP8) {
         constexpr int CHUNKS = MLA_DIM / 16;  // 16-byte e4m3 chunks a position
         const u32 src = smem_addr(smem + stage * TILE_BYTES);
-        for (int i = threadIdx.x; i < TILE_TOKENS * CHUNKS; i += CONSUMER_THREADS) {
+        for (int i = threadIdx.x; i < WIDE_TOKENS * CHUNKS; i += CONSUMER_THREADS) {
             const int t = i / CHUNKS, c = i % CHUNKS;
             u32 in[4] = {0u, 0u, 0u, 0u};
             if (t < valid) ld_shared_v4(in, Kv::Rows::chunk(src, t, c));
@@ -917,7 +922,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[WIDE_O_DIMS / 2], u64 p_desc
     const u64 v_desc = smem_desc_sw128(tile + wg * (WIDE_O_DIMS / 64) * WIDE_BOX, WIDE_BOX, 1024);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < TILE_TOKENS / 16; ++ks)
+    for (int ks = 0; ks < WIDE_TOKENS / 16; ++ks)
         wgmma_m64n256k16<MMA_F16, 1>(o, p_desc + ((ks * 32) >> 4), v_desc + ((ks * 16 * 128) >> 4), true);
     wgmma_commit();
 }
@@ -956,11 +961,11 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
         if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);
 
         float o[WIDE_O_DIMS / 2];
-        float s[TILE_TOKENS / 2];
+        float s[WIDE_TOKENS / 2];
 #pragma unroll
         for (int i = 0; i < WIDE_O_DIMS / 2; ++i) o[i] = 0.f;
 #pragma unroll
-        for (int i = 0; i < TILE_TOKENS / 2; ++i) s[i] = 0.f;
+        for (int i = 0; i < WIDE_TOKENS / 2; ++i) s[i] = 0.f;
         float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
         int limit[2];  // positions (exclusive) each of the thread's rows may see
 #pragma unroll
@@ -975,7 +980,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
             for (int k = pc.first; k < pc.end; ++k) {
                 const int n = n0 + k - pc.first;
                 const int stage = n % STAGES;
-                const int tile_begin = k * TILE_TOKENS;
+                const int tile_begin = k * WIDE_TOKENS;
                 if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
                 if constexpr (KV_FP8) {
                     // the staging tile is free once both warpgroups' P V of the last tile is
@@ -1009,7 +1014,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                 wgmma_hold(s);
                 wgmma_hold(o);
                 if (!KV_FP8 && k > pc.first) mbarrier_arrive(&empty[(n - 1) % STAGES]);
-                if (!KV_FP8 && tile_begin + TILE_TOKENS > pc.len)
+                if (!KV_FP8 && tile_begin + WIDE_TOKENS > pc.len)
                     clear_v_rows(smem, stage * TILE_BYTES, pc.len - tile_begin, threadIdx.x % WG_THREADS);
 
                 // ---- online softmax of rows r0, r0 + 8 over the tile's positions ----
@@ -1018,7 +1023,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                 for (int i = 0; i < 2; ++i) {
                     float mx = neg_inf();
 #pragma unroll
-                    for (int j = 0; j < TILE_TOKENS / 8; ++j)
+                    for (int j = 0; j < WIDE_TOKENS / 8; ++j)
 #pragma unroll
                         for (int c = 0; c < 2; ++c) {
                             float& v = s[4 * j + 2 * i + c];
@@ -1034,7 +1039,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                     m_run[i] = m_new;
                     float sum = 0.f;
 #pragma unroll
-                    for (int j = 0; j < TILE_TOKENS / 8; ++j)
+                    for (int j = 0; j < WIDE_TOKENS / 8; ++j)
 #pragma unroll
                         for (int c = 0; c < 2; ++c) {
                             float& v = s[4 * j + 2 * i + c];
@@ -1049,7 +1054,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                 for (int i = 0; i < 2; ++i) {
                     const int r = r0 + 8 * i;
 #pragma unroll
-                    for (int j = 0; j < TILE_TOKENS / 8; ++j)
+                    for (int j = 0; j < WIDE_TOKENS / 8; ++j)
                         *reinterpret_cast<u32*>(smem + WideShared::p + r * 128 + ((j ^ (r % 8)) << 4) + 2 * pair) =
                             pack_half2<MMA_F16>(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]);
                     if (lane % 4 == 0) row_alpha[r] = alpha[i];
@@ -1071,7 +1076,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                     // (both warpgroups' P V of the last tile is done: this one's waited below,
                     // the other's before it passed P_FREE with this one)
                     mbarrier_wait(&full[stage * FULL_PARTS], (n / STAGES) & 1);
-                    widen_tile(smem, stage, pc.len - k * TILE_TOKENS);
+                    widen_tile(smem, stage, pc.len - k * WIDE_TOKENS);
                     fence_proxy_async_shared();
                     mbarrier_arrive(&empty[stage]);
                     named_barrier_sync(BAR_STAGING, CONSUMER_THREADS);

@@ -504,7 +504,12 @@ impl MlaVariant {
         let p = columns * (self.tile_tokens * 2 + 16);
         let slices = self.tile_tokens / 16;
         let stats = 2 * 4 * slices * columns;
-        let partial_scores = 16 * slices * self.n_tiles * 32;
+        // (eight slices: each warp scores all the dims of its positions, no partials swapped)
+        let partial_scores = if slices < MLA_CONSUMER_WARPS {
+            16 * slices * self.n_tiles * 32
+        } else {
+            0
+        };
         let barriers = 2 * 8 * self.stages + 2 * 8 * self.q_buffers();
         1024 + ring + q + p + stats + partial_scores + barriers + 64
     }
@@ -819,10 +824,6 @@ pub fn all_variants() -> Vec<AnyVariant> {
     for dtype in [DType::Bf16, DType::F16] {
         for kv_dtype in [KvDType::AsQuery, KvDType::Fp8E4m3] {
             for n_tiles in plan::MLA_N_TILES {
-                // (the plan puts no e4m3 cache on the wide consumer)
-                if n_tiles == plan::MLA_WIDE_N_TILES && kv_dtype != KvDType::AsQuery {
-                    continue;
-                }
                 for paged in [false, true] {
                     out.push(AnyVariant::Mla(plan::mla_variant(
                         dtype, kv_dtype, n_tiles, paged,

@@ -593,11 +593,18 @@ mod tests {
             (p.variant.n_tiles, p.col_blocks, p.variant.stages),
             (2, 1, 2)
         );
+        // e4m3 on narrow blocks: two stages of 128 positions (72 KB each, as 2-byte ones)
         let p = plan(12, 1, KvDType::Fp8E4m3);
         assert_eq!(
-            (p.variant.n_tiles, p.col_blocks, p.variant.stages),
-            (2, 1, 4)
+            (
+                p.variant.n_tiles,
+                p.col_blocks,
+                p.variant.stages,
+                p.variant.tile_tokens
+            ),
+            (2, 1, 2, 128)
         );
+        assert!(p.variant.shared_bytes() <= 227 * 1024);
         // more than 32 rows: wide blocks of 64 for a 2-byte cache, in lanes
         let p = plan(16, 8, KvDType::AsQuery);
         assert_eq!((p.variant.n_tiles, p.col_blocks, p.col_lanes), (8, 2, 2));
@@ -607,9 +614,10 @@ mod tests {
         assert!(p.variant.shared_bytes() <= 227 * 1024);
         let p = plan(12, 4, KvDType::AsQuery);
         assert_eq!((p.variant.n_tiles, p.col_blocks, p.col_lanes), (8, 1, 1));
-        // narrow blocks of 32 for e4m3, in lanes too
+        // e4m3 too, on two stages next to the staging tile
         let p = plan(16, 8, KvDType::Fp8E4m3);
-        assert_eq!((p.variant.n_tiles, p.col_blocks, p.col_lanes), (4, 4, 4));
+        assert_eq!((p.variant.n_tiles, p.col_blocks, p.col_lanes), (8, 2, 2));
+        assert_eq!(p.variant.stages, 2);
         assert!(p.variant.shared_bytes() <= 227 * 1024);
         // knobs of the GQA engines are refused by name
         let problem = MlaProblem::new(1, 16, 64, DType::Bf16, 0.07).unwrap();

@@ -522,12 +522,16 @@ pub fn plan_persistent(
 pub const MLA_N_TILES: [usize; 3] = [2, 4, MLA_WIDE_N_TILES];
 /// The wide consumer's column block, in n8 tiles (64 query rows).
 pub const MLA_WIDE_N_TILES: usize = 8;
-/// Positions per ring stage of the MLA decode: four m16 slices, one per scoring warp of a
-/// column half (decode_mla.cu).
+/// Positions per ring stage of the MLA decode with a 2-byte cache: four m16 slices, one per
+/// scoring warp of a column half (decode_mla.cu); the wide consumer's S is 64 positions wide.
 pub const MLA_TILE_TOKENS: usize = 64;
-/// Ring depth of the MLA decode for a 2-byte cache: two 72 KB stages (the most that fit next
-/// to two buffers of 32 query rows of 576 dims); an e4m3 cache takes twice the stages of half
-/// the bytes.
+/// Positions per ring stage of the narrow MLA consumer with an e4m3 cache: eight m16 slices,
+/// one per warp, each scoring all 576 dims of its positions (no partner warp to swap partial
+/// scores with: two barriers a tile instead of three, for twice the positions), in stages of
+/// the 2-byte ring's 72 KB.
+pub const MLA_FP8_TILE_TOKENS: usize = 128;
+/// Ring depth of the MLA decode: two 72 KB stages (the most that fit next to two buffers of 32
+/// query rows of 576 dims), whatever the cache.
 pub const MLA_STAGES: usize = 2;
 /// Fewest tiles a working CTA of the MLA decode takes (as [`PERSISTENT_MIN_TILES_PER_CTA`]).
 pub const MLA_MIN_TILES_PER_CTA: usize = 2;
@@ -538,13 +542,13 @@ pub fn mla_variant(dtype: DType, kv_dtype: KvDType, n_tiles: usize, paged: bool)
         dtype,
         kv_dtype,
         n_tiles,
-        tile_tokens: MLA_TILE_TOKENS,
-        // (the wide consumer keeps two stages whatever the cache: an e4m3 one is widened into
-        // a 2-byte staging tile next to them)
-        stages: match kv_dtype {
-            KvDType::Fp8E4m3 if n_tiles != MLA_WIDE_N_TILES => 2 * MLA_STAGES,
-            _ => MLA_STAGES,
+        // (the wide consumer's tiles are 64 positions whatever the cache: an e4m3 one is
+        // widened into a 2-byte staging tile)
+        tile_tokens: match kv_dtype {
+            KvDType::Fp8E4m3 if n_tiles != MLA_WIDE_N_TILES => MLA_FP8_TILE_TOKENS,
+            _ => MLA_TILE_TOKENS,
         },
+        stages: MLA_STAGES,
         paged,
     }
 }
@@ -619,11 +623,10 @@ pub fn plan_mla(
     }
     let columns = problem.columns();
     // More rows than a narrow block holds share the KV tile of one wide block: the tile is read
-    // from memory (or L2) once for 64 rows, not once per 32 (docs/tuning.md, MLA). An e4m3
-    // cache stays on narrow blocks: its wide consumer is not yet through the GPU suite.
+    // from memory (or L2) once for 64 rows, not once per 32 (docs/tuning.md, MLA).
     let n_tiles = if columns <= 16 {
         2
-    } else if columns <= 32 || problem.kv_dtype != KvDType::AsQuery {
+    } else if columns <= 32 {
         4
     } else {
         MLA_WIDE_N_TILES

@@ -81,7 +81,7 @@ fn every_variant_compiles_to_sm90a_without_spills_with_its_sass_facts() {
                 var.name()
             );
             assert!(m.shared_bytes() <= 227 * 1024, "{}", var.name());
-            check_mla_sass(&var.name(), &c.cubin, m.n_tiles, m.kv_dtype);
+            check_mla_sass(&var.name(), &c.cubin, &m);
         }
         format!("{:<36} {r}\n", var.name())
     });

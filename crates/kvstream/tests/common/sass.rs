@@ -76,15 +76,17 @@ pub fn check_decode_sass(
     }
 }
 
-/// The SASS facts of one MLA variant with `n_tiles` n8 tiles of query rows per column block.
-/// Narrow (16 or 32 rows): per tile, each warp scores every column over half of the 576 dims
-/// (18 k-steps) and accumulates 64 output dims over 64 positions (4 m-tiles x 4 k-steps x every
-/// column tile): 34 HMMA per n8 tile, all unrolled. Wide (64 rows): warpgroup MMAs only, 36
-/// m64n64k16 for S and 4 m64n256k16 for each warpgroup's half of O, none serialised by ptxas
-/// (three waits: in warpgroup 0's loop, after it, and in warpgroup 1's loop).
+/// The SASS facts of one MLA variant.
+/// Narrow (16 or 32 rows): per 64-position tile, each warp scores every column over half of the
+/// 576 dims (18 k-steps) and accumulates 64 output dims over 64 positions (4 m-tiles x 4 k-steps
+/// x every column tile): 34 HMMA per n8 tile, all unrolled; a 128-position tile twice that (each
+/// warp scores all the dims). Wide (64 rows): warpgroup MMAs only, 36 m64n64k16 for S and 4
+/// m64n256k16 for each warpgroup's half of O, none serialised by ptxas (four waits: warpgroup
+/// 0's before S and for S, after its loop, and warpgroup 1's).
 /// Either way the tiles arrive by TMA, e4m3 caches are widened in registers, the producer
 /// warpgroup hands registers to the consumers, and nothing lives in local memory.
-pub fn check_mla_sass(name: &str, cubin: &[u8], n_tiles: usize, kv_dtype: KvDType) {
+pub fn check_mla_sass(name: &str, cubin: &[u8], variant: &kvstream::kernels::MlaVariant) {
+    let (n_tiles, kv_dtype) = (variant.n_tiles, variant.kv_dtype);
     let sass = sass_of(name, cubin);
     let widened = count(&sass, "F2FP.F16.E4M3");
     match kv_dtype {
@@ -109,7 +111,10 @@ pub fn check_mla_sass(name: &str, cubin: &[u8], n_tiles: usize, kv_dtype: KvDTyp
         assert_eq!(waits, want, "{name}: {waits} wgmma waits (serialised?)");
     } else {
         assert_eq!(hgmma, 0, "{name}: {hgmma} HGMMA");
-        assert_eq!(hmma, 34 * n_tiles, "{name}: {hmma} HMMA");
+        // (a 64-position tile: 18 k-step pairs of S and 16 of P V an n8 tile; twice that for
+        // 128 positions)
+        let want = 34 * n_tiles * variant.tile_tokens / 64;
+        assert_eq!(hmma, want, "{name}: {hmma} HMMA");
     }
     assert!(count(&sass, "UTMALDG") > 0, "{name}: no TMA loads");
     assert!(
