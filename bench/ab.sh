@@ -3,7 +3,7 @@
 # times from different runs). Each build is a folder under $AB_DIR (default .carry/ab) holding
 # `kvstream` and its kernel cache `cache/`; every build times the same shapes, in alternating
 # order over PASSES passes, and bench/ab_table.py prints shape x key x build; the results files
-# travel back as one $OUT/ab-results.tar.gz.
+# are written under $OUT/ab and travel back packed too, as $OUT/ab-results.tar.gz.
 # SERVING_IDS adds rows of bench/serving.json (paged, multi-token), timed by the builds named in
 # SERVING_BUILDS (default: all; builds from before paged caches cannot run them) with
 # AB_SERVING_ARGS (e.g. `--splits 1,4,16`). MLA_IDS adds rows of bench/matrix-mla.json (`kvstream
@@ -17,7 +17,7 @@ if [ ! -d "$AB_DIR" ] && [ -f "$AB_DIR.tar.gz" ]; then
 fi
 IDS=${IDS-mqa-d128-L1024,gqa-d64-L1024,gqa-d128-L4096,mqa-d64-L4096,batch-b16-L4096}
 PASSES=${PASSES:-2}
-O=$(mktemp -d)
+O=${OUT:-/tmp/out}/ab; mkdir -p "$O"  # (in $OUT as they are written: a run cut short keeps its rows)
 builds=$(ls "$AB_DIR" | tr '\n' ' ')
 for pass in $(seq 1 "$PASSES"); do
   order=$builds; [ $((pass % 2)) = 0 ] && order=$(tr ' ' '\n' <<<"$builds" | tac)
@@ -44,4 +44,4 @@ for pass in $(seq 1 "$PASSES"); do
   done
 done
 python3 "$(dirname "$0")/ab_table.py" "$O"/*.json | tee "$O/table.txt"
-mkdir -p "${OUT:-/tmp/out}" && tar czf "${OUT:-/tmp/out}/ab-results.tar.gz" -C "$O" .
+tar czf "${OUT:-/tmp/out}/ab-results.tar.gz" -C "$O" .
