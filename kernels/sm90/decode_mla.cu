@@ -943,6 +943,11 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
     const int pair = 2 * (lane % 4);  // first of the two accumulator columns of an n8 tile
     const u32 ring_base = smem_addr(smem + WideShared::ring);
     const u32 p_base = smem_addr(smem + WideShared::p);
+    // this lane's row address for stmatrix of P (128-byte swizzle: 16-byte chunk c of row r at
+    // c ^ (r % 8)): row 16 warp + 8 ((lane / 8) % 2) + lane % 8 of block lane / 16; the row's
+    // own bits sit at 128 and above, so a later block j (even) is an XOR with j << 4
+    const int p_row = 16 * ((threadIdx.x % WG_THREADS) / 32) + 8 * ((lane / 8) % 2) + lane % 8;
+    const u32 p_lane = p_base + p_row * 128 + (((lane / 16) ^ (lane % 8)) << 4);
     // K-major operands (Q, K, P): a k16 step is 32 bytes along the row, a box 64 k further
     const u64 q_desc = smem_desc_sw128(smem_addr(smem + WideShared::q), 16, 1024);
     const u64 p_desc = smem_desc_sw128(p_base, 16, 1024);
@@ -1018,46 +1023,67 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                     clear_v_rows(smem, stage * TILE_BYTES, pc.len - tile_begin, threadIdx.x % WG_THREADS);
 
                 // ---- online softmax of rows r0, r0 + 8 over the tile's positions ----
+                // (its instructions run with nothing under them on the tensor cores: one warp a
+                // scheduler, so every instruction and every dependent latency counts)
+                // (an e4m3 scale is the caller's device tensor, of any sign: scaled first)
+                if constexpr (KV_FP8)
+#pragma unroll
+                    for (int i = 0; i < WIDE_TOKENS / 2; ++i) s[i] *= score_scale;
+                const float exp_scale = KV_FP8 ? 1.f : score_scale;
+                // A row's positions are masked only in the tiles that reach its limit.
+                if (tile_begin + WIDE_TOKENS > min(limit[0], limit[1])) {
+#pragma unroll
+                    for (int i = 0; i < 2; ++i)
+#pragma unroll
+                        for (int j = 0; j < WIDE_TOKENS / 8; ++j)
+#pragma unroll
+                            for (int c = 0; c < 2; ++c)
+                                if (tile_begin + 8 * j + pair + c >= limit[i]) s[4 * j + 2 * i + c] = neg_inf();
+                }
                 float alpha[2];
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    float mx = neg_inf();
+                    // four partial maxima and sums: short dependent chains
+                    float mx4[4] = {neg_inf(), neg_inf(), neg_inf(), neg_inf()};
 #pragma unroll
                     for (int j = 0; j < WIDE_TOKENS / 8; ++j)
 #pragma unroll
-                        for (int c = 0; c < 2; ++c) {
-                            float& v = s[4 * j + 2 * i + c];
-                            v = tile_begin + 8 * j + pair + c < limit[i] ? v * score_scale : neg_inf();
-                            mx = fmaxf(mx, v);
-                        }
+                        for (int c = 0; c < 2; ++c) mx4[(2 * j + c) % 4] = fmaxf(mx4[(2 * j + c) % 4], s[4 * j + 2 * i + c]);
+                    float mx = fmaxf(fmaxf(mx4[0], mx4[1]), fmaxf(mx4[2], mx4[3]));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    const float m_new = fmaxf(m_run[i], mx);
+                    // a 2-byte cache: the raw scores' max, scaled (the softmax scale is checked
+                    // positive on the host, so they commute), and one FFMA a score below
+                    const float m_new = fmaxf(m_run[i], mx * exp_scale);
                     // rows that have seen only masked positions keep m = -inf: subtract 0 then
                     const float m_use = m_new == neg_inf() ? 0.f : m_new;
                     alpha[i] = exp2_approx(m_run[i] - m_use);
                     m_run[i] = m_new;
-                    float sum = 0.f;
+                    float sum4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                     for (int j = 0; j < WIDE_TOKENS / 8; ++j)
 #pragma unroll
                         for (int c = 0; c < 2; ++c) {
                             float& v = s[4 * j + 2 * i + c];
-                            v = exp2_approx(v - m_use);
-                            sum += v;
+                            v = exp2_approx(fmaf(v, exp_scale, -m_use));
+                            sum4[(2 * j + c) % 4] += v;
                         }
-                    l_run[i] = l_run[i] * alpha[i] + sum;
+                    l_run[i] = l_run[i] * alpha[i] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
                 }
                 // ---- hand P and the factors to warpgroup 1 (once it is done with the last) ----
                 if (!KV_FP8 && k > pc.first) named_barrier_sync(BAR_P_FREE, CONSUMER_THREADS);
+                // P's 8x8 blocks (row half i, positions 8 j..) by stmatrix, four a call: (0, j),
+                // (1, j), (0, j + 1), (1, j + 1) for j = 0, 2, 4, 6; p_lane ^ (j << 4) is the
+                // swizzled address of this lane's row in them
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const int r = r0 + 8 * i;
-#pragma unroll
-                    for (int j = 0; j < WIDE_TOKENS / 8; ++j)
-                        *reinterpret_cast<u32*>(smem + WideShared::p + r * 128 + ((j ^ (r % 8)) << 4) + 2 * pair) =
-                            pack_half2<MMA_F16>(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]);
-                    if (lane % 4 == 0) row_alpha[r] = alpha[i];
+                for (int j = 0; j < WIDE_TOKENS / 8; j += 2)
+                    stmatrix_x4(p_lane ^ (j << 4), pack_half2<MMA_F16>(s[4 * j], s[4 * j + 1]),
+                                pack_half2<MMA_F16>(s[4 * j + 2], s[4 * j + 3]),
+                                pack_half2<MMA_F16>(s[4 * j + 4], s[4 * j + 5]),
+                                pack_half2<MMA_F16>(s[4 * j + 6], s[4 * j + 7]));
+                if (lane % 4 == 0) {
+                    row_alpha[r0] = alpha[0];
+                    row_alpha[r0 + 8] = alpha[1];
                 }
                 fence_proxy_async_shared();
                 named_barrier_sync(BAR_P_READY, CONSUMER_THREADS);
