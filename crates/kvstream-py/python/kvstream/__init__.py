@@ -79,7 +79,8 @@ or ``RuntimeError`` (driver, compiler, no suitable GPU).
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Optional, Tuple
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import _native
 
@@ -88,6 +89,10 @@ __all__ = [
     "mla_decode",
     "store_kv",
     "fp8_scales",
+    "clear_cache",
+    "set_decoder_cache_size",
+    "decoder_cache_info",
+    "DEFAULT_DECODER_CACHE_SIZE",
     "SUPPORTED_DTYPES",
     "FP8_KV_DTYPES",
     "SUPPORTED_HEAD_DIMS",
@@ -234,23 +239,55 @@ def _scale(name: str, sc: Any, shapes: Dict[tuple, str], dev: Any, ref: Any,
     return int(sc.data_ptr()), numel
 
 
+#: Decoders kept at most by default (see :func:`set_decoder_cache_size`).
+DEFAULT_DECODER_CACHE_SIZE = 64
+
+
 class _Cached:
-    __slots__ = ("decoder", "stream")
+    __slots__ = ("decoder", "stream", "captured")
 
     def __init__(self, decoder: Any) -> None:
         self.decoder = decoder
         self.stream: Any = None  # torch stream of the last eager call
+        self.captured = False  # used while a CUDA graph was captured: never dropped by the LRU
 
 
-_decoders: Dict[tuple, _Cached] = {}
+# One decoder per distinct (shapes, dtypes, strides, options, device), least recently used
+# first. Each holds a plan, its compiled kernels and a device workspace; a graph that captured
+# a decoder's launches holds that workspace's address, so such decoders are never dropped
+# unless clear_cache(include_captured=True) says so.
+_decoders: "OrderedDict[tuple, _Cached]" = OrderedDict()
+_capacity = DEFAULT_DECODER_CACHE_SIZE
 _lock = threading.Lock()
+
+
+def _evict_over_capacity() -> List[_Cached]:
+    """Under _lock: removes least recently used, uncaptured decoders beyond the capacity."""
+    dropped: List[_Cached] = []
+    for key in list(_decoders):
+        if len(_decoders) <= _capacity:
+            break
+        if not _decoders[key].captured:
+            dropped.append(_decoders.pop(key))
+    return dropped
+
+
+def _release(dropped: List[_Cached]) -> None:
+    """Waits for each dropped decoder's last stream: its workspace is freed when it goes, and
+    work enqueued there may still read it."""
+    for c in dropped:
+        if c.stream is not None:
+            c.stream.synchronize()
 
 
 def _decoder_for(key: tuple, make: Any, capturing: bool, fn: str = "decode") -> _Cached:
     with _lock:
         c = _decoders.get(key)
-    if c is not None:
-        return c
+        if c is not None:
+            _decoders.move_to_end(key)
+            if capturing:
+                c.captured = True
+            return c
     if capturing:
         raise RuntimeError(
             f"kvstream.{fn}: no decoder for these shapes yet and the current stream is being "
@@ -261,7 +298,71 @@ def _decoder_for(key: tuple, make: Any, capturing: bool, fn: str = "decode") -> 
         )
     d = make()
     with _lock:
-        return _decoders.setdefault(key, _Cached(d))
+        c = _decoders.setdefault(key, _Cached(d))
+        _decoders.move_to_end(key)
+        dropped = _evict_over_capacity()
+    _release(dropped)
+    return c
+
+
+def set_decoder_cache_size(size: int) -> None:
+    """Sets how many decoders kvstream keeps (default :data:`DEFAULT_DECODER_CACHE_SIZE`).
+
+    A decoder is made at the first call with a new combination of shapes, dtypes, strides and
+    options (for a paged cache: the block table's shape, not the lengths) and kept for the next
+    calls like it; it holds compiled kernels and a device workspace. Beyond ``size`` the least
+    recently used one is dropped, after the work on its last stream is done. Decoders used while
+    a CUDA graph was captured are never dropped by this rule (the graph holds their workspace),
+    so the cache may hold more than ``size`` of them. Shrinking drops at once what is over.
+
+    Example::
+
+        kvstream.set_decoder_cache_size(256)   # a server that serves many shapes
+    """
+    global _capacity
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(
+            f"kvstream.set_decoder_cache_size: size must be an int, got {size!r} "
+            f"({type(size).__name__})"
+        )
+    if size < 1:
+        raise ValueError(f"kvstream.set_decoder_cache_size: size is {size}, allowed: size >= 1")
+    with _lock:
+        _capacity = size
+        dropped = _evict_over_capacity()
+    _release(dropped)
+
+
+def clear_cache(include_captured: bool = False) -> None:
+    """Drops the cached decoders (and their device workspaces) after the work on their last
+    streams is done. The kernels stay compiled in the on-disk cache, so the next call with the
+    same shapes only plans and allocates again.
+
+    Decoders used while a CUDA graph was captured are kept unless ``include_captured`` is True:
+    pass it only once those graphs are destroyed, as replaying one afterwards would use freed
+    memory.
+    """
+    if not isinstance(include_captured, bool):
+        raise TypeError(
+            f"kvstream.clear_cache: include_captured must be a bool, got {include_captured!r} "
+            f"({type(include_captured).__name__})"
+        )
+    with _lock:
+        dropped = [c for c in _decoders.values() if include_captured or not c.captured]
+        for key in [k for k, c in _decoders.items() if include_captured or not c.captured]:
+            del _decoders[key]
+    _release(dropped)
+
+
+def decoder_cache_info() -> Dict[str, int]:
+    """The decoder cache's state: ``size`` (decoders held), ``captured`` (of them, used while
+    a CUDA graph was captured) and ``capacity`` (see :func:`set_decoder_cache_size`)."""
+    with _lock:
+        return {
+            "size": len(_decoders),
+            "captured": sum(1 for c in _decoders.values() if c.captured),
+            "capacity": _capacity,
+        }
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:

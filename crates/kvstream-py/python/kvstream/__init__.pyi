@@ -13,6 +13,11 @@ SUPPORTED_PAGE_SIZES: Tuple[int, ...]
 MLA_DIM: int
 MLA_V_DIM: int
 MLA_MAX_HEADS: int
+DEFAULT_DECODER_CACHE_SIZE: int
+
+def clear_cache(include_captured: bool = ...) -> None: ...
+def set_decoder_cache_size(size: int) -> None: ...
+def decoder_cache_info() -> Dict[str, int]: ...
 
 @overload
 def decode(

@@ -754,3 +754,82 @@ def test_native_mla_decoder_rejects_fields():
         args.update(kw)
         with pytest.raises(ValueError, match=field):
             _native.MlaDecoder(**args)
+
+
+# ---- the decoder cache (pure Python: fake decoders and streams) ----
+
+
+class FakeStream:
+    def __init__(self):
+        self.syncs = 0
+
+    def synchronize(self):
+        self.syncs += 1
+
+
+@pytest.fixture
+def decoder_cache():
+    """An empty decoder cache of capacity 3, restored afterwards."""
+    kvstream.clear_cache(include_captured=True)
+    kvstream.set_decoder_cache_size(3)
+    yield kvstream
+    kvstream.clear_cache(include_captured=True)
+    kvstream.set_decoder_cache_size(kvstream.DEFAULT_DECODER_CACHE_SIZE)
+
+
+def _get(key, capturing=False):
+    return kvstream._decoder_for(key, lambda: f"decoder {key}", capturing)
+
+
+def test_decoder_cache_drops_the_least_recently_used(decoder_cache):
+    streams = {}
+    for key in ("a", "b", "c"):
+        c = _get(key)
+        c.stream = streams[key] = FakeStream()
+    assert _get("a").decoder == "decoder a"  # a is now the most recently used
+    _get("d")
+    assert decoder_cache.decoder_cache_info() == {"size": 3, "captured": 0, "capacity": 3}
+    assert list(kvstream._decoders) == ["c", "a", "d"]
+    # b was dropped after its stream's work, the others were not waited for
+    assert (streams["a"].syncs, streams["b"].syncs, streams["c"].syncs) == (0, 1, 0)
+    made = []
+    kvstream._decoder_for("b", lambda: made.append(1) or "new b", False)
+    assert made == [1]  # made again
+
+
+def test_decoder_cache_keeps_what_a_graph_captured(decoder_cache):
+    _get("a")
+    _get("a", capturing=True)  # a graph captured it after the warm-up
+    for key in ("b", "c", "d", "e"):
+        _get(key)
+    assert list(kvstream._decoders) == ["a", "d", "e"]
+    assert decoder_cache.decoder_cache_info()["captured"] == 1
+    decoder_cache.set_decoder_cache_size(1)
+    assert list(kvstream._decoders) == ["a"]  # over capacity, but captured
+    decoder_cache.clear_cache()
+    assert list(kvstream._decoders) == ["a"]
+    decoder_cache.clear_cache(include_captured=True)
+    assert decoder_cache.decoder_cache_info() == {"size": 0, "captured": 0, "capacity": 1}
+
+
+def test_decoder_cache_makes_nothing_while_capturing(decoder_cache):
+    with pytest.raises(RuntimeError, match="warm-up"):
+        _get("never warmed up", capturing=True)
+    assert decoder_cache.decoder_cache_info()["size"] == 0
+
+
+@pytest.mark.parametrize("bad", [0, -4])
+def test_decoder_cache_size_value(bad):
+    with pytest.raises(ValueError, match=rf"size is {bad}, allowed: size >= 1"):
+        kvstream.set_decoder_cache_size(bad)
+
+
+@pytest.mark.parametrize("bad", [2.0, "8", True, None])
+def test_decoder_cache_size_type(bad):
+    with pytest.raises(TypeError, match="size must be an int"):
+        kvstream.set_decoder_cache_size(bad)
+
+
+def test_clear_cache_argument_type():
+    with pytest.raises(TypeError, match="include_captured must be a bool"):
+        kvstream.clear_cache(include_captured=1)

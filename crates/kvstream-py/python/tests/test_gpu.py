@@ -174,6 +174,41 @@ def test_graph_capture_replay_with_new_lengths():
     SUMMARY["checks"]["graph_replay_equals_eager"] = all(results)
 
 
+def test_decoder_cache_bound_keeps_captured_decoders():
+    """With room for two decoders, four shapes in turn stay right, and the decoder a graph
+    captured survives both the LRU and clear_cache() while the graph replays."""
+    kvstream.clear_cache()
+    kvstream.set_decoder_cache_size(2)
+    try:
+        shapes = [(1, 16, 2, 128, 2048 + 512 * i) for i in range(4)]
+        data = [make(*sh, torch.bfloat16, seed=40 + i) for i, sh in enumerate(shapes)]
+        lens = torch.tensor([2048], device="cuda", dtype=torch.int32)
+        q0, k0, v0 = data[0]
+        out0 = torch.empty_like(q0)
+        kvstream.decode(q0, k0, v0, cache_seqlens=lens, out=out0)  # warm-up
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            kvstream.decode(q0, k0, v0, cache_seqlens=lens, out=out0)
+        for rnd in range(2):
+            for i, (q, k, v) in enumerate(data):
+                out, lse = kvstream.decode(q, k, v, cache_seqlens=lens, return_lse=True)
+                check(q, k, v, lens, out, lse, 1 / 128 ** 0.5, f"cache bound, round {rnd}, shape {i}")
+            info = kvstream.decoder_cache_info()
+            assert info["captured"] == 1 and info["size"] == 2, info  # (the captured one counts)
+        kvstream.clear_cache()
+        assert kvstream.decoder_cache_info() == {"size": 1, "captured": 1, "capacity": 2}
+        q0.copy_(torch.randn_like(q0))
+        g.replay()
+        torch.cuda.synchronize()
+        ref, _ = reference(q0, k0, v0, lens, 1 / 128 ** 0.5)
+        assert rel_err(out0, ref) <= TOL
+        del g
+        SUMMARY["checks"]["decoder_cache_bound"] = True
+    finally:
+        kvstream.clear_cache(include_captured=True)
+        kvstream.set_decoder_cache_size(kvstream.DEFAULT_DECODER_CACHE_SIZE)
+
+
 def test_two_streams_in_flight():
     a = make(1, 16, 2, 128, 8192, torch.bfloat16, seed=21)
     bb = make(3, 40, 8, 64, 4096, torch.float16, seed=22)
