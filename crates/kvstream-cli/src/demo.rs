@@ -47,22 +47,46 @@ pub fn run(shape: &ShapeArgs, rounds: usize) -> kvstream::Result<()> {
         Err(e @ (Error::DriverUnavailable(_) | Error::NoSuitableDevice(_))) => {
             println!("No usable GPU: {e}.");
             println!("kvstream's kernels need an NVIDIA H100/H200 (sm_90). Running the f64 CPU reference instead.\n");
-            cpu_demo()
+            cpu_demo(&problem)
         }
         Err(e) => Err(e),
     }
 }
 
-/// The reference on a small problem, once directly and once through the split + combine model
-/// the GPU path uses, so the demo still shows the math end to end.
-fn cpu_demo() -> kvstream::Result<()> {
-    let problem = DecodeProblem::new(1, 16, 2, 128, 1000, DType::Bf16)?;
+/// Positions the CPU demo's reference takes at most (an f64 reference over a long cache takes
+/// seconds a request).
+const CPU_MAX_LEN: usize = 8192;
+
+/// The reference on the user's heads, head dim and dtype (one request of at most CPU_MAX_LEN
+/// positions, one new token), once directly and once through the split + combine model the GPU
+/// path uses, so the demo still shows the math end to end.
+fn cpu_demo(user: &DecodeProblem) -> kvstream::Result<()> {
+    let len = user.max_len.min(CPU_MAX_LEN);
+    let problem = DecodeProblem::new(1, user.hq, user.hkv, user.head_dim, len, user.dtype)?;
+    if user.batch > 1
+        || user.max_len > len
+        || user.q_len > 1
+        || user.paged.is_some()
+        || user.kv_dtype != KvDType::AsQuery
+    {
+        println!(
+            "(the CPU reference runs one request of at most {CPU_MAX_LEN} positions, one new token, \
+             a contiguous {} cache: --batch, --q-len, --page-size and --kv-dtype apply on a GPU)",
+            if problem.dtype == DType::Bf16 { "bf16" } else { "f16" }
+        );
+    }
     let shape = RefShape::from(&problem);
     let mut rng = SplitMix64::new(7);
-    let (_, q) = random_bf16(&mut rng, problem.hq * problem.head_dim, 1.0);
+    // (the values the reference sees: rounded to the dtype, as f32)
+    let dtype = problem.dtype;
+    let mut random = |n: usize| match dtype {
+        DType::Bf16 => random_bf16(&mut rng, n, 1.0).1,
+        DType::F16 => random_f16(&mut rng, n, 1.0).1,
+    };
+    let q = random(problem.hq * problem.head_dim);
     let kv_len = problem.max_len * problem.hkv * problem.head_dim;
-    let (_, k) = random_bf16(&mut rng, kv_len, 1.0);
-    let (_, v) = random_bf16(&mut rng, kv_len, 1.0);
+    let k = random(kv_len);
+    let v = random(kv_len);
     let lens = [problem.max_len];
     let t = Instant::now();
     let full = decode_reference(&shape, &q, &k, &v, &lens);
@@ -82,11 +106,16 @@ fn cpu_demo() -> kvstream::Result<()> {
     }
     let err = relative_error(&split_out, &full.out);
     println!(
-        "CPU reference: batch 1, {}/{} heads, d {}, L {}: {:.1} ms; lse[0] = {:.4}",
+        "CPU reference: batch 1, {}/{} heads, d {}, L {}, {}: {:.1} ms; lse[0] = {:.4}",
         problem.hq,
         problem.hkv,
         problem.head_dim,
         problem.max_len,
+        if problem.dtype == DType::Bf16 {
+            "bf16"
+        } else {
+            "f16"
+        },
         ref_time.as_secs_f64() * 1e3,
         full.lse[0]
     );

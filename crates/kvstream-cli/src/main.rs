@@ -80,9 +80,46 @@ pub struct ShapeArgs {
     pub ring: Option<String>,
 }
 
+/// A library error about one of the shape flags, naming the flag the user typed (`--len`, not
+/// the library's `max_len`); any other error as it is.
+pub fn as_flag_error(e: kvstream::Error) -> kvstream::Error {
+    match e {
+        kvstream::Error::InvalidArgument {
+            arg,
+            value,
+            allowed,
+        } => {
+            let flag = match arg {
+                "batch" => "--batch",
+                "hq" => "--hq",
+                "hkv" => "--hkv",
+                "hq / hkv" => "--hq / --hkv",
+                "head_dim" => "--head-dim",
+                "max_len" => "--len",
+                "q_len" => "--q-len",
+                "dtype" => "--dtype",
+                "kv_dtype" => "--kv-dtype",
+                "page_size" => "--page-size",
+                "num_splits" => "--splits",
+                "consumer_groups" => "--consumer-groups",
+                "reduction" => "--reduction",
+                "engine" => "--engine",
+                "ring" => "--ring",
+                other => other,
+            };
+            kvstream::Error::invalid(flag, value, allowed)
+        }
+        e => e,
+    }
+}
+
 impl ShapeArgs {
-    /// The validated problem and plan options.
+    /// The validated problem and plan options; errors name the flags.
     pub fn problem(&self) -> kvstream::Result<(DecodeProblem, PlanOptions)> {
+        self.problem_unflagged().map_err(as_flag_error)
+    }
+
+    fn problem_unflagged(&self) -> kvstream::Result<(DecodeProblem, PlanOptions)> {
         let dtype: DType = self.dtype.parse()?;
         let mut p = DecodeProblem::new(
             self.batch,
@@ -195,17 +232,6 @@ fn kernels(
     only: Option<&str>,
     rings: &[bench::Ring],
 ) -> kvstream::Result<()> {
-    let (major, minor) = jit::compile::nvrtc_version()?;
-    println!(
-        "NVRTC {major}.{minor}, target {}, cache {}",
-        jit::ARCH,
-        jit::cache::cache_dir().display()
-    );
-    println!(
-        "{:<36} {:>6} {:>6} {:>7} {:>7} {:>9}  source",
-        "variant", "regs", "stack", "spill_st", "spill_ld", "smem_dyn"
-    );
-    let mut failures = 0;
     let mut variants = all_variants();
     for v in all_variants() {
         if let kvstream::kernels::AnyVariant::Persistent(pv) = v {
@@ -220,11 +246,29 @@ fn kernels(
             }
         }
     }
+    if let Some(text) = only {
+        variants.retain(|v| v.as_variant().name().contains(text));
+        if variants.is_empty() {
+            return Err(kvstream::Error::invalid(
+                "--only",
+                text,
+                "text found in a variant's name (e.g. `decode_mla`, `d128.n1`; `kvstream kernels` lists them all)",
+            ));
+        }
+    }
+    let (major, minor) = jit::compile::nvrtc_version()?;
+    println!(
+        "NVRTC {major}.{minor}, target {}, cache {}",
+        jit::ARCH,
+        jit::cache::cache_dir().display()
+    );
+    println!(
+        "{:<36} {:>6} {:>6} {:>7} {:>7} {:>9}  source",
+        "variant", "regs", "stack", "spill_st", "spill_ld", "smem_dyn"
+    );
+    let mut failures = 0;
     for v in variants {
         let var = v.as_variant();
-        if only.is_some_and(|text| !var.name().contains(text)) {
-            continue;
-        }
         let t = Instant::now();
         match jit::cubin(var) {
             Ok((c, origin)) => {

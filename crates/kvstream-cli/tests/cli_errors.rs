@@ -1,0 +1,82 @@
+//! The CLI's answers to bad flags, on any machine (no GPU, no NVRTC needed): the error names
+//! the flag as typed and what is allowed, and the exit status is non-zero.
+
+use std::process::Command;
+
+/// `kvstream <args>`: (exit success, stdout, stderr).
+fn kvstream(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvstream"))
+        .args(args)
+        .output()
+        .expect("the kvstream binary runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn shape_errors_name_the_flag_typed() {
+    for (args, want) in [
+        (&["demo", "--len", "0"][..], "invalid --len: got 0"),
+        (
+            &["demo", "--hq", "30", "--hkv", "4"][..],
+            "invalid --hq: got 30",
+        ),
+        (
+            &["demo", "--head-dim", "96"][..],
+            "invalid --head-dim: got 96, allowed: [64, 128]",
+        ),
+        (
+            &["demo", "--q-len", "9"][..],
+            "invalid --q-len: got 9, allowed: 1..=8",
+        ),
+        (
+            &["demo", "--page-size", "3"][..],
+            "invalid --page-size: got 3",
+        ),
+        (&["plan", "--batch", "0"][..], "invalid --batch: got 0"),
+    ] {
+        let (ok, _, err) = kvstream(args);
+        assert!(!ok, "{args:?} succeeded");
+        assert!(
+            err.contains(want),
+            "{args:?}: stderr {err:?} lacks {want:?}"
+        );
+    }
+}
+
+#[test]
+fn kernels_only_matching_nothing_fails_and_says_so() {
+    let (ok, _, err) = kvstream(&["kernels", "--only", "no_such_variant"]);
+    assert!(!ok);
+    assert!(
+        err.contains("invalid --only: got no_such_variant"),
+        "stderr {err:?}"
+    );
+}
+
+#[test]
+fn demo_without_a_gpu_uses_the_shape_given() {
+    // (on a GPU machine the demo runs the kernels instead: nothing to check here then)
+    let (ok, out, err) = kvstream(&[
+        "demo",
+        "--hq",
+        "30",
+        "--hkv",
+        "2",
+        "--head-dim",
+        "64",
+        "--dtype",
+        "f16",
+    ]);
+    if !out.contains("No usable GPU") {
+        return;
+    }
+    assert!(ok, "stderr {err:?}");
+    assert!(
+        out.contains("CPU reference: batch 1, 30/2 heads, d 64, L 4096, f16"),
+        "stdout {out:?}"
+    );
+}
