@@ -186,7 +186,8 @@ enum Command {
     /// Run one MLA decode (DeepSeek-V3 class: latent 512 + rope 64) on the GPU, check it
     /// against the f64 reference, time it next to the byte floor of the same bytes.
     Mla(mla::MlaArgs),
-    /// Print the plan the library would choose for a shape (no GPU needed; assumes 132 SMs).
+    /// Print the plan the library would choose for a shape: engine, kernel variant, grid, splits,
+    /// workspace (for GPU 0's SM count; without a GPU, an H200's 132).
     Plan {
         #[command(flatten)]
         shape: ShapeArgs,
@@ -332,10 +333,85 @@ fn replot(path: &std::path::Path, out: Option<&std::path::Path>) -> Result<(), S
     Ok(())
 }
 
+/// The device facts to plan for: GPU 0's when there is one, else an H200's (and which).
+fn planning_device() -> (DeviceFacts, String) {
+    match kvstream::Runtime::new(0) {
+        Ok(rt) => (rt.facts(), format!("GPU 0 ({} SMs)", rt.facts().sm_count)),
+        Err(_) => (
+            DeviceFacts::H200,
+            format!(
+                "no usable GPU here: an H200's {} SMs",
+                DeviceFacts::H200.sm_count
+            ),
+        ),
+    }
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::Bf16 => "bf16",
+        DType::F16 => "f16",
+    }
+}
+
 fn print_plan(shape: &ShapeArgs) -> kvstream::Result<()> {
+    use kvstream::kernels::Variant;
+    use kvstream::plan::Plan;
     let (p, opts) = shape.problem()?;
-    let pl = choose(&p, DeviceFacts::H200, opts)?;
-    println!("{p:?}");
-    println!("{pl:#?}");
+    let (facts, device) = planning_device();
+    let pl = choose(&p, facts, opts)?;
+    let cache = match p.kv_dtype {
+        kvstream::KvDType::AsQuery => dtype_name(p.dtype).to_string(),
+        kvstream::KvDType::Fp8E4m3 => "fp8 e4m3".to_string(),
+    };
+    let paging = p.paged.as_ref().map_or("contiguous".to_string(), |g| {
+        format!("pages of {} ({} pages)", g.page_size, g.num_pages)
+    });
+    println!(
+        "problem: batch {}, {}/{} heads, head dim {}, L {}, q_len {}, q {}, cache {cache}, {paging}",
+        p.batch, p.hq, p.hkv, p.head_dim, p.max_len, p.q_len, dtype_name(p.dtype)
+    );
+    println!("planned for: {device}");
+    match &pl {
+        Plan::Persistent(pp) => {
+            let (.., workspace) = pp.workspace_offsets(&p);
+            println!("engine: persistent (work split among the CTAs on the GPU from the lengths, at every call)");
+            println!(
+                "kernel: {} (kvstream kernels --only {})",
+                pp.variant.name(),
+                pp.variant.name()
+            );
+            println!(
+                "grid: {} CTAs, {} column block(s) per KV head, at least {} tiles a working CTA, PDL {}",
+                pp.grid,
+                pp.col_blocks,
+                pp.min_tiles_per_cta,
+                if pp.pdl { "on" } else { "off" }
+            );
+            println!("shared memory: {} bytes a CTA", pp.variant.shared_bytes());
+            println!("workspace: {workspace} bytes");
+        }
+        Plan::Split(dp) => {
+            println!("engine: split ({})", pl.mode());
+            println!(
+                "kernel: {} (kvstream kernels --only {})",
+                dp.decode.name(),
+                dp.decode.name()
+            );
+            if let Some(c) = &dp.combine {
+                println!("merge: {}", c.name());
+            }
+            match &dp.device_plan {
+                Some(d) => println!(
+                    "splits: planned on the GPU at every call from the lengths (aiming at {} CTAs; grid {}, {} partial slots)",
+                    d.target, d.grid, d.slots
+                ),
+                None => println!("splits: {} a request (from L; merged by {})", dp.num_splits, dp.reduction.name()),
+            }
+            println!("grid: {} x {} x {}", dp.grid[0], dp.grid[1], dp.grid[2]);
+            println!("shared memory: {} bytes a CTA", dp.decode_shared_bytes);
+            println!("workspace: {} bytes", dp.workspace.bytes());
+        }
+    }
     Ok(())
 }

@@ -1,5 +1,5 @@
-//! The CLI's answers to bad flags, on any machine (no GPU, no NVRTC needed): the error names
-//! the flag as typed and what is allowed, and the exit status is non-zero.
+//! The CLI on any machine (no GPU, no NVRTC needed): its answers to bad flags name the flag as
+//! typed and what is allowed, with a non-zero exit status; `plan` reads as a plan.
 
 use std::process::Command;
 
@@ -78,5 +78,39 @@ fn demo_without_a_gpu_uses_the_shape_given() {
     assert!(
         out.contains("CPU reference: batch 1, 30/2 heads, d 64, L 4096, f16"),
         "stdout {out:?}"
+    );
+}
+
+#[test]
+fn plan_names_the_engine_kernel_grid_and_workspace() {
+    let (ok, out, err) = kvstream(&[
+        "plan", "--batch", "64", "--hq", "32", "--hkv", "8", "--len", "32768",
+    ]);
+    assert!(ok, "stderr {err:?}");
+    for line in [
+        "problem: batch 64, 32/8 heads, head dim 128, L 32768",
+        "planned for: ",
+        "engine: persistent",
+        "grid: ",
+        "workspace: ",
+    ] {
+        assert!(out.contains(line), "stdout {out:?} lacks {line:?}");
+    }
+    // the kernel line names a variant that `kernels --only` finds
+    let kernel = out
+        .lines()
+        .find_map(|l| l.strip_prefix("kernel: "))
+        .expect("a kernel line");
+    let name = kernel.split_whitespace().next().unwrap();
+    assert!(
+        kvstream::kernels::all_variants()
+            .iter()
+            .any(|v| v.as_variant().name() == name),
+        "{name}"
+    );
+    let (ok, out, _) = kvstream(&["plan", "--splits", "4"]);
+    assert!(
+        ok && out.contains("engine: split") && out.contains("splits: 4 a request"),
+        "{out:?}"
     );
 }
