@@ -49,8 +49,9 @@ const HOST_KV_ELEMS: usize = 64 << 20;
 /// Arguments of `kvstream bench`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Shape matrix (docs/benchmarking.md).
-    #[arg(long, default_value = "bench/matrix.json")]
+    /// Shape matrix (docs/benchmarking.md); a relative path is also looked for above the
+    /// current folder (the repository's `bench/`).
+    #[arg(long, default_value = "bench/matrix.json", value_parser = crate::repo_file)]
     pub matrix: PathBuf,
     /// Only these matrix shapes (comma-separated ids).
     #[arg(long, value_delimiter = ',')]

@@ -80,6 +80,28 @@ pub struct ShapeArgs {
     pub ring: Option<String>,
 }
 
+/// A file named relative to the repository (`bench/matrix.json`) wherever the CLI runs from: as
+/// given, else under the nearest folder above the current one that has it, else above the
+/// binary's (a build inside the repository). For clap's `value_parser`.
+pub fn repo_file(arg: &str) -> Result<std::path::PathBuf, String> {
+    let path = std::path::PathBuf::from(arg);
+    if path.is_file() || path.is_absolute() {
+        return Ok(path);
+    }
+    let cwd = std::env::current_dir().ok();
+    let exe = std::env::current_exe().ok();
+    let roots = cwd.iter().chain(exe.iter()).flat_map(|d| d.ancestors());
+    for root in roots {
+        let candidate = root.join(&path);
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    Err(format!(
+        "no file {arg} in the current folder, the folders above it or above the kvstream binary"
+    ))
+}
+
 /// A library error about one of the shape flags, naming the flag the user typed (`--len`, not
 /// the library's `max_len`); any other error as it is.
 pub fn as_flag_error(e: kvstream::Error) -> kvstream::Error {

@@ -54,8 +54,9 @@ pub struct MlaArgs {
     /// Timed rounds (at least 7; 0 = check only).
     #[arg(long, default_value_t = 15)]
     pub rounds: usize,
-    /// Run every shape of this matrix (bench/matrix-mla.json) instead of the one above.
-    #[arg(long)]
+    /// Run every shape of this matrix (bench/matrix-mla.json) instead of the one above; a
+    /// relative path is also looked for above the current folder.
+    #[arg(long, value_parser = crate::repo_file)]
     pub matrix: Option<std::path::PathBuf>,
     /// Only the matrix shapes whose id contains one of these (comma-separated).
     #[arg(long, value_delimiter = ',')]

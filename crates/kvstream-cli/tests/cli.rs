@@ -114,3 +114,22 @@ fn plan_names_the_engine_kernel_grid_and_workspace() {
         "{out:?}"
     );
 }
+
+#[test]
+fn bench_matrix_is_found_from_another_folder() {
+    // from a folder outside the repository the default `bench/matrix.json` is found above the
+    // binary; --ids with no such shape then fails on the id, not on the file
+    let out = Command::new(env!("CARGO_BIN_EXE_kvstream"))
+        .args(["bench", "--ids", "no-such-shape"])
+        .current_dir(std::env::temp_dir())
+        .output()
+        .expect("the kvstream binary runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("no shape \"no-such-shape\""), "stderr {err:?}");
+    let (ok, _, err) = kvstream(&["bench", "--matrix", "bench/no-such-matrix.json"]);
+    assert!(
+        !ok && err.contains("no file bench/no-such-matrix.json"),
+        "stderr {err:?}"
+    );
+}
