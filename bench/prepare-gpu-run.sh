@@ -42,7 +42,7 @@ if [ -n "${TRACE:-}" ]; then
   done
 fi
 if [ "${WHEEL:-1}" != 0 ]; then
-  [ -n "$(ls target/wheels/kvstream-*.whl 2>/dev/null)" ] || bash scripts/test-python.sh
+  [ -n "$(ls target/wheels/kvstream-*.whl 2>/dev/null)" ] || bash scripts/build-wheel.sh
   cp target/wheels/kvstream-*.whl .carry/wheels/
 fi
 if [ -n "${AB_REFS:-}" ]; then

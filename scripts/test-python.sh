@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Python binding tests: builds the kvstream wheel with maturin, installs it into a fresh venv
-# (target/pyvenv) with pytest, and runs crates/kvstream-py/python/tests. Works on a fresh machine
+# Python binding tests: builds the kvstream wheel (scripts/build-wheel.sh), installs it into a
+# fresh venv (target/pyvenv) with pytest, and runs crates/kvstream-py/python/tests. Works on a fresh machine
 # with Rust, Python >= 3.9 and network access to PyPI; without torch or a GPU the GPU tests are
 # skipped. Fails (non-zero) if the build or any test fails.
 # Extra arguments go to pytest, e.g. `bash scripts/test-python.sh -k gpu -v`.
@@ -8,18 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python3}"
-TOOLS=target/pytools   # maturin and zig live here, apart from the test venv
-if [ ! -x "$TOOLS/bin/maturin" ] || ! "$TOOLS/bin/python" -c "import ziglang" 2>/dev/null; then
-    echo "installing maturin and zig into $TOOLS ..."
-    "$PYTHON" -m venv "$TOOLS"
-    "$TOOLS/bin/python" -m pip install --quiet --disable-pip-version-check "maturin==1.*" "ziglang==0.13.*"
-fi
-
-rm -rf target/wheels
-# abi3 wheel (cp39-abi3), manylinux2014: zig links against an old glibc, so the wheel installs on
-# any x86-64 Linux with Python >= 3.9 without a manylinux container.
-PATH="$PWD/$TOOLS/bin:$PATH" "$TOOLS/bin/maturin" build --release -m crates/kvstream-py/Cargo.toml \
-    -o target/wheels --zig --compatibility manylinux2014 --interpreter "$TOOLS/bin/python"
+PYTHON="$PYTHON" bash scripts/build-wheel.sh
 
 rm -rf target/pyvenv
 # KVSTREAM_PY_SYSTEM_SITE=1 lets the test venv see the base interpreter's packages (torch on a

@@ -89,6 +89,7 @@ __all__ = [
     "mla_decode",
     "store_kv",
     "fp8_scales",
+    "self_test",
     "clear_cache",
     "set_decoder_cache_size",
     "decoder_cache_info",
@@ -303,6 +304,78 @@ def _decoder_for(key: tuple, make: Any, capturing: bool, fn: str = "decode") -> 
         dropped = _evict_over_capacity()
     _release(dropped)
     return c
+
+
+def self_test(verbose: bool = True) -> bool:
+    """Checks in about two seconds that kvstream works here: a small GQA decode and a small MLA
+    decode on GPU 0 against an FP32 PyTorch reference.
+
+    Returns True (and prints one line when ``verbose``); raises ``RuntimeError`` saying what is
+    missing otherwise: PyTorch, a CUDA device, an sm_90 GPU (H100 / H200), NVRTC 13 (the kernels
+    are compiled at the first call) or a right answer.
+
+    Example::
+
+        python -c "import kvstream; kvstream.self_test()"
+    """
+    try:
+        import torch
+    except ImportError as e:
+        raise RuntimeError(
+            "kvstream.self_test: PyTorch is not importable here; kvstream's Python API takes "
+            f"torch tensors (pip install torch): {e}"
+        ) from None
+    if not torch.cuda.is_available():
+        raise RuntimeError("kvstream.self_test: torch sees no CUDA device")
+    major, minor = torch.cuda.get_device_capability(0)
+    name = torch.cuda.get_device_name(0)
+    if (major, minor) != (9, 0):
+        raise RuntimeError(
+            f"kvstream.self_test: GPU 0 ({name}) is sm_{major}{minor}; kvstream's kernels need "
+            "sm_90 (H100 / H200)"
+        )
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int) -> Any:
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def attend(q: Any, k: Any, v: Any, n: int, scale: float) -> Any:
+        # q [h, dk], k [L, dk], v [L, dv], the first n positions: FP32 softmax(q k^T) v
+        w = torch.softmax((q.float() @ k[:n].float().T) * scale, dim=-1)
+        return w @ v[:n].float()
+
+    errors = []
+    try:
+        # GQA: 2 requests, 16 query heads on 2 KV heads, d 128, lengths 1000 and 333
+        q, k, v = rand(2, 16, 128), rand(2, 1000, 2, 128), rand(2, 1000, 2, 128)
+        lens = torch.tensor([1000, 333], device="cuda", dtype=torch.int32)
+        out = decode(q, k, v, cache_seqlens=lens)
+        ref = torch.stack([
+            torch.cat([attend(q[b, 8 * h:8 * h + 8], k[b, :, h], v[b, :, h], int(lens[b]), 128 ** -0.5)
+                       for h in range(2)])
+            for b in range(2)
+        ])
+        errors.append(((out.float() - ref).norm() / ref.norm()).item())
+        # MLA: 1 request, 16 heads, 500 cached rows of 576 (V the first 512)
+        qm, kv = rand(1, 1, 16, MLA_DIM), rand(1, 500, MLA_DIM)
+        lm = torch.tensor([500], device="cuda", dtype=torch.int32)
+        om = mla_decode(qm, kv, softmax_scale=192 ** -0.5, cache_seqlens=lm)
+        refm = attend(qm[0, 0], kv[0], kv[0, :, :MLA_V_DIM], 500, 192 ** -0.5)
+        errors.append(((om[0, 0].float() - refm).norm() / refm.norm()).item())
+        torch.cuda.synchronize()
+    except Exception as e:  # the library's own errors say what failed (driver, NVRTC, ...)
+        raise RuntimeError(f"kvstream.self_test: a decode on GPU 0 ({name}) failed: {e}") from e
+    if not all(err <= 1e-2 for err in errors):
+        raise RuntimeError(
+            f"kvstream.self_test: wrong results on GPU 0 ({name}): relative errors {errors} "
+            "(allowed: 1e-2)"
+        )
+    if verbose:
+        print(
+            f"kvstream {__version__}: GPU 0 ({name}) ok; GQA and MLA decodes match the FP32 "
+            f"reference (relative errors {errors[0]:.1e}, {errors[1]:.1e})"
+        )
+    return True
 
 
 def set_decoder_cache_size(size: int) -> None:

@@ -833,3 +833,9 @@ def test_decoder_cache_size_type(bad):
 def test_clear_cache_argument_type():
     with pytest.raises(TypeError, match="include_captured must be a bool"):
         kvstream.clear_cache(include_captured=1)
+
+
+def test_self_test_says_what_is_missing():
+    # here (no GPU, usually no torch) it must say which of the two it lacks, not crash
+    with pytest.raises(RuntimeError, match="PyTorch is not importable|torch sees no CUDA device"):
+        kvstream.self_test()

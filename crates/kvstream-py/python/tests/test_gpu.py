@@ -174,6 +174,10 @@ def test_graph_capture_replay_with_new_lengths():
     SUMMARY["checks"]["graph_replay_equals_eager"] = all(results)
 
 
+def test_self_test_passes():
+    assert kvstream.self_test(verbose=False) is True
+
+
 def test_decoder_cache_bound_keeps_captured_decoders():
     """With room for two decoders, four shapes in turn stay right, and the decoder a graph
     captured survives both the LRU and clear_cache() while the graph replays."""
