@@ -3,7 +3,7 @@
 decode_mla.cu).
 
     KVSTREAM_TRACE=<dir> kvstream bench --ids ...   # writes <dir>/<shape>.<variant>.csv
-    python3 bench/trace.py <dir> [--json out.json]
+    python3 bench/trace.py <dir> [--json out.json] [--perfetto trace.json]
 
 One CSV line per CTA. CTAs are grouped into calls by the moment their PDL wait returned (a call's
 CTAs are released together when the kernel before them completes; calls are microseconds apart).
@@ -13,6 +13,12 @@ point the median over the call's CTAs and the latest CTA; then the median of tho
 per-call latency the graph timer sees), `tail` is what of it lies after the call's last CTA has
 left (the combine and the next call's release), `early` how long before the release the
 call's first CTA entered the kernel (what PDL overlaps).
+
+`--perfetto` also writes the records as a Chrome trace-event file (open it in ui.perfetto.dev or
+chrome://tracing; docs/benchmarking.md says how to read it): a process per CSV (shape and
+kernel variant), a track per SM, and per CTA one span from each trace point it stamped to the
+next, named after the two ("first_tile -> first_loop"), with the CTA's block, tile and piece
+counts as arguments; times in microseconds from the earliest stamp of all files.
 """
 import argparse
 import csv
@@ -38,11 +44,8 @@ def calls_of(rows):
 
 
 def summarise(path):
-    with open(path) as f:
-        reader = csv.DictReader(f)
-        rows = [{k: int(v) for k, v in r.items()} for r in reader]
     # the trace points, in the kernel's order, from the header the bench wrote
-    points = [c[:-3] for c in reader.fieldnames if c.endswith("_ns")]
+    points, rows = read_rows(path)
     calls = calls_of(rows)
     # a call's CTA count is the grid's; keep only complete calls
     size = statistics.mode(len(c) for c in calls)
@@ -88,12 +91,47 @@ def summarise(path):
             "cta_durations_median": own}
 
 
+def read_rows(path):
+    with open(path) as f:
+        reader = csv.DictReader(f)
+        rows = [{k: int(v) for k, v in r.items()} for r in reader]
+    return [c[:-3] for c in reader.fieldnames if c.endswith("_ns")], rows
+
+
+def perfetto_events(files):
+    """Trace events ("X" spans, "M" names) of the CSV files [(name, points, rows)]."""
+    starts = [r[p + "_ns"] for _, points, rows in files for r in rows for p in points if r[p + "_ns"]]
+    t0 = min(starts) if starts else 0
+    events = []
+    for pid, (name, points, rows) in enumerate(files, start=1):
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
+        for sm in sorted({r["sm"] for r in rows}):
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": sm, "args": {"name": f"SM {sm}"}})
+        for r in rows:
+            stamps = sorted((r[p + "_ns"], p) for p in points if r[p + "_ns"])
+            args = {k: r[k] for k in ("seq", "block_x", "block_y", "block_z", "tiles") if k in r}
+            for extra in ("pieces", "splits", "range_tiles", "len"):
+                if extra in r:
+                    args[extra] = r[extra]
+            for (ta, a), (tb, b) in zip(stamps, stamps[1:]):
+                events.append({"ph": "X", "name": f"{a} -> {b}", "pid": pid, "tid": r["sm"],
+                               "ts": (ta - t0) / 1e3, "dur": (tb - ta) / 1e3, "args": args})
+    return events
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir")
     ap.add_argument("--json")
+    ap.add_argument("--perfetto", help="also write the records as a Chrome trace-event file")
     a = ap.parse_args()
-    out = [summarise(os.path.join(a.dir, f)) for f in sorted(os.listdir(a.dir)) if f.endswith(".csv")]
+    names = [f for f in sorted(os.listdir(a.dir)) if f.endswith(".csv")]
+    if a.perfetto:
+        files = [(f[:-4], *read_rows(os.path.join(a.dir, f))) for f in names]
+        with open(a.perfetto, "w") as f:
+            json.dump({"traceEvents": perfetto_events(files), "displayTimeUnit": "ns"}, f)
+        print(f"{a.perfetto}: open in ui.perfetto.dev")
+    out = [summarise(os.path.join(a.dir, f)) for f in names]
     for s in out:
         m = s["median_over_calls"]
         print(f"\n{s['file']}: {s['calls']} calls x {s['ctas_per_call']} CTAs, {s['tiles']:.0f} tiles per CTA")
