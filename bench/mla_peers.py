@@ -20,9 +20,10 @@ of s_q sees keys 0 .. L - s_q + j); the max over (batch, query, head) rows of ||
     bash bench/flashmla_build.sh   # builds or unpacks FlashMLA into /tmp/flashmla
     python3 bench/mla_peers.py --shapes 16,1,1,131072 128,1,8,32768 16,8,2,131072 --json out.json
 
-Shapes are "hq,sq,b,L". FLASHMLA_PATH overrides where flash_mla is imported from. With
---merge RESULTS (a `kvstream mla --matrix ... --json RESULTS` file) FlashMLA runs that file's
-bf16 rows of pages of 64 and its numbers join them (`results.flashmla`, the file rewritten).
+Shapes are "hq,sq,b,L" (every request at L). FLASHMLA_PATH overrides where flash_mla is
+imported from. With --merge RESULTS (a `kvstream mla --matrix ... --json RESULTS` file) FlashMLA
+runs that file's bf16 rows of pages of 64 (ragged ones with their `lens`; skewed ones not) and its
+numbers join them (`results.flashmla`, matched by id; the file rewritten).
 """
 import argparse
 import json
@@ -39,15 +40,19 @@ POOL_BYTES = 512 << 20
 PAGE, D, DV = 64, 576, 512
 
 
-def make_sets(hq, sq, b, L, sets, gen):
-    """Per set: q, its own KV cache, a shuffled block table and cache_seqlens."""
+def make_sets(hq, sq, b, L, sets, gen, lens=None):
+    """Per set: q, its own KV cache, a shuffled block table and cache_seqlens (every request at
+    L, or at `lens`, one length per request, for a ragged row)."""
     nblk = math.ceil(L / PAGE)
     q = torch.randn(sets, b, sq, hq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     cache = torch.randn(sets, b * nblk, PAGE, 1, D, device="cuda", dtype=torch.bfloat16,
                         generator=gen)
     tables = torch.stack([torch.randperm(b * nblk, device="cuda", generator=gen).view(b, nblk)
                           for _ in range(sets)]).to(torch.int32)
-    seqlens = torch.full((sets, b), L, device="cuda", dtype=torch.int32)
+    if lens is None:
+        seqlens = torch.full((sets, b), L, device="cuda", dtype=torch.int32)
+    else:
+        seqlens = torch.tensor([lens] * sets, device="cuda", dtype=torch.int32)
     return q, cache, tables, seqlens
 
 
@@ -106,11 +111,11 @@ def time_graph(calls, sets, rounds):
     return sorted(times), outs[0]
 
 
-def run_shape(hq, sq, b, L, scale, rounds):
+def run_shape(hq, sq, b, L, scale, rounds, lens=None, name=None):
     kv_set = b * math.ceil(L / PAGE) * PAGE * D * 2
     sets = min(max(math.ceil(POOL_BYTES / kv_set), 2), 256)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    q, cache, tables, seqlens = make_sets(hq, sq, b, L, sets, gen)
+    q, cache, tables, seqlens = make_sets(hq, sq, b, L, sets, gen, lens)
 
     # precomputed: one metadata per set, filled (current interface) by a call outside the graph
     metas = [new_meta(seqlens[s], sq, hq) for s in range(sets)]
@@ -124,10 +129,12 @@ def run_shape(hq, sq, b, L, scale, rounds):
     ref = reference(q[0], cache[0], tables[0], seqlens[0], scale)
     rel = [((o.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
            for o in (pre_out, ing_out)]
-    io = 2 * (b * L * D + b * sq * hq * (D + DV))  # bytes: the KV rows once, q and out
+    tokens = b * L if lens is None else sum(lens)
+    io = 2 * (tokens * D + b * sq * hq * (D + DV))  # bytes: the KV rows once, q and out
     med = pre[len(pre) // 2]
     return {
-        "id": f"mla-h{hq}-q{sq}-b{b}-L{L}-p64", "hq": hq, "s_q": sq, "batch": b, "L": L,
+        "id": name or f"mla-h{hq}-q{sq}-b{b}-L{L}-p64", "hq": hq, "s_q": sq, "batch": b, "L": L,
+        "lens": lens,
         "us": med, "us_min": pre[0],
         "us_with_metadata": ing[len(ing) // 2], "us_with_metadata_min": ing[0],
         "rel_err": rel[0], "rel_err_with_metadata": rel[1], "sets": sets, "gbps": io / med / 1e3,
@@ -139,32 +146,34 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=[], metavar="HQ,SQ,B,L")
     ap.add_argument("--merge", metavar="RESULTS",
                     help="a `kvstream mla --json` results file: FlashMLA runs its bf16 rows of "
-                         "pages of 64 (uniform lengths) and its result joins each row as "
-                         "results.flashmla; the file is rewritten")
+                         "pages of 64 (uniform or ragged lengths, not skewed) and its result joins "
+                         "each row as results.flashmla; the file is rewritten")
     ap.add_argument("--scale", type=float, default=0.0722)
     ap.add_argument("--rounds", type=int, default=15, help="timed replays (at least 9)")
     ap.add_argument("--json", metavar="OUT", help="write {peer, rows} here")
     args = ap.parse_args()
     merged = None
-    specs = list(args.shapes)
+    # (hq, sq, b, L, lens or None, id)
+    specs = []
+    for spec in args.shapes:
+        hq, sq, b, L = map(int, spec.split(","))
+        specs.append((hq, sq, b, L, None, f"mla-h{hq}-q{sq}-b{b}-L{L}-p64"))
     if args.merge:
         with open(args.merge) as f:
             merged = json.load(f)
         for row in merged["rows"]:
             if row.get("page") == 64 and row.get("kv_dtype") in ("bf16", "as_query") and not row.get("skew"):
-                specs.append(f"{row['hq']},{row['q_len']},{row['batch']},{row['L']}")
+                specs.append((row["hq"], row["q_len"], row["batch"], row["L"], row.get("lens"), row["id"]))
     rows = []
-    for spec in specs:
-        hq, sq, b, L = map(int, spec.split(","))
-        name = f"mla-h{hq}-q{sq}-b{b}-L{L}-p64"
+    for hq, sq, b, L, lens, name in specs:
         try:
-            r = run_shape(hq, sq, b, L, args.scale, args.rounds)
+            r = run_shape(hq, sq, b, L, args.scale, args.rounds, lens, name)
             print(f"PEER flashmla {name}: {r['us']:8.2f} us median ({r['us_min']:.2f} min), "
                   f"{r['gbps']:7.1f} GB/s; metadata in graph {r['us_with_metadata']:8.2f} us; "
                   f"rel_err {r['rel_err']:.2e} / {r['rel_err_with_metadata']:.2e}, "
                   f"{r['sets']} sets", flush=True)
         except Exception as e:  # a shape the peer cannot run is reported, not fatal
-            r = {"id": name, "hq": hq, "s_q": sq, "batch": b, "L": L, "us": None, "us_min": None,
+            r = {"id": name, "hq": hq, "s_q": sq, "batch": b, "L": L, "lens": lens, "us": None, "us_min": None,
                  "us_with_metadata": None, "rel_err": None, "error": f"{type(e).__name__}: {e}"}
             print(f"PEER flashmla {name}: error {r['error']}", flush=True)
         rows.append(r)
@@ -173,9 +182,9 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"peer": "flashmla", "rows": rows}, f, indent=1)
     if merged is not None:
-        by_shape = {(r["hq"], r["s_q"], r["batch"], r["L"]): r for r in rows}
+        by_id = {r["id"]: r for r in rows}
         for row in merged["rows"]:
-            r = by_shape.get((row["hq"], row["q_len"], row["batch"], row["L"]))
+            r = by_id.get(row["id"])
             if r is None or not (row.get("page") == 64 and row.get("kv_dtype") in ("bf16", "as_query")):
                 continue
             peer = {"error": r["error"]} if r.get("error") else {

@@ -39,6 +39,10 @@ pub struct MlaArgs {
     /// The other requests' length: one long request and many short ones.
     #[arg(long)]
     pub skew: Option<usize>,
+    /// Every request's length (a ragged batch; comma-separated, one per request): the batch is
+    /// their count and L their largest (--len is then unused).
+    #[arg(long, value_delimiter = ',')]
+    pub lens: Vec<usize>,
     /// bf16 or f16 (q and out; the cache too unless --kv-dtype says otherwise).
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
@@ -109,6 +113,7 @@ pub fn demo(shape: &crate::ShapeArgs, rounds: usize) -> kvstream::Result<()> {
         q_len: shape.q_len,
         len: shape.len,
         skew: None,
+        lens: Vec::new(),
         dtype: shape.dtype.clone(),
         kv_dtype: shape.kv_dtype.clone(),
         page_size: shape.page_size,
@@ -209,6 +214,7 @@ pub fn bench_matrix(args: &BenchArgs) -> Result<(), String> {
         q_len: 1,
         len: 32768,
         skew: None,
+        lens: Vec::new(),
         dtype: "bf16".into(),
         kv_dtype: "auto".into(),
         page_size: None,
@@ -249,6 +255,14 @@ pub fn run(args: &MlaArgs) -> kvstream::Result<()> {
             q_len: field("q_len").unwrap_or(1),
             len: field("L").unwrap_or(32768),
             skew: field("skew"),
+            lens: shape["lens"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|v| v.as_u64().map(|v| v as usize))
+                        .collect()
+                })
+                .unwrap_or_default(),
             kv_dtype: shape["kv_dtype"].as_str().unwrap_or("auto").to_string(),
             page_size: field("page"),
             matrix: None,
@@ -318,16 +332,54 @@ fn write_results(
         .map_err(|e| Error::invalid("json", path.display(), format!("a writable path ({e})")))
 }
 
+/// Every request's cache length: `--lens` as given, or request 0 at `--len` and the others at
+/// `--skew`, or all at `--len`. Returns (batch, L, lengths); on the host only, so that a check
+/// of the arguments needs no GPU.
+fn request_lens(args: &MlaArgs) -> kvstream::Result<(usize, usize, Vec<usize>)> {
+    if args.lens.is_empty() {
+        let lens = (0..args.batch)
+            .map(|b| match args.skew {
+                Some(s) if b > 0 => s.min(args.len),
+                _ => args.len,
+            })
+            .collect();
+        return Ok((args.batch, args.len, lens));
+    }
+    let shown = || format!("{:?}", args.lens);
+    if args.skew.is_some() {
+        return Err(Error::invalid(
+            "--lens",
+            shown(),
+            "unset with --skew (one or the other)",
+        ));
+    }
+    if args.batch != 1 && args.batch != args.lens.len() {
+        return Err(Error::invalid(
+            "--lens",
+            shown(),
+            format!("one length per request (--batch {})", args.batch),
+        ));
+    }
+    let longest = *args.lens.iter().max().unwrap_or(&0);
+    if longest == 0 {
+        return Err(Error::invalid(
+            "--lens",
+            shown(),
+            "at least one length above 0",
+        ));
+    }
+    Ok((args.lens.len(), longest, args.lens.clone()))
+}
+
 fn run_one(args: &MlaArgs) -> kvstream::Result<Option<MlaRow>> {
     let dtype: DType = args.dtype.parse()?;
-    let mut p = MlaProblem::new(args.batch, args.hq, args.len, dtype, args.scale)?
+    let (batch, max_len, lens) = request_lens(args)?;
+    let mut p = MlaProblem::new(batch, args.hq, max_len, dtype, args.scale)?
         .with_q_len(args.q_len)?
         .with_kv_dtype(args.kv_dtype.parse()?)?;
     if let Some(page) = args.page_size {
         // the pool holds the pages of the real lengths and a few spare ones
-        let short = args.skew.unwrap_or(args.len).min(args.len);
-        let pages =
-            args.len.div_ceil(page.max(1)) + (args.batch - 1) * short.div_ceil(page.max(1)) + 3;
+        let pages = lens.iter().map(|l| l.div_ceil(page.max(1))).sum::<usize>() + 3;
         p = p.with_paged(page, pages, None)?;
     }
     let rt = Runtime::new(0)?;
@@ -355,12 +407,7 @@ fn gpu_mla<T: Element + Copy + Default + Sync, K: cudarc::driver::DeviceRepr + C
     let t = Instant::now();
     let decoder = MlaDecoder::new(rt, p.clone(), PlanOptions::default())?;
     let setup = t.elapsed();
-    let lens: Vec<usize> = (0..p.batch)
-        .map(|b| match args.skew {
-            Some(s) if b > 0 => s.min(p.max_len),
-            _ => p.max_len,
-        })
-        .collect();
+    let (_, _, lens) = request_lens(args)?;
     let rows = p.batch * p.q_len * p.hq;
     let fp8 = p.kv_dtype == KvDType::Fp8E4m3;
     let mut rng = SplitMix64::new(576);
@@ -532,8 +579,12 @@ fn gpu_mla<T: Element + Copy + Default + Sync, K: cudarc::driver::DeviceRepr + C
         p.q_len,
         p.hq,
         p.max_len,
-        args.skew
-            .map_or(String::new(), |s| format!(" (others {s})")),
+        if args.lens.is_empty() {
+            args.skew
+                .map_or(String::new(), |s| format!(" (others {s})"))
+        } else {
+            format!(" (ragged: {lens:?})")
+        },
         p.dtype.name(),
         p.kv_dtype.name(),
         p.paged.map_or(String::new(), |pg| format!(
@@ -567,7 +618,11 @@ fn gpu_mla<T: Element + Copy + Default + Sync, K: cudarc::driver::DeviceRepr + C
             p.q_len,
             p.batch,
             p.max_len,
-            args.skew.map_or(String::new(), |s| format!("-skew{s}")),
+            match (args.skew, args.lens.is_empty()) {
+                (Some(s), _) => format!("-skew{s}"),
+                (None, false) => "-ragged".to_string(),
+                (None, true) => String::new(),
+            },
             p.paged.map_or(String::new(), |pg| format!("-p{}", pg.page_size)),
             if fp8 { "-fp8" } else { "" },
             t.median_us,
@@ -585,6 +640,7 @@ fn gpu_mla<T: Element + Copy + Default + Sync, K: cudarc::driver::DeviceRepr + C
         id: String::new(),
         shape: serde_json::json!({
             "batch": p.batch, "hq": p.hq, "q_len": p.q_len, "L": p.max_len, "skew": args.skew,
+            "lens": if args.lens.is_empty() { serde_json::Value::Null } else { lens.clone().into() },
             "page": p.paged.map(|pg| pg.page_size), "kv_dtype": p.kv_dtype.name(),
             "dtype": p.dtype.name() }),
         io_bytes: io,
@@ -653,6 +709,42 @@ fn check_request<T: Element + Sync>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn request_lens_uniform_skewed_and_ragged() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            mla: MlaArgs,
+        }
+        let lens = |argv: &[&str]| {
+            let cli = Cli::try_parse_from([&["kvstream"], argv].concat()).unwrap();
+            request_lens(&cli.mla).map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            lens(&["--batch", "3", "--len", "100"]),
+            Ok((3, 100, vec![100; 3]))
+        );
+        assert_eq!(
+            lens(&["--batch", "3", "--len", "100", "--skew", "7"]),
+            Ok((3, 100, vec![100, 7, 7]))
+        );
+        assert_eq!(
+            lens(&["--lens", "5,64000,1024"]),
+            Ok((3, 64000, vec![5, 64000, 1024]))
+        );
+        assert_eq!(
+            lens(&["--batch", "3", "--lens", "5,6,7"]),
+            Ok((3, 7, vec![5, 6, 7]))
+        );
+        let err = lens(&["--batch", "2", "--lens", "5,6,7"]).unwrap_err();
+        assert!(err.contains("--lens") && err.contains("--batch 2"), "{err}");
+        let err = lens(&["--lens", "5,6", "--skew", "3"]).unwrap_err();
+        assert!(err.contains("unset with --skew"), "{err}");
+        let err = lens(&["--lens", "0,0"]).unwrap_err();
+        assert!(err.contains("above 0"), "{err}");
+    }
 
     /// `kvstream bench --matrix` runs the MLA matrix as `kvstream mla --matrix` and refuses the
     /// GQA sweep options with it.
