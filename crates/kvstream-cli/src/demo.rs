@@ -72,7 +72,7 @@ fn cpu_demo(user: &DecodeProblem) -> kvstream::Result<()> {
         println!(
             "(the CPU reference runs one request of at most {CPU_MAX_LEN} positions, one new token, \
              a contiguous {} cache: --batch, --q-len, --page-size and --kv-dtype apply on a GPU)",
-            if problem.dtype == DType::Bf16 { "bf16" } else { "f16" }
+            problem.dtype.name()
         );
     }
     let shape = RefShape::from(&problem);
@@ -111,11 +111,7 @@ fn cpu_demo(user: &DecodeProblem) -> kvstream::Result<()> {
         problem.hkv,
         problem.head_dim,
         problem.max_len,
-        if problem.dtype == DType::Bf16 {
-            "bf16"
-        } else {
-            "f16"
-        },
+        problem.dtype.name(),
         ref_time.as_secs_f64() * 1e3,
         full.lse[0]
     );

@@ -369,13 +369,6 @@ fn planning_device() -> (DeviceFacts, String) {
     }
 }
 
-fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::Bf16 => "bf16",
-        DType::F16 => "f16",
-    }
-}
-
 fn print_plan(shape: &ShapeArgs) -> kvstream::Result<()> {
     use kvstream::kernels::Variant;
     use kvstream::plan::Plan;
@@ -383,7 +376,7 @@ fn print_plan(shape: &ShapeArgs) -> kvstream::Result<()> {
     let (facts, device) = planning_device();
     let pl = choose(&p, facts, opts)?;
     let cache = match p.kv_dtype {
-        kvstream::KvDType::AsQuery => dtype_name(p.dtype).to_string(),
+        kvstream::KvDType::AsQuery => p.dtype.name().to_string(),
         kvstream::KvDType::Fp8E4m3 => "fp8 e4m3".to_string(),
     };
     let paging = p.paged.as_ref().map_or("contiguous".to_string(), |g| {
@@ -391,7 +384,7 @@ fn print_plan(shape: &ShapeArgs) -> kvstream::Result<()> {
     });
     println!(
         "problem: batch {}, {}/{} heads, head dim {}, L {}, q_len {}, q {}, cache {cache}, {paging}",
-        p.batch, p.hq, p.hkv, p.head_dim, p.max_len, p.q_len, dtype_name(p.dtype)
+        p.batch, p.hq, p.hkv, p.head_dim, p.max_len, p.q_len, p.dtype.name()
     );
     println!("planned for: {device}");
     match &pl {

@@ -5,8 +5,14 @@ use std::process::Command;
 
 /// `kvstream <args>`: (exit success, stdout, stderr).
 fn kvstream(args: &[&str]) -> (bool, String, String) {
+    kvstream_in(&std::env::current_dir().expect("a current folder"), args)
+}
+
+/// The same, run from folder `dir`.
+fn kvstream_in(dir: &std::path::Path, args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvstream"))
         .args(args)
+        .current_dir(dir)
         .output()
         .expect("the kvstream binary runs");
     (
@@ -119,13 +125,8 @@ fn plan_names_the_engine_kernel_grid_and_workspace() {
 fn bench_matrix_is_found_from_another_folder() {
     // from a folder outside the repository the default `bench/matrix.json` is found above the
     // binary; --ids with no such shape then fails on the id, not on the file
-    let out = Command::new(env!("CARGO_BIN_EXE_kvstream"))
-        .args(["bench", "--ids", "no-such-shape"])
-        .current_dir(std::env::temp_dir())
-        .output()
-        .expect("the kvstream binary runs");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let (ok, _, err) = kvstream_in(&std::env::temp_dir(), &["bench", "--ids", "no-such-shape"]);
+    assert!(!ok);
     assert!(err.contains("no shape \"no-such-shape\""), "stderr {err:?}");
     let (ok, _, err) = kvstream(&["bench", "--matrix", "bench/no-such-matrix.json"]);
     assert!(

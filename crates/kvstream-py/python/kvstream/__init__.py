@@ -421,9 +421,8 @@ def clear_cache(include_captured: bool = False) -> None:
             f"({type(include_captured).__name__})"
         )
     with _lock:
-        dropped = [c for c in _decoders.values() if include_captured or not c.captured]
-        for key in [k for k, c in _decoders.items() if include_captured or not c.captured]:
-            del _decoders[key]
+        keys = [k for k, c in _decoders.items() if include_captured or not c.captured]
+        dropped = [_decoders.pop(k) for k in keys]
     _release(dropped)
 
 
