@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
+# PARTS selects: jit demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -64,13 +64,30 @@ if want sweep; then
     done
   done
 fi
+if want jit; then
+  # every kernel variant compiled here, sixteen processes at a time (two build cores take half an
+  # hour): for a run prepared without the kernel cache (.carry/bin only). NVRTC from the pip
+  # CUDA libraries next to torch.
+  lib=$(python3 -c 'import os,nvidia;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')
+  export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  for dt in bf16 f16; do
+    for kv in "" .kv_e4m3; do
+      for d in d64. d64x2 d96. d128. d256.; do echo "decode.$dt$kv.$d"; done
+      for d in d64. d128.; do echo "decode_gqa.$dt$kv.$d"; done
+      echo "decode_mla.$dt$kv.n"
+    done
+    echo "combine.$dt"; echo "store_kv.$dt"
+  done | xargs -P 16 -I{} sh -c "$B kernels --only {} > /dev/null 2>&1 || echo 'jit: {} failed'"
+  echo "== jit: $(ls .carry/cache | wc -l) files in the kernel cache"
+  $B kernels --only stream_read > /dev/null; $B kernels --only plan_work > /dev/null
+fi
 if want gputests; then
   G=.carry/bin/gpu-tests
   KVSTREAM_GPU_SUMMARY=$O/gpu-summary.json timeout 400 $G --ignored --test-threads=1 2>&1 | tee $O/gpu-tests.log | tail -25
   for tool in ${SUITE_SANITIZERS-memcheck racecheck}; do  # SUITE_SANITIZERS= skips them, SANITIZE_TESTS narrows them
     echo "== $tool on the GPU suite (24 random cases, graphs, zero lengths, cluster reduction, paged, multi-token, device plan, fp8, store_kv, paired heads)"
     KVSTREAM_GPU_CASES=24 KVSTREAM_GPU_SERIALISED=1 timeout 400 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
-      ${SANITIZE_TESTS:-random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan resident fp8 store_kv paired_heads} 2>&1 | tail -6
+      ${SANITIZE_TESTS:-random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan resident fp8 store_kv paired_heads score_mods} 2>&1 | tail -6
   done
 fi
 if want pytests; then

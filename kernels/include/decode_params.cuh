@@ -50,6 +50,14 @@ struct alignas(128) PersistentParams {
     const float* v_scale;
     int k_scale_batch_stride, k_scale_head_stride;
     int v_scale_batch_stride, v_scale_head_stride;
+    // Score modifiers (score_mods.cuh). Sinks: [hq] FP32 logits (natural log, on the scaled
+    // scores' scale) that join each query row's softmax denominator and add no value, or null.
+    const float* sinks;
+    // Sliding window: the query at cache position t (t = len - q_len + i for new token i) sees
+    // [t - window_left, t + window_right] within [0, len); -1: unbounded on that side.
+    int window_left, window_right;
+    // Softcap c (scores s become c tanh(s / c)): 2 / c and c log2(e); 0, 0: off
+    float softcap_scale, softcap_log2;
 };
 
 static_assert(sizeof(PersistentParams) == 512, "PersistentParams must match params.rs");

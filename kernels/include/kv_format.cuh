@@ -46,16 +46,19 @@ struct SwizzledRows {
     __device__ static __forceinline__ u32 row_part(int t8, int c) { return chunk(0, t8, c); }
 };
 
-// 2-byte elements (bf16 / f16), stored as the MMA reads them.
+// 2-byte elements (bf16 / f16), stored as the MMA reads them: rows of 64 dims, the last one
+// padded where the head dim is no multiple of 64 (d 96: dims 96..127 arrive as the box's
+// out-of-bounds zeros and are never read).
 template <int HEAD_DIM, int TILE_TOKENS, bool IS_F16>
-struct KvHalf : SwizzledRows<128, HEAD_DIM * 2 / 128, TILE_TOKENS> {
-    using Rows = SwizzledRows<128, HEAD_DIM * 2 / 128, TILE_TOKENS>;
+struct KvHalf : SwizzledRows<128, (HEAD_DIM + 63) / 64, TILE_TOKENS> {
+    using Rows = SwizzledRows<128, (HEAD_DIM + 63) / 64, TILE_TOKENS>;
     static constexpr int ELEM_BYTES = 2;
     static constexpr int DIMS_PER_BOX = 64;
     static constexpr int CHUNK_ELEMS = 8;
+    static constexpr int DATA_CHUNKS = HEAD_DIM / CHUNK_ELEMS;  // chunks of a position holding dims
     static constexpr bool MMA_F16 = IS_F16;
     static constexpr bool QUERY_PERMUTED = false;
-    static_assert(HEAD_DIM % DIMS_PER_BOX == 0, "whole boxes per position");
+    static_assert(HEAD_DIM % 32 == 0, "fragments of 32 head dims");
 
     // K as the row-major A operand, k-steps kstep and kstep + 1 (head dims 16 kstep .. + 32) of
     // positions row .. row + 15.
@@ -78,8 +81,8 @@ struct KvHalf : SwizzledRows<128, HEAD_DIM * 2 / 128, TILE_TOKENS> {
 
 // float8 e4m3 elements, dequantised exactly to f16 in registers (the scales are applied to the
 // FP32 scores and output, outside the MMAs). One byte per head dim: a position is rows of 128
-// bytes where its width is a multiple of 128 (d128: one), else of 64 (d64: one; an MLA row of
-// 576: nine).
+// bytes where its width is a multiple of 128 (d128: one, d256: two), else of 64 (d64: one; an
+// MLA row of 576: nine; d96: two, the second padded with the box's out-of-bounds zeros).
 //   K: ldmatrix reads 4 consecutive head dims per lane; as the k order of an MMA is free, lane
 //   (g, j) = (lane / 4, lane % 4) takes head dims 4j..4j+3 of chunk c as its k = 2j, 2j+1
 //   (a0, a1) and 2j+8, 2j+9 (a2, a3): the query's 16-bit pair p of a chunk is its head-dim
@@ -90,15 +93,19 @@ struct KvHalf : SwizzledRows<128, HEAD_DIM * 2 / 128, TILE_TOKENS> {
 template <int HEAD_DIM>
 __host__ __device__ constexpr int e4m3_row_bytes() { return HEAD_DIM % 128 == 0 ? 128 : 64; }
 
+template <int HEAD_DIM>
+__host__ __device__ constexpr int e4m3_boxes() { return (HEAD_DIM + e4m3_row_bytes<HEAD_DIM>() - 1) / e4m3_row_bytes<HEAD_DIM>(); }
+
 template <int HEAD_DIM, int TILE_TOKENS>
-struct KvE4m3 : SwizzledRows<e4m3_row_bytes<HEAD_DIM>(), HEAD_DIM / e4m3_row_bytes<HEAD_DIM>(), TILE_TOKENS> {
-    using Rows = SwizzledRows<e4m3_row_bytes<HEAD_DIM>(), HEAD_DIM / e4m3_row_bytes<HEAD_DIM>(), TILE_TOKENS>;
+struct KvE4m3 : SwizzledRows<e4m3_row_bytes<HEAD_DIM>(), e4m3_boxes<HEAD_DIM>(), TILE_TOKENS> {
+    using Rows = SwizzledRows<e4m3_row_bytes<HEAD_DIM>(), e4m3_boxes<HEAD_DIM>(), TILE_TOKENS>;
     static constexpr int ELEM_BYTES = 1;
     static constexpr int DIMS_PER_BOX = Rows::ROW_BYTES;
     static constexpr int CHUNK_ELEMS = 16;
+    static constexpr int DATA_CHUNKS = HEAD_DIM / CHUNK_ELEMS;  // chunks of a position holding dims
     static constexpr bool MMA_F16 = true;
     static constexpr bool QUERY_PERMUTED = true;
-    static_assert(HEAD_DIM % 64 == 0, "whole 64-byte rows per position");
+    static_assert(HEAD_DIM % 32 == 0, "fragments of 32 head dims");
 
     // logical 16-bit pair p (k = 2p, 2p + 1) of a 16-dim k-step holds the query's head dims
     // 2 query_pair(p), + 1

@@ -398,12 +398,19 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const u32 (&a)[4], u
 }
 
 // ---------------------------------------------------------------------------------------------
-// Numbers (PTX ISA 9.7.3.22 ex2, 9.7.9.21 cvt, 9.7.8.7 prmt)
+// Numbers (PTX ISA 9.7.3.22 ex2, 9.7.9.21 cvt, 9.7.8.7 prmt; rcp.approx)
 // ---------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// 1 / x to about 1 ulp; 1 / inf = 0
+__device__ __forceinline__ float rcp_approx(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 

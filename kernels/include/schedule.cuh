@@ -5,7 +5,10 @@
 // with what the kernel recorded); change both or neither.
 //
 //   unit      (request b, KV head h, column block cb), id  u = b * units_per_request + h * col_blocks
-//             + cb; it owns tiles(b) = ceil(len_b / TILE_TOKENS) tiles of TILE_TOKENS positions.
+//             + cb; it owns the tiles of TILE_TOKENS positions [first_tile(b), ceil(len_b /
+//             TILE_TOKENS)): from 0, or with a sliding window of `left` positions from the tile
+//             holding the first position its first new token sees, len_b - q_len - left, so the
+//             work follows the window, not the cache.
 //   sequence  the tiles of all units in unit order: T tiles; a request of length 0 owns none.
 //   CTAs      balanced shares: the first G = min(grid, ceil(T / min_tiles)) CTAs work; CTA c
 //             takes the tiles [B(c), B(c + 1)) with B(c) = floor(c * T / G), so every working
@@ -72,15 +75,26 @@ __device__ __host__ inline int tiles_of(int len, int tile_tokens) {
     return (len + tile_tokens - 1) / tile_tokens;
 }
 
-// One unit's part of one CTA's range: tiles [first, end) of the unit's `tiles`.
+// The first tile a request of `len` positions streams: 0, or with a window of `window_left`
+// positions (>= 0; -1: none) the tile of the first position its first new token sees.
+__device__ __host__ inline int first_tile(int len, int q_len, int window_left, int tile_tokens) {
+    const int lo = window_left < 0 ? 0 : len - q_len - window_left;
+    return lo > 0 ? lo / tile_tokens : 0;
+}
+
+// One unit's part of one CTA's range: tiles [first, end) of the request's, of the unit's
+// [lo, lo + tiles).
 struct Piece {
     int batch;        // request
     int unit;         // unit within the request: kv_head * col_blocks + col_block
     int len;          // the request's positions (clamped to max_len)
-    int first, end;   // tiles of the unit in this piece
+    int first, end;   // tiles of the request in this piece (tile k: positions k TILE_TOKENS ..)
     int tiles;        // tiles of the unit
     long long start;  // global index of the unit's first tile
-    __device__ __host__ bool whole() const { return first == 0 && end == tiles; }
+    int lo;           // the unit's first tile (first_tile)
+    __device__ __host__ bool whole() const { return first == lo && end == lo + tiles; }
+    // global index of the piece's first tile
+    __device__ __host__ long long global_first() const { return start + (first - lo); }
 };
 
 }  // namespace kvs

@@ -19,6 +19,12 @@ __device__ __forceinline__ int request_len(const PersistentParams& p, int b) {
     return p.seqlens ? max(0, min(p.seqlens[b], p.max_len)) : p.max_len;
 }
 
+// Tiles each unit of a request of `len` positions streams (schedule.cuh).
+template <int TILE_TOKENS>
+__device__ __forceinline__ int request_tiles(const PersistentParams& p, int len) {
+    return tiles_of(len, TILE_TOKENS) - first_tile(len, p.q_len, p.window_left, TILE_TOKENS);
+}
+
 // Units of one request in the sequence of one lane.
 __device__ __forceinline__ int units_per_request(const PersistentParams& p) {
     return p.hkv * p.col_blocks / p.col_lanes;
@@ -64,7 +70,7 @@ __device__ __forceinline__ void load_request_tiles(const PersistentParams& p, co
 #pragma unroll
     for (int i = 0; i < SCAN_PER_LANE; ++i) {
         const int len = max(0, min(raw[i], p.max_len));
-        t[i] = base + lane * SCAN_PER_LANE + i < p.batch ? (long long)tiles_of(len, TILE_TOKENS) * uh : 0;
+        t[i] = base + lane * SCAN_PER_LANE + i < p.batch ? (long long)request_tiles<TILE_TOKENS>(p, len) * uh : 0;
     }
 }
 
@@ -79,7 +85,7 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
     // the sequence's tiles, and the units' count and extreme lengths (x uh: per request)
     long long total = 0, busy = 0, t_min = 0, t_max = 0;
     if (!lens) {
-        t_min = t_max = (long long)tiles_of(p.max_len, TILE_TOKENS) * uh;
+        t_min = t_max = (long long)request_tiles<TILE_TOKENS>(p, p.max_len) * uh;
         busy = t_min > 0 ? p.batch : 0;
         total = busy * t_min;
     } else {
@@ -112,7 +118,7 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
         lo = s.begin(c);
         hi = s.begin(c + 1);
         if (!lens) {
-            const long long per = (long long)tiles_of(p.max_len, TILE_TOKENS) * uh;
+            const long long per = (long long)request_tiles<TILE_TOKENS>(p, p.max_len) * uh;
             req = (int)(lo / per);
             req_base = req * per;
         } else {
@@ -161,13 +167,17 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
 template <int TILE_TOKENS>
 struct PieceWalk {
     long long t, hi, base;
-    int batch, tiles, len, uh, lanes, lane;
+    int batch, tiles, lo, len, uh, lanes, lane;
 
     __device__ __forceinline__ PieceWalk(const PersistentParams& p, const StartShared& s)
         : t(s.lo), hi(s.hi), base(s.base), batch(s.batch), uh(units_per_request(p)), lanes(p.col_lanes),
           lane(s.lane) {
         len = t < hi ? request_len(p, batch) : 0;
-        tiles = tiles_of(len, TILE_TOKENS);
+        set_request(p);
+    }
+    __device__ __forceinline__ void set_request(const PersistentParams& p) {
+        lo = first_tile(len, p.q_len, p.window_left, TILE_TOKENS);
+        tiles = tiles_of(len, TILE_TOKENS) - lo;
     }
 
     __device__ __forceinline__ bool next(const PersistentParams& p, Piece& pc) {
@@ -175,12 +185,12 @@ struct PieceWalk {
         while (t >= base + (long long)tiles * uh) {  // requests of 0 tiles are passed over here
             base += (long long)tiles * uh;
             len = request_len(p, ++batch);
-            tiles = tiles_of(len, TILE_TOKENS);
+            set_request(p);
         }
         const int unit = (int)((t - base) / tiles);
         const long long start = base + (long long)unit * tiles;
         const long long end = hi - start < tiles ? hi - start : tiles;
-        pc = {batch, unit * lanes + lane, len, (int)(t - start), (int)end, tiles, start};
+        pc = {batch, unit * lanes + lane, len, lo + (int)(t - start), lo + (int)end, tiles, start, lo};
         t = start + end;
         return true;
     }

@@ -44,7 +44,8 @@
 // Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
 //   KVS_IS_F16           0: bf16, 1: f16 (Q and out; K and V too unless KVS_KV_FP8)
 //   KVS_KV_FP8           1: K and V are float8 e4m3 with FP32 scales (kv_format.cuh)
-//   KVS_HEAD_DIM         64 or 128: the width of one K / V tile row
+//   KVS_HEAD_DIM         64, 96, 128 or 256: the head dim of K and V (a tile row of 96 is padded
+//                        to 128 in shared memory, kv_format.cuh)
 //   KVS_HEADS_PER_ROW    1, or 2: two adjacent d 64 KV heads side by side in one d 128 row (see
 //                        "Paired heads")
 //   KVS_N_TILES          n8 tiles of query rows per column block (1..4)
@@ -58,6 +59,11 @@
 //                        2 evict_last
 //   KVS_SOFTMAX_SLICES   m16 slices of a warp's rows per online-softmax step (1 or 2): one max
 //                        reduction, one rescale of O^T per step
+//
+// Score modifiers (score_mods.cuh) are parameters, not builds: a sliding window bounds each
+// column's positions below as well (the schedule streams only the window's tiles), the softcap
+// is a warp-uniform branch, and the epilogue reads p.sinks where they are set. Masks are
+// applied only in the tiles that cross a column's bound, so a modifier that is off costs nothing.
 //
 // Paired heads (KVS_HEADS_PER_ROW 2): a cache of d 64 heads stored next to each other
 // ([.., hkv, 64] with head stride 64) is the same memory as [.., hkv / 2, 128], so the engine
@@ -75,6 +81,7 @@
 #include "kv_format.cuh"
 #include "schedule.cuh"
 #include "scheduler.cuh"
+#include "score_mods.cuh"
 #include "trace.cuh"
 
 namespace kvs {
@@ -162,7 +169,8 @@ struct SharedPlan {
     static constexpr int col_out = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;  // Columns tables
     static constexpr int col_row = col_out + 8 * GROUP_PAD;
     static constexpr int col_visible = col_row + 8 * GROUP_PAD;
-    static constexpr int start = col_visible + 4 * GROUP_PAD;  // StartShared (48 bytes at most)
+    static constexpr int col_low = col_visible + 4 * GROUP_PAD;
+    static constexpr int start = col_low + 4 * GROUP_PAD;  // StartShared (48 bytes at most)
     static constexpr int merge_flag = start + 56;               // int: this CTA merges the unit
     // gather: each producer warp's copy of one chunk's page ids, one tile's pool rows
     // (produce_gathered)
@@ -174,8 +182,9 @@ struct SharedPlan {
 static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
 static_assert(TILE_TOKENS % 32 == 0, "producer lanes take whole rounds of page runs");
 static_assert(STAGES % CONSUMER_GROUPS == 0, "a stage must always feed the same group");
-static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim");
-static_assert(N_TILES >= 1 && N_TILES <= 4, "column blocks of up to 32 rows");
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim");
+static_assert(N_TILES >= 1 && N_TILES <= (HEAD_DIM > 128 ? 2 : 4),
+              "column blocks of up to 32 rows (16 at d 256: the O^T accumulators fill the registers)");
 static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
               "softmax steps of whole m16 slices of a warp's rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
@@ -449,7 +458,10 @@ __device__ __forceinline__ void produce_gathered(const PersistentParams& p, cons
                 pool_rows[e] = (u32)id < (u32)p.num_pages ? (id << shift) | (pos & in_page_mask) : -1;
             }
             __syncwarp();
-            const u64 head_bytes = ((u64)kv_head * HEAD_DIM + c * Kv::CHUNK_ELEMS) * Kv::ELEM_BYTES;
+            // a padded row's chunks past the head dim are not copied (nothing reads them)
+            const bool data = c < Kv::DATA_CHUNKS;
+            const u64 head_bytes =
+                ((u64)kv_head * HEAD_DIM + min(c, Kv::DATA_CHUNKS - 1) * Kv::CHUNK_ELEMS) * Kv::ELEM_BYTES;
             const u64 pools[2] = {reinterpret_cast<u64>(p.k_cache) + head_bytes,
                                   reinterpret_cast<u64>(p.v_cache) + head_bytes};
             const u32 bars[2] = {r.k_full + 8 * s, r.v_full + 8 * s};
@@ -461,7 +473,7 @@ __device__ __forceinline__ void produce_gathered(const PersistentParams& p, cons
                     const int pool_row = my_rows[i * GATHER_ROWS];
                     const u64 src = pools[kv] + (u64)(u32)max(pool_row, 0) * row_bytes;
                     cp_async_16(tile + part[i % GATHER_PARTS] + (i / GATHER_PARTS) * Kv::SWIZZLE_BYTES,
-                                reinterpret_cast<const void*>(src), pool_row >= 0 ? 16 : 0, policy);
+                                reinterpret_cast<const void*>(src), pool_row >= 0 && data ? 16 : 0, policy);
                 }
                 cp_async_arrive_noinc(bars[kv]);
             }
@@ -477,9 +489,11 @@ struct Columns {
     int count;          // valid columns (<= GROUP_PAD)
     bool single_token;  // q_len == 1: column c is head first_head + c of token 0
     int batch, first_head, first_col, len;
+    VisibleRange token0;  // single token: what every column sees
     const long long* out_off;
     const long long* out_row;
     const int* visible_len;
+    const int* visible_low;
 
     __device__ __forceinline__ long long row(const PersistentParams& p, int c) const {
         return single_token ? (long long)batch * p.hq + first_head + c : out_row[c];
@@ -489,8 +503,13 @@ struct Columns {
                (single_token ? batch * p.o_batch_stride + (long long)(first_head + c) * p.o_head_stride
                              : out_off[c]);
     }
-    // Cache positions column c may see: [0, len - q_len + token] (causal among the new tokens).
-    __device__ __forceinline__ int visible(int c) const { return single_token ? len : visible_len[c]; }
+    // Cache positions column c may see: [low(c), visible(c)) (score_mods.cuh, visible_range).
+    __device__ __forceinline__ int visible(int c) const { return single_token ? token0.high : visible_len[c]; }
+    __device__ __forceinline__ int low(int c) const { return single_token ? token0.low : visible_low[c]; }
+    // The query head of column c (of any valid column)
+    __device__ __forceinline__ int head(const PersistentParams& p, int c) const {
+        return single_token ? first_head + c : (int)(out_row[c] % p.hq);
+    }
     // The head of its row column c attends (row_part)
     __device__ __forceinline__ int part(const PersistentParams& p, int c) const {
         return HEADS_PER_ROW == 1 ? 0 : row_part(p, (first_col + c) % p.group);
@@ -502,9 +521,11 @@ __device__ __forceinline__ Columns piece_columns(const PersistentParams& p, cons
     const int kv_head = pc.unit / p.col_blocks, first_col = (pc.unit % p.col_blocks) * GROUP_PAD;
     return {min(GROUP_PAD, p.cols - first_col), p.q_len == 1, pc.batch, kv_head * p.group + first_col, first_col,
             pc.len,
+            visible_range(pc.len, 1, 0, p.window_left, p.window_right),
             reinterpret_cast<long long*>(smem + SharedPlan::col_out),
             reinterpret_cast<long long*>(smem + SharedPlan::col_row),
-            reinterpret_cast<int*>(smem + SharedPlan::col_visible)};
+            reinterpret_cast<int*>(smem + SharedPlan::col_visible),
+            reinterpret_cast<int*>(smem + SharedPlan::col_low)};
 }
 
 // Multi-token tables (threads 0 .. GROUP_PAD - 1; the caller synchronises).
@@ -519,19 +540,23 @@ __device__ __forceinline__ void fill_columns(const PersistentParams& p, const Pi
     reinterpret_cast<long long*>(smem + SharedPlan::col_out)[c] =
         pc.batch * p.o_batch_stride + token * p.o_token_stride + head * p.o_head_stride;
     reinterpret_cast<long long*>(smem + SharedPlan::col_row)[c] = ((long long)pc.batch * p.q_len + token) * p.hq + head;
-    reinterpret_cast<int*>(smem + SharedPlan::col_visible)[c] = pc.len - p.q_len + 1 + token;
+    const VisibleRange seen = visible_range(pc.len, p.q_len, token, p.window_left, p.window_right);
+    reinterpret_cast<int*>(smem + SharedPlan::col_visible)[c] = seen.high;
+    reinterpret_cast<int*>(smem + SharedPlan::col_low)[c] = seen.low;
 }
 
 // ================================ epilogue =================================================
 // The one place where a softmax state (max m in base 2, denominator l, unnormalised O) becomes
-// output: O v_scale / l in the output dtype, LSE = (m + log2 l) ln 2; l = 0 (nothing visible)
-// gives 0 and -inf, never NaN.
+// output: O v_scale / l in the output dtype, LSE = (m + log2 l) ln 2, the column's sink joining
+// the denominator where there are sinks (score_mods.cuh); l = 0 (nothing visible) gives 0 and
+// -inf (or the sink), never NaN.
 __device__ __forceinline__ void store_normalised(const PersistentParams& p, const Columns& cols, int g,
                                                  int d, float4 o, float m, float l, float v_scale) {
-    const float inv = l > 0.f ? v_scale / l : 0.f;
+    const Normalised n = normalise(m, l, v_scale, p.sinks ? sink_log2(p.sinks, cols.head(p, g)) : neg_inf());
+    const float inv = n.factor;
     *reinterpret_cast<uint2*>(cols.out(p, g) + d) =
         make_uint2(pack_half2<IS_F16>(o.x * inv, o.y * inv), pack_half2<IS_F16>(o.z * inv, o.w * inv));
-    if (p.lse && d == 0) p.lse[cols.row(p, g)] = l > 0.f ? (m + __log2f(l)) * 0.69314718055994531f : neg_inf();
+    if (p.lse && d == 0) p.lse[cols.row(p, g)] = n.lse;
 }
 
 // The unit's cut pieces, merged in CTA order by the CTA that parked the last of them. Piece i
@@ -621,7 +646,8 @@ __device__ __forceinline__ void write_empty_requests(const PersistentParams& p) 
             *reinterpret_cast<uint4*>(o) = make_uint4(0, 0, 0, 0);
         }
         if (p.lse)
-            for (int r = threadIdx.x; r < rows; r += CONSUMER_THREADS) p.lse[(long long)b * rows + r] = neg_inf();
+            for (int r = threadIdx.x; r < rows; r += CONSUMER_THREADS)
+                p.lse[(long long)b * rows + r] = p.sinks ? ld_global_l2(p.sinks + r % p.hq) : neg_inf();
     }
 }
 
@@ -749,8 +775,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 
         float o_acc[D_TILES][N_TILES][4];
         float m_run[N_TILES][2], l_run[N_TILES][2];
-        int limit[N_TILES][2];  // positions (exclusive) each of this lane's columns may see
         float score_scale[N_TILES][2];  // softmax scale x the K scale of each column's head
+        const bool capped = p.softcap_log2 > 0.f;
+        // Every column of the piece sees positions within [unit_low, pc.len) and at least
+        // [max_low, min_high) of them (token 0 sees the least far, the last token the least
+        // far back): only tiles reaching past those bounds need masks. V rows below unit_low
+        // are cleared like those past the length (they may be stale pages).
+        const VisibleRange first_token = visible_range(pc.len, p.q_len, 0, p.window_left, p.window_right);
+        const int unit_low = first_token.low, min_high = first_token.high;
+        const int max_low = visible_range(pc.len, p.q_len, p.q_len - 1, p.window_left, p.window_right).low;
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt) {
 #pragma unroll
@@ -758,7 +791,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                 m_run[nt][j] = neg_inf();
                 l_run[nt][j] = 0.f;
                 const int c = nt * 8 + 2 * (lane % 4) + j;
-                limit[nt][j] = c < cols.count ? cols.visible(c) : pc.len;
                 score_scale[nt][j] = of_part(head_score_scale, cols.part(p, c));
             }
 #pragma unroll
@@ -778,6 +810,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             const u32 k_tile = ring_base + stage * STAGE_BYTES;
             const u32 v_tile = k_tile + TILE_BYTES;
             const int tile_begin = k * TILE_TOKENS;
+            const bool masked = tile_begin + TILE_TOKENS > min_high || tile_begin < max_low;
 
 #pragma unroll
             for (int ms0 = 0; ms0 < M_SLICES; ms0 += SOFTMAX_SLICES) {
@@ -812,10 +845,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 #pragma unroll
                     for (int h = 0; h < SOFTMAX_SLICES; ++h) {
                         const int tok_lo = tile_begin + row0 + (ms0 + h) * 16 + lane / 4;  // rows of s[h][..][0..1]
-                        x[h][0] = tok_lo < limit[nt][0] ? s[h][nt][0] * score_scale[nt][0] : neg_inf();
-                        x[h][1] = tok_lo < limit[nt][1] ? s[h][nt][1] * score_scale[nt][1] : neg_inf();
-                        x[h][2] = tok_lo + 8 < limit[nt][0] ? s[h][nt][2] * score_scale[nt][0] : neg_inf();
-                        x[h][3] = tok_lo + 8 < limit[nt][1] ? s[h][nt][3] * score_scale[nt][1] : neg_inf();
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const float u = s[h][nt][i] * score_scale[nt][i % 2];
+                            x[h][i] = capped ? softcap(u, p.softcap_scale, p.softcap_log2) : u;
+                        }
+                        if (masked) {
+                            // the bounds of this lane's two columns (dropped columns: the piece's)
+#pragma unroll
+                            for (int j = 0; j < 2; ++j) {
+                                const int c = nt * 8 + 2 * (lane % 4) + j;
+                                const int high = c < cols.count ? cols.visible(c) : pc.len;
+                                const int low = c < cols.count ? cols.low(c) : 0;
+                                if (tok_lo < low || tok_lo >= high) x[h][j] = neg_inf();
+                                if (tok_lo + 8 < low || tok_lo + 8 >= high) x[h][j + 2] = neg_inf();
+                            }
+                        }
                     }
                     float mx[2] = {fmaxf(x[0][0], x[0][2]), fmaxf(x[0][1], x[0][3])};
 #pragma unroll
@@ -865,13 +910,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                     const int slice_row = row0 + (ms0 + h) * 16;
                     // Positions past the length carry P = 0, but the V rows there may hold
                     // anything (NaN included, and 0 * NaN = NaN): clear them in the request's
-                    // last tile. Lane holds V^T columns (positions) 2*(lane%4) + {0,1} in
-                    // a[0..1] and 8 more in a[2..3].
+                    // last tile, and those before the window in its first. Lane holds V^T
+                    // columns (positions) 2*(lane%4) + {0,1} in a[0..1] and 8 more in a[2..3].
                     u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
-                    if (tile_begin + TILE_TOKENS > pc.len) {
+                    if (tile_begin + TILE_TOKENS > pc.len || tile_begin < unit_low) {
                         const int t0 = tile_begin + slice_row + 2 * (lane % 4);
-                        keep_lo = (t0 < pc.len ? 0x0000ffffu : 0u) | (t0 + 1 < pc.len ? 0xffff0000u : 0u);
-                        keep_hi = (t0 + 8 < pc.len ? 0x0000ffffu : 0u) | (t0 + 9 < pc.len ? 0xffff0000u : 0u);
+                        auto kept = [&](int t) { return t < pc.len && t >= unit_low; };
+                        keep_lo = (kept(t0) ? 0x0000ffffu : 0u) | (kept(t0 + 1) ? 0xffff0000u : 0u);
+                        keep_hi = (kept(t0 + 8) ? 0x0000ffffu : 0u) | (kept(t0 + 9) ? 0xffff0000u : 0u);
                     }
 #pragma unroll
                     for (int dt = 0; dt < D_TILES; dt += 2) {
@@ -932,7 +978,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 
         // Sum the warps in a fixed order: four head-dim elements per thread per step.
         const bool whole = pc.whole();
-        const long long piece_start = pc.start + pc.first;
+        const long long piece_start = pc.global_first();
         const long long slot_row =
             whole ? 0 : (long long)sched.slot(blockIdx.x, piece_start) * GROUP_PAD;
         for (int i = threadIdx.x; i < cols.count * (Q_DIM / 4); i += CONSUMER_THREADS) {

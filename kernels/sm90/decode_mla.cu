@@ -790,7 +790,7 @@ __device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsig
             }
         named_barrier_sync(1, CONSUMER_THREADS);
         const bool whole = pc.whole();
-        const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, pc.start + pc.first) * GROUP_PAD;
+        const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, pc.global_first()) * GROUP_PAD;
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
@@ -1134,7 +1134,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
             }
         named_barrier_sync(BAR_CONSUMERS, CONSUMER_THREADS);
         const bool whole = pc.whole();
-        const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, pc.start + pc.first) * GROUP_PAD;
+        const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, pc.global_first()) * GROUP_PAD;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int r = r0 + 8 * i;

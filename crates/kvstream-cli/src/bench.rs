@@ -1099,6 +1099,7 @@ fn measure_shape(
         block_table: table_at.map(|a| set_at(a, table_set, s)),
         k_scale: scale_at(0),
         v_scale: scale_at(1),
+        sinks: None,
     };
 
     // ---- check every implementation on set 0, capture the ones that pass ----

@@ -314,6 +314,7 @@ fn gpu_demo<T: Element + Copy + Default, K: cudarc::driver::DeviceRepr + Copy + 
         block_table: table_ptr,
         k_scale: k_scale_t,
         v_scale: v_scale_t,
+        sinks: None,
     };
 
     // ---- check set 0 against the f64 reference ----

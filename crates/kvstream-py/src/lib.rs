@@ -17,7 +17,7 @@ use cudarc::driver::sys;
 use kvstream::plan::{choose, Engine, Reduction};
 use kvstream::{
     DType, DecodeProblem, DecodeTensors, DeviceFacts, Error, KvDType, KvScale, KvScaleLayout,
-    KvStrides, PlanOptions, Runtime,
+    KvStrides, PlanOptions, Runtime, Window,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -120,6 +120,7 @@ fn build_problem(
     num_pages: Option<i64>,
     table_stride: Option<i64>,
     kv_dtype: Option<&str>,
+    mods: ScoreMods,
 ) -> PyResult<DecodeProblem> {
     let dtype: DType = dtype.parse().map_err(to_py)?;
     let kv_dtype: KvDType = kv_dtype.unwrap_or("auto").parse().map_err(to_py)?;
@@ -167,7 +168,31 @@ fn build_problem(
             .with_paged(page_size, num_pages, table_stride)
             .map_err(to_py)?;
     }
+    let (left, right) = mods.window_size;
+    p = p
+        .with_window(Window::from_window_size(left, right).map_err(to_py)?)
+        .and_then(|p| p.with_softcap(Some(mods.softcap as f32)))
+        .and_then(|p| p.with_sinks(mods.sinks))
+        .map_err(to_py)?;
     Ok(p)
+}
+
+/// The score modifiers of a decode problem as Python passes them: FlashAttention's
+/// `window_size` (-1: unbounded), `softcap` (0: off), whether sinks are given at each call.
+#[derive(Clone, Copy)]
+struct ScoreMods {
+    window_size: (i64, i64),
+    softcap: f64,
+    sinks: bool,
+}
+
+impl ScoreMods {
+    /// Causal attention over the whole cache, no softcap, no sinks.
+    const NONE: ScoreMods = ScoreMods {
+        window_size: (-1, 0),
+        softcap: 0.0,
+        sinks: false,
+    };
 }
 
 /// Plan options from the Python arguments: a split count and a reduction mode name
@@ -201,9 +226,12 @@ fn options(
 /// new tokens per request (1..=8); `page_size` and `num_pages` (and optionally `table_stride`)
 /// describe a paged cache; `device_plan` plans the split partition on the device at each call;
 /// `engine` forces `"persistent"` or `"split"` (`None`: chosen by the plan); `kv_dtype`
-/// `"fp8_e4m3"` for float8 e4m3 caches (`None`: the query's dtype).
+/// `"fp8_e4m3"` for float8 e4m3 caches (`None`: the query's dtype). Score modifiers:
+/// `window_size = (left, right)` as in FlashAttention (-1: unbounded; the default `(-1, 0)` is
+/// causal over the whole cache), `softcap` (0: off), `sinks` (the decoder takes `[hq]` f32 sink
+/// logits at every call).
 #[pyfunction]
-#[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false, engine=None, kv_dtype=None))]
+#[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false, engine=None, kv_dtype=None, window_size=(-1, 0), softcap=0.0, sinks=false))]
 #[allow(clippy::too_many_arguments)]
 fn validate(
     batch: i64,
@@ -224,6 +252,9 @@ fn validate(
     device_plan: bool,
     engine: Option<&str>,
     kv_dtype: Option<&str>,
+    window_size: (i64, i64),
+    softcap: f64,
+    sinks: bool,
 ) -> PyResult<String> {
     let p = build_problem(
         batch,
@@ -240,6 +271,11 @@ fn validate(
         num_pages,
         table_stride,
         kv_dtype,
+        ScoreMods {
+            window_size,
+            softcap,
+            sinks,
+        },
     )?;
     let opts = options(num_splits, reduction, device_plan, engine)?;
     let plan = choose(&p, DeviceFacts::H200, opts).map_err(to_py)?;
@@ -265,7 +301,7 @@ struct Decoder {
 #[pymethods]
 impl Decoder {
     #[new]
-    #[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, device=0, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false, engine=None, kv_dtype=None))]
+    #[pyo3(signature = (batch, hq, hkv, head_dim, max_len, dtype, softmax_scale=None, num_splits=None, reduction=None, device=0, k_strides=None, v_strides=None, q_len=1, page_size=None, num_pages=None, table_stride=None, device_plan=false, engine=None, kv_dtype=None, window_size=(-1, 0), softcap=0.0, sinks=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -288,6 +324,9 @@ impl Decoder {
         device_plan: bool,
         engine: Option<&str>,
         kv_dtype: Option<&str>,
+        window_size: (i64, i64),
+        softcap: f64,
+        sinks: bool,
     ) -> PyResult<Self> {
         // Everything that can be checked without a GPU is checked first.
         let problem = build_problem(
@@ -305,6 +344,11 @@ impl Decoder {
             num_pages,
             table_stride,
             kv_dtype,
+            ScoreMods {
+                window_size,
+                softcap,
+                sinks,
+            },
         )?;
         let opts = options(num_splits, reduction, device_plan, engine)?;
         choose(&problem, DeviceFacts::H200, opts).map_err(to_py)?;
@@ -330,12 +374,13 @@ impl Decoder {
     /// `block_table_ptr` is the int32 `[batch, table_stride]` block table of a paged decoder
     /// (required exactly when the decoder is paged); `k_scale` and `v_scale` an fp8 decoder's
     /// f32 scale tensors as `(pointer, element count)`: 1 (per tensor), hkv (per KV head) or
-    /// batch x hkv (per request and KV head); `None`: 1.
+    /// batch x hkv (per request and KV head); `None`: 1. `sinks_ptr`: the f32 `[hq]` sink logits
+    /// of a decoder built with `sinks=True` (required exactly then).
     ///
     /// Unsafe in spirit: the caller (the `kvstream` package) guarantees that the pointers
     /// reference tensors of the decoder's shapes on its device that stay alive until the work
     /// completes.
-    #[pyo3(signature = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr=None, seqlens_ptr=None, stream=0, block_table_ptr=None, k_scale=None, v_scale=None))]
+    #[pyo3(signature = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr=None, seqlens_ptr=None, stream=0, block_table_ptr=None, k_scale=None, v_scale=None, sinks_ptr=None))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -350,6 +395,7 @@ impl Decoder {
         block_table_ptr: Option<u64>,
         k_scale: Option<(u64, usize)>,
         v_scale: Option<(u64, usize)>,
+        sinks_ptr: Option<u64>,
     ) -> PyResult<()> {
         let p = self.inner.problem();
         let tensors = DecodeTensors {
@@ -362,6 +408,7 @@ impl Decoder {
             lse: lse_ptr,
             seqlens: seqlens_ptr,
             block_table: block_table_ptr,
+            sinks: sinks_ptr,
         };
         let decoder = &self.inner;
         py.detach(move || {
@@ -489,8 +536,21 @@ impl KvWriter {
         kv_dtype: Option<&str>,
     ) -> PyResult<Self> {
         let problem = build_problem(
-            batch, hkv, hkv, head_dim, max_len, dtype, None, k_strides, k_strides, 1, page_size,
-            num_pages, None, kv_dtype,
+            batch,
+            hkv,
+            hkv,
+            head_dim,
+            max_len,
+            dtype,
+            None,
+            k_strides,
+            k_strides,
+            1,
+            page_size,
+            num_pages,
+            None,
+            kv_dtype,
+            ScoreMods::NONE,
         )?;
         let device = size("device", device)?;
         let inner = py.detach(|| -> PyResult<kvstream::KvWriter> {

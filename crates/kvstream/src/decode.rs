@@ -47,6 +47,9 @@ pub struct DecodeTensors {
     pub k_scale: Option<KvScale>,
     /// fp8 caches: V's dequantisation scales (`None`: 1).
     pub v_scale: Option<KvScale>,
+    /// Attention sinks, f32 `[hq]` (required exactly when the problem has
+    /// [`DecodeProblem::sinks`]); read at every call.
+    pub sinks: Option<u64>,
 }
 
 /// The FP32 dequantisation scales of an fp8 cache on the device, read at every call (a graph
@@ -256,7 +259,8 @@ impl Decoder {
     /// The pieces each CTA of the persistent engine streamed at the last call (index: CTA;
     /// CTAs without work have none), read back after synchronising `stream`. `None` unless the
     /// decoder was built with [`PlanOptions::record_schedule`]. For tests: compare with
-    /// [`crate::schedule::pieces`] (`tiles` and `start` are not recorded and read 0).
+    /// [`crate::schedule::pieces_in_window`] (`tiles`, `start` and `lo` are not recorded and
+    /// read 0).
     pub fn last_schedule(&self, stream: &Arc<CudaStream>) -> Result<Option<Vec<Vec<Piece>>>> {
         let Engine::Persistent(PersistentEngine {
             schedule_log: Some((log, _)),
@@ -318,6 +322,24 @@ impl Decoder {
                 rt.check_pointer(arg, scale.ptr, 4)?;
             }
         }
+        match (self.problem.sinks, t.sinks) {
+            (true, Some(s)) => rt.check_pointer("sinks", s, 4)?,
+            (true, None) => {
+                return Err(Error::invalid(
+                    "sinks",
+                    "none",
+                    "a device pointer to hq f32 logits: the problem has sinks",
+                ))
+            }
+            (false, Some(_)) => {
+                return Err(Error::invalid(
+                    "sinks",
+                    "a pointer",
+                    "none: the problem has no sinks (use DecodeProblem::with_sinks)",
+                ))
+            }
+            (false, None) => {}
+        }
         rt.bind()?;
         match &self.engine {
             Engine::Persistent(e) => e.run(&self.problem, t, stream),
@@ -338,7 +360,7 @@ impl Decoder {
         lse: Option<&mut CudaSlice<f32>>,
         seqlens: Option<&CudaSlice<i32>>,
     ) -> Result<()> {
-        self.run_slices_with_table(stream, q, k, v, out, lse, seqlens, None, None)
+        self.run_slices_with_table(stream, q, k, v, out, lse, seqlens, None, None, None)
     }
 
     /// [`Decoder::run_slices`] / [`Decoder::run_paged_slices`] (`block_table` given) on an fp8
@@ -356,7 +378,18 @@ impl Decoder {
         block_table: Option<&CudaSlice<i32>>,
         scales: Option<Fp8Scales<'_>>,
     ) -> Result<()> {
-        self.run_slices_with_table(stream, q, k, v, out, lse, seqlens, block_table, scales)
+        self.run_slices_with_table(
+            stream,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            seqlens,
+            block_table,
+            scales,
+            None,
+        )
     }
 
     /// [`Decoder::run_slices`] for a paged problem: `k_pages` and `v_pages` are the pools
@@ -383,6 +416,39 @@ impl Decoder {
             seqlens,
             Some(block_table),
             None,
+            None,
+        )
+    }
+
+    /// The general form of the slice API, for a problem with attention sinks
+    /// ([`DecodeProblem::with_sinks`]): `sinks` holds one f32 logit per query head (`[hq]`);
+    /// `block_table` as in [`Decoder::run_paged_slices`], `scales` as in
+    /// [`Decoder::run_fp8_slices`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_slices_with_sinks<T: Element, K: KvElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<K>,
+        v: &CudaSlice<K>,
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+        seqlens: Option<&CudaSlice<i32>>,
+        block_table: Option<&CudaSlice<i32>>,
+        scales: Option<Fp8Scales<'_>>,
+        sinks: &CudaSlice<f32>,
+    ) -> Result<()> {
+        self.run_slices_with_table(
+            stream,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            seqlens,
+            block_table,
+            scales,
+            Some(sinks),
         )
     }
 
@@ -398,6 +464,7 @@ impl Decoder {
         seqlens: Option<&CudaSlice<i32>>,
         block_table: Option<&CudaSlice<i32>>,
         scales: Option<Fp8Scales<'_>>,
+        sinks: Option<&CudaSlice<f32>>,
     ) -> Result<()> {
         let p = &self.problem;
         if T::DTYPE != p.dtype {
@@ -442,6 +509,9 @@ impl Decoder {
                     + p.head_dim as i64
             }
         };
+        if let Some(sk) = sinks {
+            check_lengths(&[("sinks", sk.len(), p.hq, " (one per query head)")])?;
+        }
         check_slice_lengths(
             &[
                 ("q", q.len(), need_q, ""),
@@ -464,6 +534,7 @@ impl Decoder {
         let lse_ptr = lse.as_mut().map(|l| l.device_ptr_mut(stream));
         let seq_ptr = seqlens.map(|s| s.device_ptr(stream));
         let table_ptr = block_table.map(|s| s.device_ptr(stream));
+        let sinks_ptr = sinks.map(|s| s.device_ptr(stream));
         let tensors = DecodeTensors {
             q: qp,
             k: kp,
@@ -474,6 +545,7 @@ impl Decoder {
             block_table: table_ptr.as_ref().map(|(p, _)| *p),
             k_scale,
             v_scale,
+            sinks: sinks_ptr.as_ref().map(|(p, _)| *p),
         };
         // SAFETY: lengths checked above; the slices outlive the enqueue and cudarc's guards
         // record the stream use.
@@ -741,6 +813,7 @@ pub(crate) fn read_schedule_log(
                         end: e[3] as usize,
                         tiles: 0,
                         start: 0,
+                        lo: 0,
                     }
                 })
                 .collect(),
@@ -860,6 +933,11 @@ impl PersistentEngine {
             k_scale_head_stride: scale_strides(t.k_scale, p.hkv).1,
             v_scale_batch_stride: scale_strides(t.v_scale, p.hkv).0,
             v_scale_head_stride: scale_strides(t.v_scale, p.hkv).1,
+            sinks: t.sinks.unwrap_or(0),
+            window_left: p.window.to_window_size().0 as i32,
+            window_right: p.window.to_window_size().1 as i32,
+            softcap_scale: p.softcap.map_or(0.0, |c| 2.0 / c),
+            softcap_log2: p.softcap.map_or(0.0, |c| c * std::f32::consts::LOG2_E),
         };
         let cfg = LaunchConfig {
             grid: [pp.grid as u32, 1, 1],

@@ -5,10 +5,12 @@
 //! library can launch, so tests and `kvstream kernels` can compile each one.
 
 use crate::plan;
-use crate::problem::{DType, DecodeProblem, KvDType, MAX_GROUP, SUPPORTED_HEAD_DIMS};
+use crate::problem::{
+    DType, DecodeProblem, KvDType, MAX_GROUP, SPLIT_ENGINE_HEAD_DIMS, SUPPORTED_HEAD_DIMS,
+};
 
 /// Headers the kernels include, by the name they use in `#include "..."`.
-pub const HEADERS: [(&str, &str); 8] = [
+pub const HEADERS: [(&str, &str); 9] = [
     ("ptx.cuh", include_str!("../../../kernels/include/ptx.cuh")),
     (
         "kv_format.cuh",
@@ -29,6 +31,10 @@ pub const HEADERS: [(&str, &str); 8] = [
     (
         "scheduler.cuh",
         include_str!("../../../kernels/include/scheduler.cuh"),
+    ),
+    (
+        "score_mods.cuh",
+        include_str!("../../../kernels/include/score_mods.cuh"),
     ),
     (
         "trace.cuh",
@@ -287,6 +293,34 @@ impl L2Hint {
     }
 }
 
+/// Bytes of one TMA box row of a K or V tile (kv_format.cuh): 128, 64 dims of a 2-byte cache
+/// (the last row of a d 96 head padded), or for e4m3 caches 128 where the head dim is a multiple
+/// of 128 and 64 otherwise (d 64; d 96, padded; MLA's 576).
+pub fn kv_box_row_bytes(head_dim: usize, kv_elem_bytes: usize) -> usize {
+    if kv_elem_bytes == 2 || head_dim % 128 == 0 {
+        128
+    } else {
+        64
+    }
+}
+
+/// Bytes one position of a K or V tile takes in shared memory: whole box rows
+/// ([`kv_box_row_bytes`]).
+pub fn kv_tile_row_bytes(head_dim: usize, kv_elem_bytes: usize) -> usize {
+    let row = kv_box_row_bytes(head_dim, kv_elem_bytes);
+    (head_dim * kv_elem_bytes).div_ceil(row) * row
+}
+
+/// Most n8 column tiles of the persistent decode at `head_dim`: [`MAX_N_TILES`], two at d 256
+/// (its O^T accumulators take 64 registers per n8 tile).
+pub fn max_n_tiles(head_dim: usize) -> usize {
+    if head_dim > 128 {
+        2
+    } else {
+        MAX_N_TILES
+    }
+}
+
 /// Query-row buffers of the persistent decode (`Q_BUFFERS` in decode.cu).
 const PERSISTENT_Q_BUFFERS: usize = 3;
 
@@ -297,7 +331,7 @@ pub struct PersistentVariant {
     pub dtype: DType,
     /// Element type of K and V.
     pub kv_dtype: KvDType,
-    /// 64 or 128: the width of one K / V row the kernel streams.
+    /// 64, 96, 128 or 256: the width of one K / V row the kernel streams.
     pub head_dim: usize,
     /// KV heads side by side in one row (`KVS_HEADS_PER_ROW`): 1, or 2 where two adjacent
     /// d 64 heads are streamed as one d 128 row ([`crate::plan::pairs_heads`]).
@@ -359,12 +393,14 @@ impl PersistentVariant {
     pub fn shared_bytes_with(&self, stages: usize) -> usize {
         let columns = self.n_tiles * 8;
         let warps = self.consumer_groups * 4;
-        let ring = stages * 2 * self.tile_tokens * self.head_dim * self.kv_dtype.size(self.dtype);
+        let row = kv_tile_row_bytes(self.head_dim, self.kv_dtype.size(self.dtype));
+        let ring = stages * 2 * self.tile_tokens * row;
         let q = PERSISTENT_Q_BUFFERS * columns * (self.head_dim * 2 + 16);
         let merge = warps * columns * (self.head_dim + 4) * 4;
         let barriers = 3 * 8 * stages + 2 * 8 * PERSISTENT_Q_BUFFERS;
         let stats = 2 * 4 * warps * columns;
-        let tables = 20 * columns;
+        // per column: output offset and row (8 bytes each), visible positions (4 + 4)
+        let tables = 24 * columns;
         // gather: each producer warp's copy of one chunk of page ids (one per position of a
         // tile), and the pool rows of one tile
         let page_ids = if self.kv_source == KvSource::PagedGather {
@@ -764,7 +800,7 @@ pub fn all_variants() -> Vec<AnyVariant> {
     let mut out = Vec::new();
     for dtype in [DType::Bf16, DType::F16] {
         for head_dim in SUPPORTED_HEAD_DIMS {
-            for n_tiles in 1..=MAX_N_TILES {
+            for n_tiles in 1..=max_n_tiles(head_dim) {
                 for source in KvSource::ALL {
                     for kv_dtype in [KvDType::AsQuery, KvDType::Fp8E4m3] {
                         out.push(AnyVariant::Persistent(plan::persistent_variant(
@@ -778,7 +814,13 @@ pub fn all_variants() -> Vec<AnyVariant> {
                     }
                 }
             }
-            for n_tiles in 1..=MAX_GROUP / 8 {
+            // the split engine's variants: its head dims only
+            let split_n_tiles = if SPLIT_ENGINE_HEAD_DIMS.contains(&head_dim) {
+                MAX_GROUP / 8
+            } else {
+                0
+            };
+            for n_tiles in 1..=split_n_tiles {
                 for consumer_groups in [1, 2] {
                     if !DecodeVariant::groups_fit(n_tiles, consumer_groups) {
                         continue;
@@ -811,7 +853,9 @@ pub fn all_variants() -> Vec<AnyVariant> {
                     }
                 }
             }
-            out.push(AnyVariant::Combine(CombineVariant { dtype, head_dim }));
+            if split_n_tiles > 0 {
+                out.push(AnyVariant::Combine(CombineVariant { dtype, head_dim }));
+            }
             for kv_dtype in [KvDType::AsQuery, KvDType::Fp8E4m3] {
                 out.push(AnyVariant::StoreKv(StoreKvVariant {
                     dtype,
@@ -863,10 +907,24 @@ mod tests {
     }
 
     #[test]
+    fn every_header_is_embedded() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels/include");
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let name = entry.unwrap().file_name().into_string().unwrap();
+            if name.ends_with(".cuh") {
+                assert!(
+                    HEADERS.iter().any(|(h, _)| *h == name),
+                    "kernels/include/{name} is not in HEADERS: NVRTC would not find it"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn every_planned_variant_is_listed() {
         let all = all_variants();
         for g in 1..=MAX_GROUP {
-            for d in SUPPORTED_HEAD_DIMS {
+            for d in SPLIT_ENGINE_HEAD_DIMS {
                 for dt in [DType::Bf16, DType::F16] {
                     let p = DecodeProblem::new(1, g, 1, d, 8, dt).unwrap();
                     let mut v = DecodeVariant::for_problem(&p);

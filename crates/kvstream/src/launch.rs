@@ -160,9 +160,9 @@ impl TmaElement {
 
 /// Encodes the TMA tensor map of one KV cache tensor for the decode kernel: a 4-D tensor
 /// `{d, hkv, max_len, batch}` (innermost first) with the given element strides, read in boxes of
-/// one row of head dims (128 bytes, or 64 where the position's bytes are no multiple of 128) x `box_tokens`
-/// positions of one head, swizzled in shared memory at the row's width (kv_format.cuh).
-/// Positions past `max_len` read as zeros. Pure host work: no device call, legal during capture.
+/// one row of head dims ([`crate::kernels::kv_box_row_bytes`]) x `box_tokens` positions of one
+/// head, swizzled in shared memory at the row's width (kv_format.cuh). Positions past `max_len`
+/// and head dims past `d` (the padded last row of a d 96 head) read as zeros. Pure host work: no device call, legal during capture.
 #[allow(clippy::too_many_arguments)]
 pub fn kv_tensor_map(
     arg: &'static str,
@@ -176,13 +176,7 @@ pub fn kv_tensor_map(
     box_tokens: usize,
     promotion: TmaPromotion,
 ) -> Result<sys::CUtensorMap> {
-    // kv_format.cuh: rows of 128 bytes where the position's width is a multiple of 128, else
-    // of 64 (a d 64 fp8 head, an fp8 MLA row of 576)
-    let row_bytes = if head_dim as u64 * elem.bytes % 128 == 0 {
-        128
-    } else {
-        64
-    };
+    let row_bytes = crate::kernels::kv_box_row_bytes(head_dim, elem.bytes as usize) as u64;
     let swizzle = if row_bytes == 128 {
         sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
     } else {

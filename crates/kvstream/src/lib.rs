@@ -51,6 +51,6 @@ pub use decode::{DecodeTensors, Decoder, Element, Fp8Scales, KvElement, KvScale}
 pub use error::{Error, Result};
 pub use fp8::E4m3;
 pub use plan::{DecodePlan, DeviceFacts, Engine, PlanOptions, Reduction};
-pub use problem::{DType, DecodeProblem, KvDType, KvScaleLayout, KvStrides, PagedKv};
+pub use problem::{DType, DecodeProblem, KvDType, KvScaleLayout, KvStrides, PagedKv, Window};
 pub use runtime::Runtime;
 pub use store::{KvWriter, StoreTensors};

@@ -441,6 +441,12 @@ impl MlaDecoder {
             k_scale_head_stride: 0,
             v_scale_batch_stride: scale_stride,
             v_scale_head_stride: 0,
+            // plain softmax over every position
+            sinks: 0,
+            window_left: -1,
+            window_right: -1,
+            softcap_scale: 0.0,
+            softcap_log2: 0.0,
         };
         let cfg = LaunchConfig {
             grid: [plan.grid as u32, 1, 1],

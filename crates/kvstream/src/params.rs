@@ -113,6 +113,11 @@ pub struct PersistentParams {
     pub k_scale_head_stride: i32,
     pub v_scale_batch_stride: i32,
     pub v_scale_head_stride: i32,
+    pub sinks: u64,
+    pub window_left: i32,
+    pub window_right: i32,
+    pub softcap_scale: f32,
+    pub softcap_log2: f32,
 }
 
 // Same number as the static_assert in decode_params.cuh.
@@ -292,7 +297,7 @@ mod tests {
             o_token_stride, o_head_stride, batch, hq, hkv, group, q_len, cols, col_blocks,
             max_len, scale_log2, page_size, table_stride, num_pages, min_tiles_per_cta, col_lanes, k_scale,
             v_scale, k_scale_batch_stride, k_scale_head_stride, v_scale_batch_stride,
-            v_scale_head_stride,
+            v_scale_head_stride, sinks, window_left, window_right, softcap_scale, softcap_log2,
         );
         let header = include_str!("../../../kernels/include/decode_params.cuh");
         let (cuda, size) = cuda_layout(header, "PersistentParams");

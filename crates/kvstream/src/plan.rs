@@ -271,21 +271,23 @@ pub fn persistent_variant_forced(
 /// where they fit (twice the elements per byte to compute: one group streamed 6% slower at
 /// d 128); at d 128 [`PERSISTENT_FP8_D128_STAGES`] stages, elsewhere twice the 2-byte stages,
 /// so that the ring holds the bytes measured best for 2-byte caches (docs/tuning.md, "FP8
-/// caches").
+/// caches"). Head dims 96 and 256 take d 128's rules (rows of 128 bytes as well; the ring is
+/// cut to what fits), not yet measured on their own.
 fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, usize) {
     if kv_dtype == KvDType::Fp8E4m3 {
-        let groups = if DecodeVariant::groups_fit(n_tiles, 2) {
+        // two groups hold twice the O^T accumulators: at most 256 head dims x 8 columns a thread
+        let groups = if DecodeVariant::groups_fit(n_tiles, 2) && head_dim * n_tiles <= 256 {
             2
         } else {
             1
         };
-        if head_dim == 128 {
+        if head_dim >= 96 {
             return (groups, PERSISTENT_FP8_D128_STAGES);
         }
         let (_, stages) = default_ring(KvDType::AsQuery, head_dim, n_tiles);
         return (groups, 2 * stages.max(groups));
     }
-    if head_dim == 128 {
+    if head_dim >= 96 {
         PERSISTENT_D128_RING
     } else if DecodeVariant::groups_fit(n_tiles, 2) {
         (2, PERSISTENT_MAX_STAGES)
@@ -478,7 +480,10 @@ pub fn plan_persistent(
     } else {
         problem.clone()
     };
-    let n_tiles = view.columns().div_ceil(8).min(MAX_N_TILES);
+    let n_tiles = view
+        .columns()
+        .div_ceil(8)
+        .min(crate::kernels::max_n_tiles(view.head_dim));
     let source = persistent_kv_source(&view);
     let variant = persistent_variant_forced(
         if paired {
@@ -704,6 +709,9 @@ impl std::str::FromStr for Engine {
 /// 4 such requests: 32 units, 128 < 132: split; with pages of 8: persistent. One request of
 /// 16/16 heads, d 64, e4m3, L 131072: 8 pairs x 2048 tiles >= 64 x 132: persistent (paired).
 pub fn persistent_by_default(problem: &DecodeProblem, device: DeviceFacts) -> bool {
+    if persistent_only(problem).is_some() {
+        return true;
+    }
     if problem
         .paged
         .is_some_and(|pg| pg.page_size < PERSISTENT_GATHER_ALWAYS_BELOW_PAGE)
@@ -721,6 +729,28 @@ pub fn persistent_by_default(problem: &DecodeProblem, device: DeviceFacts) -> bo
     let n_tiles = problem.columns().div_ceil(8).min(MAX_N_TILES);
     let units = problem.batch * problem.hkv * problem.columns().div_ceil(8 * n_tiles);
     units * PERSISTENT_MAX_PIECES_PER_UNIT >= sms
+}
+
+/// What only the persistent engine serves in `problem`, if anything: head dims other than
+/// [`crate::problem::SPLIT_ENGINE_HEAD_DIMS`] and the score modifiers (a sliding window, a
+/// softcap, sinks). The split engine is the faster one on some small batches of plain decode
+/// only (see [`persistent_by_default`]); new features are built once, on the engine that
+/// schedules every call on the device.
+pub fn persistent_only(problem: &DecodeProblem) -> Option<String> {
+    if !crate::problem::SPLIT_ENGINE_HEAD_DIMS.contains(&problem.head_dim) {
+        return Some(format!("head dim {}", problem.head_dim));
+    }
+    if problem.window != crate::problem::Window::CAUSAL {
+        let (l, r) = problem.window.to_window_size();
+        return Some(format!("window_size ({l}, {r})"));
+    }
+    if problem.softcap.is_some() {
+        return Some("a softcap".into());
+    }
+    if problem.sinks {
+        return Some("attention sinks".into());
+    }
+    None
 }
 
 /// See [`persistent_by_default`]: e4m3 caches whose d 64 heads pair ([`pairs_heads`]) take the
@@ -1305,6 +1335,13 @@ pub fn plan(
     options: PlanOptions,
 ) -> Result<DecodePlan> {
     problem.validate()?;
+    if let Some(why) = persistent_only(problem) {
+        return Err(Error::invalid(
+            "engine",
+            "split (or one of its knobs)",
+            format!("the persistent engine (none, or \"persistent\"): {why}"),
+        ));
+    }
     if let Some(n) = options.resident_ctas {
         if !(1..=MAX_RESIDENT_CTAS).contains(&n) {
             return Err(Error::invalid(

@@ -137,8 +137,11 @@ impl KvScaleLayout {
     }
 }
 
-/// Head dimensions the kernels are built for.
-pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Head dimensions the kernels are built for (K and V of the same head dim).
+pub const SUPPORTED_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
+/// Head dimensions the split engine is built for (the persistent engine takes every one of
+/// [`SUPPORTED_HEAD_DIMS`]).
+pub const SPLIT_ENGINE_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Largest query-head group (hq / hkv) one CTA handles: four n8 MMA tiles.
 pub const MAX_GROUP: usize = 32;
 /// Most new tokens per request (speculative-decoding verification, multi-token prediction).
@@ -208,6 +211,72 @@ impl KvStrides {
     }
 }
 
+/// Which cache positions a query sees: FlashAttention's `window_size = (left, right)`. The query
+/// at cache position t (new token i of a request of `len` positions sits at t = len - q_len + i)
+/// sees positions `[t - left, t + right]` clipped to `[0, len)`; `None` is unbounded on that
+/// side. The default, `left: None, right: Some(0)`, is causal attention over the whole cache.
+///
+/// ```
+/// use kvstream::Window;
+/// let w = Window::from_window_size(128, 0)?; // the last 128 positions and the query's own
+/// assert_eq!(w, Window { left: Some(128), right: Some(0) });
+/// assert_eq!(Window::from_window_size(-1, -1)?.right, None); // new tokens see each other
+/// assert!(Window::from_window_size(-2, 0).is_err());
+/// # Ok::<(), kvstream::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Window {
+    /// Positions before the query's own it also sees (`None`: all of them).
+    pub left: Option<usize>,
+    /// Positions after the query's own it also sees, among the new tokens (`None`: all).
+    pub right: Option<usize>,
+}
+
+impl Default for Window {
+    fn default() -> Self {
+        Window::CAUSAL
+    }
+}
+
+impl Window {
+    /// Every earlier position and the query's own.
+    pub const CAUSAL: Window = Window {
+        left: None,
+        right: Some(0),
+    };
+
+    /// From FlashAttention's integers: `-1` is unbounded, other values are positions (at most
+    /// 2^31 - 2).
+    pub fn from_window_size(left: i64, right: i64) -> Result<Self> {
+        let side = |arg: &'static str, v: i64| -> Result<Option<usize>> {
+            match v {
+                -1 => Ok(None),
+                0..=0x7fff_fffe => Ok(Some(v as usize)),
+                _ => Err(Error::invalid(
+                    arg,
+                    v,
+                    "-1 (unbounded) or a number of positions 0..=2^31-2",
+                )),
+            }
+        };
+        Ok(Window {
+            left: side("window_size[0] (left)", left)?,
+            right: side("window_size[1] (right)", right)?,
+        })
+    }
+
+    /// FlashAttention's integers (`-1`: unbounded).
+    pub fn to_window_size(self) -> (i64, i64) {
+        let int = |v: Option<usize>| v.map_or(-1, |v| v as i64);
+        (int(self.left), int(self.right))
+    }
+
+    /// Whether every query sees every earlier position (no left bound).
+    pub fn is_unbounded_left(self) -> bool {
+        self.left.is_none()
+    }
+}
+
 /// One decode call: a single new query token per request attending to a cached K/V.
 ///
 /// ```
@@ -244,6 +313,14 @@ pub struct DecodeProblem {
     pub q_len: usize,
     /// A paged cache instead of contiguous `[batch, max_len, hkv, d]` tensors.
     pub paged: Option<PagedKv>,
+    /// The positions each query sees ([`Window::CAUSAL`] unless a sliding window is set).
+    pub window: Window,
+    /// Logit softcap c (Gemma 2): scaled scores s become `c * tanh(s / c)` before the softmax.
+    pub softcap: Option<f32>,
+    /// Attention sinks (gpt-oss): an f32 logit per query head (`[hq]`, on the scaled scores'
+    /// scale) joins each row's softmax denominator and adds no value; the LSE includes it. The
+    /// tensor is given at every call ([`crate::DecodeTensors::sinks`]).
+    pub sinks: bool,
 }
 
 impl DecodeProblem {
@@ -270,9 +347,48 @@ impl DecodeProblem {
             v_strides: strides,
             q_len: 1,
             paged: None,
+            window: Window::CAUSAL,
+            softcap: None,
+            sinks: false,
         };
         p.validate()?;
         Ok(p)
+    }
+
+    /// Same problem with a sliding window ([`Window`]).
+    ///
+    /// ```
+    /// use kvstream::{DecodeProblem, DType, Window};
+    /// // Mistral-style: each query sees its own position and the 4095 before it
+    /// let p = DecodeProblem::new(8, 32, 8, 128, 32_768, DType::Bf16)?
+    ///     .with_window(Window { left: Some(4095), right: Some(0) })?;
+    /// assert!(p.has_score_mods());
+    /// # Ok::<(), kvstream::Error>(())
+    /// ```
+    pub fn with_window(mut self, window: Window) -> Result<Self> {
+        self.window = window;
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Same problem with a logit softcap (`None` or 0: off).
+    pub fn with_softcap(mut self, softcap: Option<f32>) -> Result<Self> {
+        self.softcap = softcap.filter(|&c| c != 0.0);
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Same problem with attention sinks given at every call (one f32 logit per query head).
+    pub fn with_sinks(mut self, sinks: bool) -> Result<Self> {
+        self.sinks = sinks;
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Whether a window other than [`Window::CAUSAL`], a softcap or sinks are set (features of
+    /// the persistent engine only).
+    pub fn has_score_mods(&self) -> bool {
+        self.window != Window::CAUSAL || self.softcap.is_some() || self.sinks
     }
 
     /// Same problem with caches of another element type.
@@ -429,6 +545,27 @@ impl DecodeProblem {
         if let Some(pg) = self.paged {
             pg.validate(self.max_len)?;
         }
+        if let Some(c) = self.softcap {
+            if !c.is_finite() || c <= 0.0 {
+                return Err(Error::invalid(
+                    "softcap",
+                    c,
+                    "a finite positive number, or 0 / None (off)",
+                ));
+            }
+        }
+        for (arg, side) in [
+            ("window_size[0] (left)", self.window.left),
+            ("window_size[1] (right)", self.window.right),
+        ] {
+            if side.is_some_and(|v| v > 0x7fff_fffe) {
+                return Err(Error::invalid(
+                    arg,
+                    side.unwrap_or(0),
+                    "-1 (unbounded) or a number of positions 0..=2^31-2",
+                ));
+            }
+        }
         if let Some(s) = self.softmax_scale {
             if !s.is_finite() || s <= 0.0 {
                 return Err(Error::invalid(
@@ -516,7 +653,7 @@ mod tests {
             "hq / hkv"
         );
         assert_eq!(
-            e(DecodeProblem::new(1, 16, 2, 96, 64, DType::Bf16)),
+            e(DecodeProblem::new(1, 16, 2, 80, 64, DType::Bf16)),
             "head_dim"
         );
         assert_eq!(
@@ -589,9 +726,39 @@ mod tests {
 
     #[test]
     fn error_message_names_argument_value_and_allowed() {
-        let msg = DecodeProblem::new(1, 16, 2, 96, 64, DType::Bf16)
+        let msg = DecodeProblem::new(1, 16, 2, 80, 64, DType::Bf16)
             .unwrap_err()
             .to_string();
-        assert_eq!(msg, "invalid head_dim: got 96, allowed: [64, 128]");
+        assert_eq!(msg, "invalid head_dim: got 80, allowed: [64, 96, 128, 256]");
+    }
+
+    #[test]
+    fn score_mods_validate_and_name_their_argument() {
+        let p = DecodeProblem::new(2, 64, 8, 64, 4096, DType::Bf16).unwrap();
+        assert!(!p.has_score_mods());
+        assert_eq!(
+            arg_of(p.clone().with_softcap(Some(-1.0)).unwrap_err()),
+            "softcap"
+        );
+        assert_eq!(
+            arg_of(p.clone().with_softcap(Some(f32::INFINITY)).unwrap_err()),
+            "softcap"
+        );
+        assert_eq!(p.clone().with_softcap(Some(0.0)).unwrap().softcap, None);
+        assert!(p.clone().with_softcap(Some(50.0)).unwrap().has_score_mods());
+        assert!(p.clone().with_sinks(true).unwrap().has_score_mods());
+        let w = Window::from_window_size(128, 0).unwrap();
+        assert!(p.clone().with_window(w).unwrap().has_score_mods());
+        assert_eq!(w.to_window_size(), (128, 0));
+        assert_eq!(Window::from_window_size(-1, 0).unwrap(), Window::CAUSAL);
+        let msg = Window::from_window_size(0, -3).unwrap_err().to_string();
+        assert!(
+            msg.contains("window_size[1] (right)") && msg.contains("-3"),
+            "{msg}"
+        );
+        assert_eq!(
+            arg_of(Window::from_window_size(-5, 0).unwrap_err()),
+            "window_size[0] (left)"
+        );
     }
 }

@@ -14,6 +14,7 @@
 //! and a small deterministic generator for bf16/f16 test data.
 
 use crate::fp8::E4m3;
+use crate::problem::Window;
 use half::{bf16, f16};
 use std::ops::Range;
 
@@ -84,10 +85,29 @@ impl RefShape {
     }
 }
 
-/// Number of cache positions query row `qi` may attend to: positions `[0, seqlen - q_len + qi]`,
-/// i.e. none when that bound is negative.
-fn visible_len(seqlen: usize, q_len: usize, qi: usize) -> usize {
-    (seqlen + qi + 1).saturating_sub(q_len)
+/// The cache positions `[low, high)` query row `qi` attends to under `window`: the row sits at
+/// position t = seqlen - q_len + qi and sees `[t - left, t + right]` within `[0, seqlen)`
+/// (causal: `[0, t]`); empty when high <= low.
+fn visible_range(seqlen: usize, q_len: usize, qi: usize, window: Window) -> Range<usize> {
+    let t = seqlen as i64 - q_len as i64 + qi as i64;
+    let high = window
+        .right
+        .map_or(seqlen as i64, |r| (t + 1 + r as i64).min(seqlen as i64));
+    let low = window.left.map_or(0, |l| (t - l as i64).max(0));
+    let high = high.max(low);
+    low as usize..high as usize
+}
+
+/// The score modifiers of [`decode_reference_with`]: a sliding window, a logit softcap, and
+/// attention sinks (one logit per query head, joining the softmax denominator).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RefScoreMods {
+    /// The positions each row sees ([`Window::CAUSAL`] by default).
+    pub window: Window,
+    /// Scaled scores s become `c * tanh(s / c)`.
+    pub softcap: Option<f64>,
+    /// `[hq]` logits on the scaled scores' scale.
+    pub sinks: Option<Vec<f64>>,
 }
 
 /// Output of the reference: `out` in `f64` and natural-log LSE (`f64::NEG_INFINITY` for a
@@ -113,7 +133,24 @@ pub fn decode_reference(
     v: &[f32],
     seqlens: &[usize],
 ) -> RefOutput {
+    decode_reference_with(shape, &RefScoreMods::default(), q, k, v, seqlens)
+}
+
+/// [`decode_reference`] with score modifiers: row (token i) sees the positions its window gives
+/// ([`Window`]); scores are capped, then the row's sink joins the denominator (it adds no value),
+/// so a row that sees nothing gives out = 0 and lse = its sink (-inf without sinks).
+pub fn decode_reference_with(
+    shape: &RefShape,
+    mods: &RefScoreMods,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    seqlens: &[usize],
+) -> RefOutput {
     let group = shape.group();
+    if let Some(s) = &mods.sinks {
+        assert_eq!(s.len(), shape.hq, "one sink per query head");
+    }
     shape.check_inputs(q, k, v);
     assert_eq!(seqlens.len(), shape.batch, "one seqlen per request");
     let d = shape.d;
@@ -133,10 +170,13 @@ pub fn decode_reference(
         );
         for kvh in 0..shape.hkv {
             for h in kvh * group..(kvh + 1) * group {
+                let sink = mods.sinks.as_ref().map_or(f64::NEG_INFINITY, |s| s[h]);
                 for qi in 0..shape.q_len {
-                    let n = visible_len(seqlen, shape.q_len, qi);
-                    if n == 0 {
-                        // Already zero / -inf from initialisation.
+                    let seen = visible_range(seqlen, shape.q_len, qi, mods.window);
+                    let row_lse = &mut lse[(b * shape.q_len + qi) * shape.hq + h];
+                    if seen.is_empty() {
+                        // out stays zero: the sink alone (if any) takes the whole weight
+                        *row_lse = sink;
                         continue;
                     }
                     let qo = shape.q_offset(b, qi, h);
@@ -145,16 +185,23 @@ pub fn decode_reference(
                     }
 
                     // Two passes (max, then exponentials) keep exp() in range for any scores.
-                    let mut m = f64::NEG_INFINITY;
-                    for (j, s) in scores[..n].iter_mut().enumerate() {
+                    let mut m = sink;
+                    for (j, s) in seen.clone().zip(scores.iter_mut()) {
                         let ko = shape.kv_offset(b, j, kvh);
                         *s = dot(&q_row, &k[ko..ko + d]) * shape.softmax_scale;
+                        if let Some(c) = mods.softcap {
+                            *s = c * (*s / c).tanh();
+                        }
                         m = m.max(*s);
                     }
 
                     acc.fill(0.0);
-                    let mut l = 0.0f64;
-                    for (j, &s) in scores[..n].iter().enumerate() {
+                    let mut l = if sink > f64::NEG_INFINITY {
+                        (sink - m).exp()
+                    } else {
+                        0.0
+                    };
+                    for (j, &s) in seen.clone().zip(scores.iter()) {
                         let p = (s - m).exp();
                         l += p;
                         let vo = shape.kv_offset(b, j, kvh);
@@ -165,7 +212,7 @@ pub fn decode_reference(
                     for (o, &a) in row.iter_mut().zip(&acc) {
                         *o = a / l;
                     }
-                    lse[(b * shape.q_len + qi) * shape.hq + h] = m + l.ln();
+                    *row_lse = m + l.ln();
                 }
             }
         }
@@ -424,6 +471,124 @@ pub fn random_e4m3(rng: &mut SplitMix64, n: usize, scale: f32) -> (Vec<E4m3>, Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Positions row qi sees in plain causal decode: `[0, visible_len)`.
+    fn visible_len(seqlen: usize, q_len: usize, qi: usize) -> usize {
+        visible_range(seqlen, q_len, qi, Window::CAUSAL).end
+    }
+
+    #[test]
+    fn score_mods_follow_their_definitions() {
+        let p = make_problem(7, 2, 8, 2, 64, &[40, 1, 0, 33]);
+        let s = &p.shape;
+        let plain = decode_reference(s, &p.q, &p.k, &p.v, &p.seqlens);
+        let with =
+            |mods: RefScoreMods| decode_reference_with(s, &mods, &p.q, &p.k, &p.v, &p.seqlens);
+        // a cap far above every score changes nothing measurable
+        let loose = with(RefScoreMods {
+            softcap: Some(1e9),
+            ..Default::default()
+        });
+        assert!(relative_error(&loose.out, &plain.out) < 1e-12);
+        // a tight cap changes the output
+        let tight = with(RefScoreMods {
+            softcap: Some(0.5),
+            ..Default::default()
+        });
+        assert!(relative_error(&tight.out, &plain.out) > 1e-3);
+        // a sink scales each row by exp(lse) / (exp(lse) + exp(sink)); lse becomes logaddexp
+        let sinks: Vec<f64> = (0..s.hq).map(|h| h as f64 * 0.7 - 2.0).collect();
+        let sunk = with(RefScoreMods {
+            sinks: Some(sinks.clone()),
+            ..Default::default()
+        });
+        for (r, (&lse, &lse_sunk)) in plain.lse.iter().zip(&sunk.lse).enumerate() {
+            let sink = sinks[r % s.hq];
+            let want = if lse == f64::NEG_INFINITY {
+                sink
+            } else {
+                lse.max(sink) + ((lse - lse.max(sink)).exp() + (sink - lse.max(sink)).exp()).ln()
+            };
+            assert!(
+                (lse_sunk - want).abs() < 1e-12,
+                "row {r}: {lse_sunk} vs {want}"
+            );
+            let keep = if lse == f64::NEG_INFINITY {
+                0.0
+            } else {
+                (lse - want).exp()
+            };
+            for i in 0..s.d {
+                let (a, b) = (sunk.out[r * s.d + i], plain.out[r * s.d + i] * keep);
+                assert!((a - b).abs() < 1e-12, "row {r} dim {i}: {a} vs {b}");
+            }
+        }
+        // a window of 5 back: row qi of request 0 (length 40) sees [37 + qi - 5, 38 + qi)
+        let windowed = with(RefScoreMods {
+            window: Window {
+                left: Some(5),
+                right: Some(0),
+            },
+            ..Default::default()
+        });
+        assert_eq!(
+            visible_range(
+                40,
+                2,
+                1,
+                Window {
+                    left: Some(5),
+                    right: Some(0)
+                }
+            ),
+            34..40
+        );
+        assert_eq!(
+            visible_range(
+                40,
+                2,
+                0,
+                Window {
+                    left: None,
+                    right: None
+                }
+            ),
+            0..40
+        );
+        assert_eq!(visible_range(1, 2, 0, Window::CAUSAL), 0..0);
+        // the same rows computed as plain decode over the window's positions only
+        for qi in 0..2 {
+            let seen = visible_range(40, 2, qi, windowed_window());
+            let one = RefShape {
+                batch: 1,
+                q_len: 1,
+                max_len: seen.len(),
+                ..*s
+            };
+            let kv_slice = |x: &[f32]| -> Vec<f32> {
+                seen.clone()
+                    .flat_map(|t| {
+                        x[s.kv_offset(0, t, 0)..s.kv_offset(0, t, 0) + s.hkv * s.d].to_vec()
+                    })
+                    .collect()
+            };
+            let q0: Vec<f32> =
+                p.q[s.q_offset(0, qi, 0)..s.q_offset(0, qi, 0) + s.hq * s.d].to_vec();
+            let r = decode_reference(&one, &q0, &kv_slice(&p.k), &kv_slice(&p.v), &[seen.len()]);
+            let o = s.q_offset(0, qi, 0);
+            assert!(
+                relative_error(&windowed.out[o..o + s.hq * s.d], &r.out) < 1e-12,
+                "qi {qi}"
+            );
+        }
+    }
+
+    fn windowed_window() -> Window {
+        Window {
+            left: Some(5),
+            right: Some(0),
+        }
+    }
     use proptest::prelude::*;
 
     const TOL: f64 = 1e-12;

@@ -77,6 +77,33 @@ pub fn tiles_of(len: usize, tile_tokens: usize) -> usize {
     len.div_ceil(tile_tokens)
 }
 
+/// The first tile a request of `len` positions streams (`first_tile`): 0, or with a window of
+/// `window_left` positions the tile of the first position its first of `q_len` new tokens sees.
+pub fn first_tile(
+    len: usize,
+    q_len: usize,
+    window_left: Option<usize>,
+    tile_tokens: usize,
+) -> usize {
+    match window_left {
+        None => 0,
+        Some(left) => len.saturating_sub(q_len + left) / tile_tokens,
+    }
+}
+
+/// The tiles `[first, end)` each unit of a request of `len` positions streams.
+pub fn request_tiles(
+    len: usize,
+    q_len: usize,
+    window_left: Option<usize>,
+    tile_tokens: usize,
+) -> (usize, usize) {
+    (
+        first_tile(len, q_len, window_left, tile_tokens),
+        tiles_of(len, tile_tokens),
+    )
+}
+
 /// One unit's part of one CTA's range (`Piece` in schedule.cuh).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
@@ -84,7 +111,7 @@ pub struct Piece {
     pub batch: usize,
     /// Unit within the request: `kv_head * col_blocks + col_block`.
     pub unit: usize,
-    /// First tile of the unit in this piece.
+    /// First tile of the request in this piece (tile k holds positions from k x tile_tokens).
     pub first: usize,
     /// One past its last tile.
     pub end: usize,
@@ -92,12 +119,14 @@ pub struct Piece {
     pub tiles: usize,
     /// Global index of the unit's first tile.
     pub start: u64,
+    /// The unit's first tile ([`first_tile`]).
+    pub lo: usize,
 }
 
 impl Piece {
     /// Whether the piece is the whole unit (written out directly, no merge).
     pub fn whole(&self) -> bool {
-        self.first == 0 && self.end == self.tiles
+        self.first == self.lo && self.end == self.lo + self.tiles
     }
 }
 
@@ -111,7 +140,25 @@ pub fn pieces(
     grid: usize,
     min_tiles: usize,
 ) -> (Schedule, Vec<Vec<Piece>>) {
-    let tiles: Vec<usize> = lens.iter().map(|&l| tiles_of(l, tile_tokens)).collect();
+    pieces_in_window(lens, 1, None, units, tile_tokens, grid, min_tiles)
+}
+
+/// [`pieces`] with a sliding window of `window_left` positions for `q_len` new tokens per
+/// request: each unit streams only the tiles from [`first_tile`] on.
+pub fn pieces_in_window(
+    lens: &[usize],
+    q_len: usize,
+    window_left: Option<usize>,
+    units: usize,
+    tile_tokens: usize,
+    grid: usize,
+    min_tiles: usize,
+) -> (Schedule, Vec<Vec<Piece>>) {
+    let ranges: Vec<(usize, usize)> = lens
+        .iter()
+        .map(|&l| request_tiles(l, q_len, window_left, tile_tokens))
+        .collect();
+    let tiles: Vec<usize> = ranges.iter().map(|&(lo, end)| end - lo).collect();
     let total: u64 = tiles.iter().map(|&t| (t * units) as u64).sum();
     let busy = tiles.iter().filter(|&&t| t > 0);
     let (lo, hi) = (busy.clone().min(), busy.clone().max());
@@ -135,13 +182,15 @@ pub fn pieces(
             for (c, list) in out.iter_mut().enumerate().take(c1 + 1).skip(c0) {
                 let lo = s.begin(c).max(start);
                 let hi = s.begin(c + 1).min(end);
+                let first_tile = ranges[b].0;
                 list.push(Piece {
                     batch: b,
                     unit,
-                    first: (lo - start) as usize,
-                    end: (hi - start) as usize,
+                    first: first_tile + (lo - start) as usize,
+                    end: first_tile + (hi - start) as usize,
                     tiles: t,
                     start,
+                    lo: first_tile,
                 });
             }
             start = end;

@@ -26,6 +26,9 @@
 //!   byte for byte (eager, then a graph replayed with other slots).
 //! - `mla_*` (tests/gpu/mla.rs): the MLA decode against its f64 reference, under graphs with
 //!   skewed lengths, and its input checks.
+//! - `models::*` (tests/gpu/models.rs): head dims 96 and 256, sliding windows, softcap and
+//!   attention sinks, alone and combined with pages, e4m3, ragged and multi-token decode
+//!   (`KVSTREAM_MODEL_CASES`, default 96 or `KVSTREAM_GPU_CASES` if fewer), under graphs too.
 //!
 //! Every test is ignored, so `cargo test` on a machine without a GPU lists them and moves on. On
 //! an H100/H200 (NVRTC 13 on the library path, see `scripts/test.sh`):
@@ -55,7 +58,8 @@ use kvstream::plan::{
     cluster_splits, device_plan_cluster_splits, device_plan_splits, tile_tokens, CLUSTER_SPLITS,
 };
 use kvstream::reference::{
-    decode_reference, random_bf16, random_f16, relative_error, RefOutput, RefShape, SplitMix64,
+    decode_reference, decode_reference_with, random_bf16, random_f16, relative_error, RefOutput,
+    RefScoreMods, RefShape, SplitMix64,
 };
 use kvstream::{
     DType, DecodeProblem, DecodeTensors, Decoder, E4m3, Element, Error, KvDType, KvScale,
@@ -88,6 +92,8 @@ trait Half: Element + ValidAsZeroBits + Copy + 'static {
     fn random(rng: &mut SplitMix64, n: usize) -> (Vec<Self>, Vec<f32>);
     fn from_raw(bits: u16) -> Self;
     fn raw(self) -> u16;
+    /// The smallest positive normal value: below it the format keeps no relative precision.
+    const MIN_NORMAL: f64;
 }
 
 macro_rules! impl_half {
@@ -102,6 +108,7 @@ macro_rules! impl_half {
             fn raw(self) -> u16 {
                 self.to_bits()
             }
+            const MIN_NORMAL: f64 = <$t>::MIN_POSITIVE.to_f64_const();
         }
     };
 }
@@ -185,6 +192,13 @@ struct Inputs<T> {
     q32: Vec<f32>,
     k32: Vec<f32>,
     v32: Vec<f32>,
+    /// One logit per query head where the problem has sinks.
+    sinks: Option<Vec<f32>>,
+}
+
+/// Random sink logits in [-3, 3): of the order of the scores, so they move the outputs.
+fn random_sinks(rng: &mut SplitMix64, hq: usize) -> Vec<f32> {
+    (0..hq).map(|_| rng.symmetric() * 3.0).collect()
 }
 
 /// Random Q; K and V random at positions `< lens[b]` and NaN from there to `max_len`: the
@@ -194,6 +208,7 @@ fn make_inputs<T: Half>(rng: &mut SplitMix64, p: &DecodeProblem, lens: &[usize])
     let (q, q32) = T::random(rng, p.batch * p.q_len * p.hq * p.head_dim);
     let (k, k32) = random_cache::<T>(rng, p, lens);
     let (v, v32) = random_cache::<T>(rng, p, lens);
+    let sinks = p.sinks.then(|| random_sinks(rng, p.hq));
     Inputs {
         q,
         k,
@@ -201,6 +216,7 @@ fn make_inputs<T: Half>(rng: &mut SplitMix64, p: &DecodeProblem, lens: &[usize])
         q32,
         k32,
         v32,
+        sinks,
     }
 }
 
@@ -224,7 +240,17 @@ fn random_cache<T: Half>(
 }
 
 fn reference<T>(p: &DecodeProblem, x: &Inputs<T>, lens: &[usize]) -> RefOutput {
-    decode_reference(&RefShape::from(p), &x.q32, &x.k32, &x.v32, lens)
+    let mods = ref_mods(p, x.sinks.as_deref());
+    decode_reference_with(&RefShape::from(p), &mods, &x.q32, &x.k32, &x.v32, lens)
+}
+
+/// The reference's view of the problem's score modifiers, with the sinks given.
+fn ref_mods(p: &DecodeProblem, sinks: Option<&[f32]>) -> RefScoreMods {
+    RefScoreMods {
+        window: p.window,
+        softcap: p.softcap.map(f64::from),
+        sinks: sinks.map(|s| s.iter().map(|&x| f64::from(x)).collect()),
+    }
 }
 
 /// A paged copy of contiguous caches: the pools and the block table.
@@ -256,6 +282,7 @@ struct DeviceInputs<T> {
     v: CudaSlice<T>,
     seqlens: Option<CudaSlice<i32>>,
     table: Option<CudaSlice<i32>>,
+    sinks: Option<CudaSlice<f32>>,
 }
 
 impl<T: Half> DeviceInputs<T> {
@@ -266,6 +293,7 @@ impl<T: Half> DeviceInputs<T> {
             v: upload(stream, &x.v),
             seqlens: seqlens.map(|l| upload(stream, &lens_i32(l))),
             table: None,
+            sinks: x.sinks.as_ref().map(|s| upload(stream, s)),
         }
     }
 
@@ -281,6 +309,7 @@ impl<T: Half> DeviceInputs<T> {
             v: upload(stream, &paged.v),
             seqlens: seqlens.map(|l| upload(stream, &lens_i32(l))),
             table: Some(upload(stream, &paged.table)),
+            sinks: x.sinks.as_ref().map(|s| upload(stream, s)),
         }
     }
 }
@@ -347,6 +376,7 @@ fn raw_tensors<T: Half>(
         block_table: x.table.as_ref().map(|t| t.device_ptr(stream).0),
         k_scale: None,
         v_scale: None,
+        sinks: x.sinks.as_ref().map(|s| s.device_ptr(stream).0),
     }
 }
 
@@ -358,8 +388,20 @@ fn run_poisoned<T: Half>(
     o: &mut Outputs<T>,
 ) -> Result<Output<T>, String> {
     o.poison(stream);
-    match &x.table {
-        None => dec.run_slices(
+    match (&x.table, &x.sinks) {
+        (table, Some(sinks)) => dec.run_slices_with_sinks(
+            stream,
+            &x.q,
+            &x.k,
+            &x.v,
+            &mut o.out,
+            o.lse.as_mut(),
+            x.seqlens.as_ref(),
+            table.as_ref(),
+            None,
+            sinks,
+        ),
+        (None, None) => dec.run_slices(
             stream,
             &x.q,
             &x.k,
@@ -368,7 +410,7 @@ fn run_poisoned<T: Half>(
             o.lse.as_mut(),
             x.seqlens.as_ref(),
         ),
-        Some(table) => dec.run_paged_slices(
+        (Some(table), None) => dec.run_paged_slices(
             stream,
             &x.q,
             &x.k,
@@ -396,6 +438,28 @@ fn run_poisoned<T: Half>(
 struct Errors {
     rel: f64,
     lse: f64,
+}
+
+/// `relative_error` of a row whose reference may lie below the output format's normal range
+/// (a row whose sink takes nearly all of the weight): errors are measured against at least
+/// `min_normal` per element, the format's resolution there.
+fn relative_error_above(got: &[f64], want: &[f64], min_normal: f64) -> f64 {
+    let norm = want.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let floor = min_normal * (want.len() as f64).sqrt();
+    if norm >= floor {
+        return relative_error(got, want);
+    }
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum::<f64>()
+        .sqrt();
+    if diff.is_nan() {
+        f64::INFINITY
+    } else {
+        diff / floor
+    }
 }
 
 /// Checks `got` against the reference row by row: every element written (no poison left), each
@@ -437,7 +501,7 @@ fn check_output<T: Half>(
                 ));
             }
         } else {
-            let rel = relative_error(&out, &want.out[row * d..(row + 1) * d]);
+            let rel = relative_error_above(&out, &want.out[row * d..(row + 1) * d], T::MIN_NORMAL);
             errors.rel = errors.rel.max(rel);
             if rel.is_nan() || rel > REL_TOL {
                 return Err(format!(
@@ -686,8 +750,10 @@ fn check_schedule(
         return Ok(());
     };
     let clamped: Vec<usize> = lens.iter().map(|&l| l.min(p.max_len)).collect();
-    let (_, want) = kvstream::schedule::pieces(
+    let (_, want) = kvstream::schedule::pieces_in_window(
         &clamped,
+        p.q_len,
+        p.window.left,
         // units of the kernel's view (paired heads: one per pair)
         pp.kernel_problem(p).hkv * pp.col_blocks,
         pp.variant.tile_tokens,
@@ -2009,6 +2075,7 @@ fn stale_hints_before_the_pdl_wait_are_not_used() {
                 block_table: Some(live_ptr),
                 k_scale: None,
                 v_scale: None,
+                sinks: None,
             };
             // SAFETY: every pointer is live device memory of the sizes the problem implies.
             unsafe { dec.run(&tensors, stream.cu_stream()) }
@@ -2065,6 +2132,7 @@ struct Fp8Inputs<T> {
     q32: Vec<f32>,
     k32: Vec<f32>,
     v32: Vec<f32>,
+    sinks: Option<Vec<f32>>,
 }
 
 /// The caches over e4m3's whole range (values up to 448, subnormals too) and scales in
@@ -2101,7 +2169,9 @@ fn fp8_inputs<T: Half>(
         dequantise(p, layout, &k, &k_scale),
         dequantise(p, layout, &v, &v_scale),
     );
+    let sinks = p.sinks.then(|| random_sinks(rng, p.hq));
     Fp8Inputs {
+        sinks,
         q,
         k,
         v,
@@ -2176,6 +2246,7 @@ struct Fp8Device<T> {
     seqlens: CudaSlice<i32>,
     table: Option<CudaSlice<i32>>,
     layout: KvScaleLayout,
+    sinks: Option<CudaSlice<f32>>,
 }
 
 impl<T: Half> Fp8Device<T> {
@@ -2207,6 +2278,7 @@ impl<T: Half> Fp8Device<T> {
             seqlens: upload(stream, &lens_i32(lens)),
             table,
             layout,
+            sinks: x.sinks.as_ref().map(|s| upload(stream, s)),
         }
     }
 
@@ -2225,6 +2297,7 @@ impl<T: Half> Fp8Device<T> {
             block_table: self.table.as_ref().map(|t| t.device_ptr(stream).0),
             k_scale: Some(scale(&self.k_scale)),
             v_scale: Some(scale(&self.v_scale)),
+            sinks: self.sinks.as_ref().map(|s| s.device_ptr(stream).0),
         }
     }
 }
@@ -2256,7 +2329,8 @@ fn fp8_case<T: Half>(
     opts: PlanOptions,
 ) -> Result<Errors, String> {
     let x = fp8_inputs::<T>(rng, p, lens, layout);
-    let want = decode_reference(&RefShape::from(p), &x.q32, &x.k32, &x.v32, lens);
+    let mods = ref_mods(p, x.sinks.as_deref());
+    let want = decode_reference_with(&RefShape::from(p), &mods, &x.q32, &x.k32, &x.v32, lens);
     let dev = Fp8Device::upload(stream, rng, p, &x, lens, layout);
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
     let mut o = Outputs::<T>::new(stream, p, true);
@@ -2739,3 +2813,10 @@ fn store_kv_writes_exactly_the_slots_given() {
 
 #[path = "gpu/mla.rs"]
 mod mla;
+
+// ---------------------------------------------------------------------------------------------
+// Model coverage: head dims 96 and 256, windows, softcap, sinks
+// ---------------------------------------------------------------------------------------------
+
+#[path = "gpu/models.rs"]
+mod models;

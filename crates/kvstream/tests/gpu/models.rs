@@ -1,0 +1,289 @@
+//! What the popular decoder models need, on the GPU: head dims 96 and 256, sliding windows
+//! (FlashAttention's `window_size`), logit softcap and attention sinks, alone and combined with
+//! paged caches, ragged lengths (zero, shorter than the window), multi-token decode, e4m3 caches
+//! and LSE; each case against the f64 reference, run twice for the same bits, with the schedule
+//! the kernel recorded compared with the CPU model (a window streams only its own tiles).
+
+use super::*;
+use kvstream::Window;
+
+/// One random case of the model-coverage test.
+#[derive(Clone, Debug)]
+struct ModelCase {
+    dtype: DType,
+    fp8: bool,
+    head_dim: usize,
+    hq: usize,
+    hkv: usize,
+    q_len: usize,
+    max_len: usize,
+    lens: Vec<usize>,
+    page_size: Option<usize>,
+    window: Window,
+    softcap: Option<f32>,
+    sinks: bool,
+    data_seed: u64,
+}
+
+const HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
+
+impl ModelCase {
+    /// Case 0 is the combination the features must survive together (window + sinks +
+    /// softcap + pages + e4m3 + four new tokens, lengths zero, inside and beyond the window);
+    /// the others are drawn, every head dim in turn.
+    fn draw(index: usize, rng: &mut SplitMix64) -> ModelCase {
+        if index == 0 {
+            return ModelCase {
+                dtype: DType::Bf16,
+                fp8: true,
+                head_dim: 128,
+                hq: 32,
+                hkv: 4,
+                q_len: 4,
+                max_len: 700,
+                lens: vec![0, 3, 90, 700, 517],
+                page_size: Some(16),
+                window: Window {
+                    left: Some(100),
+                    right: Some(0),
+                },
+                softcap: Some(20.0),
+                sinks: true,
+                data_seed: 0x5EED,
+            };
+        }
+        let pick = |rng: &mut SplitMix64, xs: &[usize]| xs[rng.below(xs.len())];
+        let head_dim = HEAD_DIMS[index % HEAD_DIMS.len()];
+        let hkv = pick(rng, &[1, 2, 4]);
+        let group = pick(rng, &[1, 2, 4, 8, 16]);
+        let q_len = 1 + rng.below(4);
+        let batch = 1 + rng.below(4);
+        let max_len = pick(rng, &[1, 37, 64, 200, 513, 1500]);
+        let lens = (0..batch)
+            .map(|b| match (b, rng.below(4)) {
+                (0, _) => max_len,
+                (_, 0) => 0,
+                _ => rng.below(max_len + 1),
+            })
+            .collect();
+        let window = match index % 5 {
+            0 => Window::CAUSAL,
+            _ => Window {
+                left: [
+                    None,
+                    Some(0),
+                    Some(5),
+                    Some(63),
+                    Some(64),
+                    Some(100),
+                    Some(300),
+                ][rng.below(7)],
+                right: [Some(0), Some(0), None, Some(2)][rng.below(4)],
+            },
+        };
+        ModelCase {
+            dtype: if (index / 4) % 2 == 0 {
+                DType::Bf16
+            } else {
+                DType::F16
+            },
+            fp8: index % 3 == 2,
+            head_dim,
+            hq: hkv * group,
+            hkv,
+            q_len,
+            max_len,
+            lens,
+            page_size: [None, Some(1), Some(16), Some(64)][rng.below(4)],
+            window,
+            softcap: [None, None, Some(1.5), Some(20.0)][rng.below(4)],
+            sinks: rng.below(2) == 0,
+            data_seed: rng.next_u64(),
+        }
+    }
+
+    fn problem(&self) -> Result<DecodeProblem, String> {
+        let mut p = DecodeProblem::new(
+            self.lens.len(),
+            self.hq,
+            self.hkv,
+            self.head_dim,
+            self.max_len,
+            self.dtype,
+        )
+        .and_then(|p| p.with_q_len(self.q_len))
+        .and_then(|p| p.with_window(self.window))
+        .and_then(|p| p.with_softcap(self.softcap))
+        .and_then(|p| p.with_sinks(self.sinks))
+        .map_err(|e| format!("problem: {e}"))?;
+        if self.fp8 {
+            p = p
+                .with_kv_dtype(KvDType::Fp8E4m3)
+                .map_err(|e| format!("problem: {e}"))?;
+        }
+        if let Some(ps) = self.page_size {
+            let pages = pool_pages(p.batch, p.max_len, ps);
+            p = p
+                .with_paged(ps, pages, None)
+                .map_err(|e| format!("problem: {e}"))?;
+        }
+        Ok(p)
+    }
+}
+
+fn run_model_case(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    c: &ModelCase,
+) -> Result<Errors, String> {
+    match c.dtype {
+        DType::Bf16 => run_model_case_as::<bf16>(rt, stream, c),
+        DType::F16 => run_model_case_as::<f16>(rt, stream, c),
+    }
+}
+
+fn run_model_case_as<T: Half>(
+    rt: &Arc<Runtime>,
+    stream: &Arc<CudaStream>,
+    c: &ModelCase,
+) -> Result<Errors, String> {
+    let p = c.problem()?;
+    let opts = PlanOptions {
+        engine: Some(kvstream::Engine::Persistent),
+        record_schedule: true,
+        ..Default::default()
+    };
+    let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
+    let mut rng = SplitMix64::new(c.data_seed);
+    let mut o = Outputs::<T>::new(stream, &p, true);
+    let (first, second, want) = if c.fp8 {
+        let x = fp8_inputs::<T>(&mut rng, &p, &c.lens, KvScaleLayout::PerKvHead);
+        let want = decode_reference_with(
+            &RefShape::from(&p),
+            &ref_mods(&p, x.sinks.as_deref()),
+            &x.q32,
+            &x.k32,
+            &x.v32,
+            &c.lens,
+        );
+        let dev = Fp8Device::upload(stream, &mut rng, &p, &x, &c.lens, KvScaleLayout::PerKvHead);
+        let first = run_fp8(stream, &dec, &dev, &mut o)?;
+        (first, run_fp8(stream, &dec, &dev, &mut o)?, want)
+    } else {
+        let x = make_inputs::<T>(&mut rng, &p, &c.lens);
+        let dev = match p.paged {
+            None => DeviceInputs::upload(stream, &x, Some(&c.lens)),
+            Some(_) => DeviceInputs::upload_paged(
+                stream,
+                &x,
+                &page_inputs(&mut rng, &p, &x),
+                Some(&c.lens),
+            ),
+        };
+        let first = run_poisoned(stream, &dec, &dev, &mut o)?;
+        (
+            first,
+            run_poisoned(stream, &dec, &dev, &mut o)?,
+            reference(&p, &x, &c.lens),
+        )
+    };
+    let errors = check_output(&p, &first, &want)?;
+    same_bits(&first, &second, "second run vs first")?;
+    check_schedule(stream, &dec, &p, &c.lens)?;
+    Ok(errors)
+}
+
+/// Expected run time: under a minute.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn score_mods_and_head_dims_match_reference() {
+    let (rt, stream) = open_gpu();
+    let cases = env_u64(
+        "KVSTREAM_MODEL_CASES",
+        env_u64("KVSTREAM_GPU_CASES", 96).min(96),
+    ) as usize;
+    let mut rng = SplitMix64::new(env_u64("KVSTREAM_MODEL_SEED", 0x6D6F_6465_6C73));
+    let (mut max_rel, mut max_lse, mut failures) = (0f64, 0f64, Vec::new());
+    let mut by_dim = BTreeMap::<usize, usize>::new();
+    let (mut windows, mut capped, mut sunk, mut fp8, mut paged) = (0, 0, 0, 0, 0);
+    for index in 0..cases {
+        let c = ModelCase::draw(index, &mut rng);
+        match catch_unwind(AssertUnwindSafe(|| run_model_case(&rt, &stream, &c))) {
+            Ok(Ok(e)) => {
+                max_rel = max_rel.max(e.rel);
+                max_lse = max_lse.max(e.lse);
+                *by_dim.entry(c.head_dim).or_default() += 1;
+                windows += usize::from(c.window != Window::CAUSAL);
+                capped += usize::from(c.softcap.is_some());
+                sunk += usize::from(c.sinks);
+                fp8 += usize::from(c.fp8);
+                paged += usize::from(c.page_size.is_some());
+            }
+            Ok(Err(e)) => failures.push(format!("case {index} {c:?}: {e}")),
+            Err(panic) => failures.push(format!(
+                "case {index} {c:?}: panic: {}",
+                panic_message(panic)
+            )),
+        }
+    }
+    println!(
+        "score_mods_and_head_dims_match_reference: {} of {cases} cases passed; max rel err \
+         {max_rel:.3e}, max lse err {max_lse:.3e}; by head dim {by_dim:?}; windows {windows}, \
+         softcap {capped}, sinks {sunk}, e4m3 {fp8}, paged {paged}",
+        cases - failures.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// A graph captured once, replayed with new lengths, equals eager calls and the reference, for
+/// a windowed, capped, sunk multi-token problem at d 256 (paged) and at d 96.
+/// Expected run time: a few seconds.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn score_mods_graph_replays_with_new_lengths() {
+    let window = Window {
+        left: Some(300),
+        right: Some(0),
+    };
+    let sets = vec![
+        vec![2048, 1, 0, 700],
+        vec![5, 2048, 301, 0],
+        vec![0, 0, 0, 0],
+        vec![2048, 2048, 2048, 2048],
+    ];
+    let d256 = DecodeProblem::new(4, 16, 8, 256, 2048, DType::Bf16)
+        .and_then(|p| p.with_q_len(2))
+        .and_then(|p| p.with_window(window))
+        .and_then(|p| p.with_softcap(Some(30.0)))
+        .and_then(|p| p.with_sinks(true))
+        .and_then(|p| p.with_paged(64, pool_pages(4, 2048, 64), None))
+        .unwrap();
+    graph_replay_case(&d256, PlanOptions::default(), &sets);
+    let d96 = DecodeProblem::new(4, 32, 32, 96, 2048, DType::Bf16)
+        .and_then(|p| p.with_window(window))
+        .and_then(|p| p.with_sinks(true))
+        .unwrap();
+    graph_replay_case(&d96, PlanOptions::default(), &sets);
+}
+
+/// The split engine serves none of these: asking for it names the reason.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn split_engine_refuses_what_only_the_persistent_engine_serves() {
+    let (rt, _) = open_gpu();
+    let p = DecodeProblem::new(1, 8, 1, 256, 1024, DType::Bf16).unwrap();
+    let opts = PlanOptions {
+        engine: Some(kvstream::Engine::Split),
+        ..Default::default()
+    };
+    let msg = Decoder::new(&rt, p, opts)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(msg.contains("head dim 256"), "{msg}");
+}
