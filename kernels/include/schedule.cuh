@@ -5,10 +5,11 @@
 // with what the kernel recorded); change both or neither.
 //
 //   unit      (request b, KV head h, column block cb), id  u = b * units_per_request + h * col_blocks
-//             + cb; it owns the tiles of TILE_TOKENS positions [first_tile(b), ceil(len_b /
-//             TILE_TOKENS)): from 0, or with a sliding window of `left` positions from the tile
-//             holding the first position its first new token sees, len_b - q_len - left, so the
-//             work follows the window, not the cache.
+//             + cb; it owns tiles(b) = ceil((len_b - origin_b) / TILE_TOKENS) tiles of
+//             TILE_TOKENS positions from position origin_b: 0, or with a sliding window of `left`
+//             positions the first position its first new token sees, len_b - q_len - left,
+//             rounded down to a page run of a paged cache (first_position), so the work follows
+//             the window, not the cache.
 //   sequence  the tiles of all units in unit order: T tiles; a request of length 0 owns none.
 //   CTAs      balanced shares: the first G = min(grid, ceil(T / min_tiles)) CTAs work; CTA c
 //             takes the tiles [B(c), B(c + 1)) with B(c) = floor(c * T / G), so every working
@@ -75,26 +76,28 @@ __device__ __host__ inline int tiles_of(int len, int tile_tokens) {
     return (len + tile_tokens - 1) / tile_tokens;
 }
 
-// The first tile a request of `len` positions streams: 0, or with a window of `window_left`
-// positions (>= 0; -1: none) the tile of the first position its first new token sees.
-__device__ __host__ inline int first_tile(int len, int q_len, int window_left, int tile_tokens) {
+// The first position a request of `len` positions streams: 0, or with a window of
+// `window_left` positions (>= 0; -1: none) the first position its first new token sees, rounded
+// down to a multiple of `granularity` (1 for a contiguous cache; a paged cache's tiles start on
+// a page run: min(page_size, TILE_TOKENS)).
+__device__ __host__ inline int first_position(int len, int q_len, int window_left, int granularity) {
     const int lo = window_left < 0 ? 0 : len - q_len - window_left;
-    return lo > 0 ? lo / tile_tokens : 0;
+    return lo > 0 ? lo / granularity * granularity : 0;
 }
 
-// One unit's part of one CTA's range: tiles [first, end) of the request's, of the unit's
-// [lo, lo + tiles).
+// One unit's part of one CTA's range: tiles [first, end) of the unit's `tiles`; tile k holds
+// positions origin + k TILE_TOKENS ..
 struct Piece {
     int batch;        // request
     int unit;         // unit within the request: kv_head * col_blocks + col_block
     int len;          // the request's positions (clamped to max_len)
-    int first, end;   // tiles of the request in this piece (tile k: positions k TILE_TOKENS ..)
+    int first, end;   // tiles of the unit in this piece
     int tiles;        // tiles of the unit
     long long start;  // global index of the unit's first tile
-    int lo;           // the unit's first tile (first_tile)
-    __device__ __host__ bool whole() const { return first == lo && end == lo + tiles; }
-    // global index of the piece's first tile
-    __device__ __host__ long long global_first() const { return start + (first - lo); }
+    int origin;       // the position of the unit's tile 0 (first_position)
+    __device__ __host__ bool whole() const { return first == 0 && end == tiles; }
+    // first position of tile k
+    __device__ __host__ int tile_begin(int k, int tile_tokens) const { return origin + k * tile_tokens; }
 };
 
 }  // namespace kvs

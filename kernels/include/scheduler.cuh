@@ -19,10 +19,17 @@ __device__ __forceinline__ int request_len(const PersistentParams& p, int b) {
     return p.seqlens ? max(0, min(p.seqlens[b], p.max_len)) : p.max_len;
 }
 
-// Tiles each unit of a request of `len` positions streams (schedule.cuh).
+// Where the tiles of a request of `len` positions start (schedule.cuh): tiles of a paged cache
+// start on a page run.
+template <int TILE_TOKENS>
+__device__ __forceinline__ int request_origin(const PersistentParams& p, int len) {
+    return first_position(len, p.q_len, p.window_left, p.page_size ? min(p.page_size, TILE_TOKENS) : 1);
+}
+
+// Tiles each unit of a request of `len` positions streams.
 template <int TILE_TOKENS>
 __device__ __forceinline__ int request_tiles(const PersistentParams& p, int len) {
-    return tiles_of(len, TILE_TOKENS) - first_tile(len, p.q_len, p.window_left, TILE_TOKENS);
+    return tiles_of(len - request_origin<TILE_TOKENS>(p, len), TILE_TOKENS);
 }
 
 // Units of one request in the sequence of one lane.
@@ -167,7 +174,7 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
 template <int TILE_TOKENS>
 struct PieceWalk {
     long long t, hi, base;
-    int batch, tiles, lo, len, uh, lanes, lane;
+    int batch, tiles, origin, len, uh, lanes, lane;
 
     __device__ __forceinline__ PieceWalk(const PersistentParams& p, const StartShared& s)
         : t(s.lo), hi(s.hi), base(s.base), batch(s.batch), uh(units_per_request(p)), lanes(p.col_lanes),
@@ -176,8 +183,8 @@ struct PieceWalk {
         set_request(p);
     }
     __device__ __forceinline__ void set_request(const PersistentParams& p) {
-        lo = first_tile(len, p.q_len, p.window_left, TILE_TOKENS);
-        tiles = tiles_of(len, TILE_TOKENS) - lo;
+        origin = request_origin<TILE_TOKENS>(p, len);
+        tiles = tiles_of(len - origin, TILE_TOKENS);
     }
 
     __device__ __forceinline__ bool next(const PersistentParams& p, Piece& pc) {
@@ -190,7 +197,7 @@ struct PieceWalk {
         const int unit = (int)((t - base) / tiles);
         const long long start = base + (long long)unit * tiles;
         const long long end = hi - start < tiles ? hi - start : tiles;
-        pc = {batch, unit * lanes + lane, len, lo + (int)(t - start), lo + (int)end, tiles, start, lo};
+        pc = {batch, unit * lanes + lane, len, (int)(t - start), (int)end, tiles, start, origin};
         t = start + end;
         return true;
     }

@@ -300,12 +300,12 @@ __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, co
             mbarrier_arrive_expect_tx(r.k_full + 8 * s, TILE_BYTES);
 #pragma unroll
             for (int box = 0; box < BOXES; ++box)
-                tma_load_4d(k_dst + box * BOX_BYTES, &p.k_map, box * Kv::DIMS_PER_BOX, kv_head, k * TILE_TOKENS,
+                tma_load_4d(k_dst + box * BOX_BYTES, &p.k_map, box * Kv::DIMS_PER_BOX, kv_head, pc.tile_begin(k, TILE_TOKENS),
                             pc.batch, r.k_full + 8 * s, policy);
             mbarrier_arrive_expect_tx(r.v_full + 8 * s, TILE_BYTES);
 #pragma unroll
             for (int box = 0; box < BOXES; ++box)
-                tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * Kv::DIMS_PER_BOX, kv_head, k * TILE_TOKENS,
+                tma_load_4d(v_dst + box * BOX_BYTES, &p.v_map, box * Kv::DIMS_PER_BOX, kv_head, pc.tile_begin(k, TILE_TOKENS),
                             pc.batch, r.v_full + 8 * s, policy);
             if (TRACE && n == 0) trace_stamp(TRACE_FIRST_ISSUE);
         }
@@ -348,8 +348,8 @@ __device__ __forceinline__ void walk_paged_tiles(const PersistentParams& p, cons
         __syncwarp();
         const int kv_head = pc.unit / p.col_blocks;
         const int* table = p.block_table + (long long)pc.batch * p.table_stride;
-        const int first_page = (pc.first * TILE_TOKENS) >> shift;
-        const int end_page = ((min(pc.len, pc.end * TILE_TOKENS) - 1) >> shift) + 1;
+        const int first_page = pc.tile_begin(pc.first, TILE_TOKENS) >> shift;
+        const int end_page = ((min(pc.len, pc.tile_begin(pc.end, TILE_TOKENS)) - 1) >> shift) + 1;
         int ids[2][RUNS_PER_LANE];
         load_page_chunk(ids[0], table, first_page, end_page, lane);
         load_page_chunk(ids[1], table, first_page + CHUNK_PAGES, end_page, lane);
@@ -360,7 +360,7 @@ __device__ __forceinline__ void walk_paged_tiles(const PersistentParams& p, cons
                 const int chunk_page = first_page + (chunk + b) * CHUNK_PAGES;
                 use_chunk(ids[b]);
                 for (; k < pc.end; ++k, ++n) {
-                    const int tile_begin = k * TILE_TOKENS;
+                    const int tile_begin = pc.tile_begin(k, TILE_TOKENS);
                     if ((tile_begin >> shift) >= chunk_page + CHUNK_PAGES) break;
                     issue(acquire_stage(r, n), kv_head, tile_begin, chunk_page, ids[b]);
                 }
@@ -809,7 +809,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
             const u32 k_tile = ring_base + stage * STAGE_BYTES;
             const u32 v_tile = k_tile + TILE_BYTES;
-            const int tile_begin = k * TILE_TOKENS;
+            const int tile_begin = pc.tile_begin(k, TILE_TOKENS);
             const bool masked = tile_begin + TILE_TOKENS > min_high || tile_begin < max_low;
 
 #pragma unroll
@@ -978,7 +978,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 
         // Sum the warps in a fixed order: four head-dim elements per thread per step.
         const bool whole = pc.whole();
-        const long long piece_start = pc.global_first();
+        const long long piece_start = pc.start + pc.first;
         const long long slot_row =
             whole ? 0 : (long long)sched.slot(blockIdx.x, piece_start) * GROUP_PAD;
         for (int i = threadIdx.x; i < cols.count * (Q_DIM / 4); i += CONSUMER_THREADS) {

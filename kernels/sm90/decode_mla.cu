@@ -301,7 +301,7 @@ __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, co
             r.expect_tile(s);
 #pragma unroll
             for (int box = 0; box < BOXES; ++box)
-                tma_load_4d(r.stage(s) + box * BOX_BYTES, &p.k_map, box * Kv::DIMS_PER_BOX, 0, k * TILE_TOKENS,
+                tma_load_4d(r.stage(s) + box * BOX_BYTES, &p.k_map, box * Kv::DIMS_PER_BOX, 0, pc.tile_begin(k, TILE_TOKENS),
                             pc.batch, r.full_of(s, box), policy);
             if (TRACE && n == 0) trace_stamp(TRACE_FIRST_ISSUE);
         }
@@ -329,7 +329,7 @@ __device__ __forceinline__ void produce_paged(const PersistentParams& p, const R
         const int* table = p.block_table + (long long)pc.batch * p.table_stride;
         const int end_page = ((pc.len - 1) >> shift) + 1;
         for (int k = pc.first; k < pc.end; ++k, ++n) {
-            const int tile_begin = k * TILE_TOKENS;
+            const int tile_begin = pc.tile_begin(k, TILE_TOKENS);
             int ids[RUNS_PER_LANE];
 #pragma unroll
             for (int i = 0; i < RUNS_PER_LANE; ++i) {
@@ -618,7 +618,7 @@ __device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsig
             mbarrier_wait(&full[stage * FULL_PARTS], (n / STAGES) & 1);
             if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
             const u32 tile = ring_base + stage * TILE_BYTES;
-            const int tile_begin = k * TILE_TOKENS;
+            const int tile_begin = pc.tile_begin(k, TILE_TOKENS);
 
             // ---- S phase: partial S^T = K Q^T over this warp's dims, 16 positions x every
             // column (S_CHAINS independent accumulators: one would chain the k-steps' MMAs) ----
@@ -790,7 +790,7 @@ __device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsig
             }
         named_barrier_sync(1, CONSUMER_THREADS);
         const bool whole = pc.whole();
-        const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, pc.global_first()) * GROUP_PAD;
+        const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, pc.start + pc.first) * GROUP_PAD;
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
@@ -1134,7 +1134,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
             }
         named_barrier_sync(BAR_CONSUMERS, CONSUMER_THREADS);
         const bool whole = pc.whole();
-        const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, pc.global_first()) * GROUP_PAD;
+        const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, pc.start + pc.first) * GROUP_PAD;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int r = r0 + 8 * i;

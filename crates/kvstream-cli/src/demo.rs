@@ -11,10 +11,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
-use kvstream::plan::{plan, split_range, tile_tokens};
+use kvstream::plan::{heuristic_splits, split_range, tile_tokens};
 use kvstream::reference::{
-    combine_partials, decode_reference, random_bf16, random_e4m3, random_f16, relative_error,
-    split_partial, RefShape, SplitMix64,
+    combine_partials, decode_reference, decode_reference_with, random_bf16, random_e4m3,
+    random_f16, relative_error, split_partial, RefScoreMods, RefShape, SplitMix64,
 };
 use kvstream::{
     DType, DecodeProblem, DecodeTensors, Decoder, DeviceFacts, Element, Error, KvDType, KvScale,
@@ -68,10 +68,12 @@ fn cpu_demo(user: &DecodeProblem) -> kvstream::Result<()> {
         || user.q_len > 1
         || user.paged.is_some()
         || user.kv_dtype != KvDType::AsQuery
+        || user.has_score_mods()
     {
         println!(
             "(the CPU reference runs one request of at most {CPU_MAX_LEN} positions, one new token, \
-             a contiguous {} cache: --batch, --q-len, --page-size and --kv-dtype apply on a GPU)",
+             a contiguous {} cache: --batch, --q-len, --page-size, --kv-dtype, --window, \
+             --softcap and --sinks apply on a GPU)",
             problem.dtype.name()
         );
     }
@@ -92,13 +94,14 @@ fn cpu_demo(user: &DecodeProblem) -> kvstream::Result<()> {
     let full = decode_reference(&shape, &q, &k, &v, &lens);
     let ref_time = t.elapsed();
 
-    let pl = plan(&problem, DeviceFacts::H200, Default::default())?;
+    // the split count an H200 would use (the split model is the math of every engine's merge)
+    let num_splits = heuristic_splits(&problem, DeviceFacts::H200);
     let tile = tile_tokens(problem.head_dim);
     let mut split_out = Vec::with_capacity(full.out.len());
     for h in 0..problem.hq {
-        let partials: Vec<_> = (0..pl.num_splits)
+        let partials: Vec<_> = (0..num_splits)
             .map(|s| {
-                let r = split_range(problem.max_len, pl.num_splits, s, tile);
+                let r = split_range(problem.max_len, num_splits, s, tile);
                 split_partial(&shape, &q, &k, &v, 0, 0, h, r)
             })
             .collect();
@@ -116,8 +119,7 @@ fn cpu_demo(user: &DecodeProblem) -> kvstream::Result<()> {
         full.lse[0]
     );
     println!(
-        "split model ({} splits of {}-token tiles, FP32-style combine) vs reference: rel err {err:.2e}",
-        pl.num_splits, tile
+        "split model ({num_splits} splits of {tile}-token tiles, FP32-style combine) vs reference: rel err {err:.2e}"
     );
     if err > 1e-12 {
         return Err(Error::invalid(
@@ -265,6 +267,15 @@ fn gpu_demo<T: Element + Copy + Default, K: cudarc::driver::DeviceRepr + Copy + 
     };
     let mut out = alloc::<T>(&stream, sets * q_elems, "out")?;
     let mut lse = alloc::<f32>(&stream, rows, "lse")?;
+    // sinks: one logit per query head, of the order of the scores
+    let sinks_h: Option<Vec<f32>> = p
+        .sinks
+        .then(|| (0..p.hq).map(|_| rng.symmetric() * 3.0).collect());
+    let sinks = match &sinks_h {
+        Some(h) => Some(driver("uploading the sinks", stream.clone_htod(h))?),
+        None => None,
+    };
+    let sinks_ptr = sinks.as_ref().map(|s| s.device_ptr(&stream).0);
     let table = match &paged {
         Some(pc) => {
             let mut t = alloc::<i32>(&stream, pc.table.len(), "block_table")?;
@@ -314,7 +325,7 @@ fn gpu_demo<T: Element + Copy + Default, K: cudarc::driver::DeviceRepr + Copy + 
         block_table: table_ptr,
         k_scale: k_scale_t,
         v_scale: v_scale_t,
-        sinks: None,
+        sinks: sinks_ptr,
     };
 
     // ---- check set 0 against the f64 reference ----
@@ -323,8 +334,16 @@ fn gpu_demo<T: Element + Copy + Default, K: cudarc::driver::DeviceRepr + Copy + 
     let got: Vec<T> = driver("downloading out", stream.clone_dtoh(&out.slice(0..q_elems)))?;
     let got_lse: Vec<f32> = driver("downloading lse", stream.clone_dtoh(&lse))?;
     let got: Vec<f64> = got.iter().map(|&x| x.to_f64()).collect();
-    let reference = decode_reference(
+    let mods = RefScoreMods {
+        window: p.window,
+        softcap: p.softcap.map(f64::from),
+        sinks: sinks_h
+            .as_ref()
+            .map(|s| s.iter().map(|&x| f64::from(x)).collect()),
+    };
+    let reference = decode_reference_with(
         &RefShape::from(p),
+        &mods,
         &q_f,
         &k_f,
         &v_f,
@@ -345,7 +364,8 @@ fn gpu_demo<T: Element + Copy + Default, K: cudarc::driver::DeviceRepr + Copy + 
     } else {
         Some(time_graph(&decoder, &stream, sets, rounds, &tensors)?)
     };
-    let io = p.io_bytes(p.batch * p.max_len) as f64;
+    // a window reads only its own positions
+    let io = p.io_bytes(p.batch * p.read_positions(p.max_len)) as f64;
 
     let pl = decoder.plan();
     let layout = match p.paged {
@@ -363,8 +383,19 @@ fn gpu_demo<T: Element + Copy + Default, K: cudarc::driver::DeviceRepr + Copy + 
     } else {
         String::new()
     };
+    let mut mods_text = String::new();
+    if p.window != kvstream::Window::CAUSAL {
+        let (l, r) = p.window.to_window_size();
+        mods_text += &format!(", window ({l}, {r})");
+    }
+    if let Some(c) = p.softcap {
+        mods_text += &format!(", softcap {c}");
+    }
+    if p.sinks {
+        mods_text += ", sinks";
+    }
     println!(
-        "kvstream decode on {}: batch {}, q_len {}, {}/{} heads, d {}, L {}, {}{kv}{layout}",
+        "kvstream decode on {}: batch {}, q_len {}, {}/{} heads, d {}, L {}, {}{kv}{layout}{mods_text}",
         ctx.name().unwrap_or_default(),
         p.batch,
         p.q_len,
@@ -421,6 +452,15 @@ fn gpu_demo<T: Element + Copy + Default, K: cudarc::driver::DeviceRepr + Copy + 
         }
         if pl.split().is_some_and(|s| s.device_plan.is_some()) {
             variant += "-dp";
+        }
+        if let Some(left) = p.window.left {
+            variant += &format!("-w{left}");
+        }
+        if let Some(c) = p.softcap {
+            variant += &format!("-cap{c}");
+        }
+        if p.sinks {
+            variant += "-sinks";
         }
         println!(
             "RESULT id=b{}-h{}-{}-d{}-L{}{variant} us={median:.3} GBps={:.1} mode={} rel_err={err:.3e}",

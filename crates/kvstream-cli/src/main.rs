@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use kvstream::jit;
 use kvstream::kernels::all_variants;
 use kvstream::plan::{choose, PlanOptions};
-use kvstream::{DType, DecodeProblem, DeviceFacts};
+use kvstream::{DType, DecodeProblem, DeviceFacts, Window};
 
 mod bench;
 mod demo;
@@ -40,7 +40,7 @@ pub struct ShapeArgs {
     /// KV heads.
     #[arg(long, default_value_t = 2)]
     pub hkv: usize,
-    /// Head dimension (64 or 128).
+    /// Head dimension (64, 96, 128 or 256).
     #[arg(long, default_value_t = 128)]
     pub head_dim: usize,
     /// Cache length per request.
@@ -78,6 +78,37 @@ pub struct ShapeArgs {
     /// Force the persistent engine's ring, in `bench --rings` syntax (e.g. g2s4p64).
     #[arg(long)]
     pub ring: Option<String>,
+    /// Sliding window as FlashAttention's window_size: LEFT or LEFT,RIGHT (-1: unbounded;
+    /// RIGHT defaults to 0, causal). `--window 128`: each query sees its own position and the
+    /// 128 before it.
+    #[arg(long, allow_hyphen_values = true)]
+    pub window: Option<String>,
+    /// Logit softcap c: scaled scores s become c tanh(s / c) (Gemma 2: 50).
+    #[arg(long)]
+    pub softcap: Option<f32>,
+    /// Attention sinks: one random f32 logit per query head joins each softmax (gpt-oss).
+    #[arg(long)]
+    pub sinks: bool,
+}
+
+/// `--window LEFT[,RIGHT]` as a [`Window`].
+fn parse_window(text: &str) -> kvstream::Result<Window> {
+    let bad = || {
+        kvstream::Error::invalid(
+            "--window",
+            text,
+            "LEFT or LEFT,RIGHT: integers, -1 for unbounded (e.g. 128 or 4095,0)",
+        )
+    };
+    let mut parts = text
+        .split(',')
+        .map(|x| x.trim().parse::<i64>().map_err(|_| bad()));
+    let left = parts.next().ok_or_else(bad)??;
+    let right = parts.next().transpose()?.unwrap_or(0);
+    if parts.next().is_some() {
+        return Err(bad());
+    }
+    Window::from_window_size(left, right)
 }
 
 /// A file named relative to the repository (`bench/matrix.json`) wherever the CLI runs from: as
@@ -127,6 +158,8 @@ pub fn as_flag_error(e: kvstream::Error) -> kvstream::Error {
                 "reduction" => "--reduction",
                 "engine" => "--engine",
                 "ring" => "--ring",
+                "softcap" => "--softcap",
+                "window_size[0] (left)" | "window_size[1] (right)" => "--window",
                 other => other,
             };
             kvstream::Error::invalid(flag, value, allowed)
@@ -157,6 +190,10 @@ impl ShapeArgs {
             let pages = self.batch * self.len.div_ceil(page.max(1)) + 3;
             p = p.with_paged(page, pages, None)?;
         }
+        if let Some(w) = &self.window {
+            p = p.with_window(parse_window(w)?)?;
+        }
+        p = p.with_softcap(self.softcap)?.with_sinks(self.sinks)?;
         let ring = match &self.ring {
             Some(r) => bench::parse_ring(r)
                 .map_err(|e| kvstream::Error::invalid("ring", r, e))?

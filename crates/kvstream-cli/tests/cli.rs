@@ -31,8 +31,24 @@ fn shape_errors_name_the_flag_typed() {
             "invalid --hq: got 30",
         ),
         (
-            &["demo", "--head-dim", "96"][..],
-            "invalid --head-dim: got 96, allowed: [64, 128]",
+            &["demo", "--head-dim", "80"][..],
+            "invalid --head-dim: got 80, allowed: [64, 96, 128, 256]",
+        ),
+        (
+            &["demo", "--window", "-2"][..],
+            "invalid --window: got -2, allowed: -1 (unbounded)",
+        ),
+        (
+            &["demo", "--window", "128,x"][..],
+            "invalid --window: got 128,x, allowed: LEFT or LEFT,RIGHT",
+        ),
+        (
+            &["demo", "--softcap=-1"][..],
+            "invalid --softcap: got -1, allowed: a finite positive number",
+        ),
+        (
+            &["plan", "--head-dim", "256", "--engine", "split"][..],
+            "the persistent engine",
         ),
         (
             &["demo", "--q-len", "9"][..],

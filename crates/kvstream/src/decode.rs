@@ -259,8 +259,8 @@ impl Decoder {
     /// The pieces each CTA of the persistent engine streamed at the last call (index: CTA;
     /// CTAs without work have none), read back after synchronising `stream`. `None` unless the
     /// decoder was built with [`PlanOptions::record_schedule`]. For tests: compare with
-    /// [`crate::schedule::pieces_in_window`] (`tiles`, `start` and `lo` are not recorded and
-    /// read 0).
+    /// [`crate::schedule::pieces_in_window`] (`tiles`, `start` and `origin` are not
+    /// recorded and read 0).
     pub fn last_schedule(&self, stream: &Arc<CudaStream>) -> Result<Option<Vec<Vec<Piece>>>> {
         let Engine::Persistent(PersistentEngine {
             schedule_log: Some((log, _)),
@@ -813,7 +813,7 @@ pub(crate) fn read_schedule_log(
                         end: e[3] as usize,
                         tiles: 0,
                         start: 0,
-                        lo: 0,
+                        origin: 0,
                     }
                 })
                 .collect(),

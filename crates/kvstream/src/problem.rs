@@ -495,6 +495,24 @@ impl DecodeProblem {
             .unwrap_or(1.0 / (self.head_dim as f32).sqrt())
     }
 
+    /// Cache positions a request of `len` positions must read: the last `left + q_len` with a
+    /// sliding window of `left` (its first new token's window and the new tokens), else all.
+    ///
+    /// ```
+    /// use kvstream::{DecodeProblem, DType, Window};
+    /// let p = DecodeProblem::new(1, 64, 8, 64, 32_768, DType::Bf16)?
+    ///     .with_window(Window { left: Some(128), right: Some(0) })?;
+    /// assert_eq!(p.read_positions(32_768), 129);
+    /// assert_eq!(p.read_positions(100), 100);
+    /// # Ok::<(), kvstream::Error>(())
+    /// ```
+    pub fn read_positions(&self, len: usize) -> usize {
+        match self.window.left {
+            Some(left) => len.min(left + self.q_len),
+            None => len,
+        }
+    }
+
     /// Bytes one call must move at least when every request has `len` tokens: Q, K, V and out,
     /// each once. The denominator of every GB/s figure kvstream prints.
     pub fn io_bytes(&self, total_tokens: usize) -> usize {

@@ -77,31 +77,46 @@ pub fn tiles_of(len: usize, tile_tokens: usize) -> usize {
     len.div_ceil(tile_tokens)
 }
 
-/// The first tile a request of `len` positions streams (`first_tile`): 0, or with a window of
-/// `window_left` positions the tile of the first position its first of `q_len` new tokens sees.
-pub fn first_tile(
+/// The first position a request of `len` positions streams (`first_position`): 0, or with a
+/// window of `window_left` positions the first position its first of `q_len` new tokens sees,
+/// rounded down to a multiple of `granularity` ([`tile_granularity`]).
+pub fn first_position(
     len: usize,
     q_len: usize,
     window_left: Option<usize>,
-    tile_tokens: usize,
+    granularity: usize,
 ) -> usize {
     match window_left {
         None => 0,
-        Some(left) => len.saturating_sub(q_len + left) / tile_tokens,
+        Some(left) => len.saturating_sub(q_len + left) / granularity * granularity,
     }
 }
 
-/// The tiles `[first, end)` each unit of a request of `len` positions streams.
-pub fn request_tiles(
-    len: usize,
-    q_len: usize,
-    window_left: Option<usize>,
-    tile_tokens: usize,
-) -> (usize, usize) {
-    (
-        first_tile(len, q_len, window_left, tile_tokens),
-        tiles_of(len, tile_tokens),
-    )
+/// Where a unit's tiles may start: anywhere in a contiguous cache, on a page run
+/// (`min(page_size, tile_tokens)`) in a paged one.
+pub fn tile_granularity(page_size: Option<usize>, tile_tokens: usize) -> usize {
+    page_size.map_or(1, |p| p.min(tile_tokens))
+}
+
+/// A request's window as the schedule sees it: new tokens per request, the window's left side,
+/// and where tiles may start ([`tile_granularity`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TileWindow {
+    /// New tokens per request.
+    pub q_len: usize,
+    /// Positions before a query's own it sees (`None`: all).
+    pub left: Option<usize>,
+    /// [`tile_granularity`].
+    pub granularity: usize,
+}
+
+impl TileWindow {
+    /// No window: every unit streams its request from position 0.
+    pub const NONE: TileWindow = TileWindow {
+        q_len: 1,
+        left: None,
+        granularity: 1,
+    };
 }
 
 /// One unit's part of one CTA's range (`Piece` in schedule.cuh).
@@ -111,7 +126,8 @@ pub struct Piece {
     pub batch: usize,
     /// Unit within the request: `kv_head * col_blocks + col_block`.
     pub unit: usize,
-    /// First tile of the request in this piece (tile k holds positions from k x tile_tokens).
+    /// First tile of the unit in this piece (tile k holds positions from origin + k x
+    /// tile_tokens).
     pub first: usize,
     /// One past its last tile.
     pub end: usize,
@@ -119,14 +135,14 @@ pub struct Piece {
     pub tiles: usize,
     /// Global index of the unit's first tile.
     pub start: u64,
-    /// The unit's first tile ([`first_tile`]).
-    pub lo: usize,
+    /// The position of the unit's tile 0 ([`first_position`]).
+    pub origin: usize,
 }
 
 impl Piece {
     /// Whether the piece is the whole unit (written out directly, no merge).
     pub fn whole(&self) -> bool {
-        self.first == self.lo && self.end == self.lo + self.tiles
+        self.first == 0 && self.end == self.tiles
     }
 }
 
@@ -140,25 +156,28 @@ pub fn pieces(
     grid: usize,
     min_tiles: usize,
 ) -> (Schedule, Vec<Vec<Piece>>) {
-    pieces_in_window(lens, 1, None, units, tile_tokens, grid, min_tiles)
+    pieces_in_window(lens, TileWindow::NONE, units, tile_tokens, grid, min_tiles)
 }
 
-/// [`pieces`] with a sliding window of `window_left` positions for `q_len` new tokens per
-/// request: each unit streams only the tiles from [`first_tile`] on.
+/// [`pieces`] with a sliding window: each unit streams only the tiles from its request's
+/// [`first_position`] on.
 pub fn pieces_in_window(
     lens: &[usize],
-    q_len: usize,
-    window_left: Option<usize>,
+    window: TileWindow,
     units: usize,
     tile_tokens: usize,
     grid: usize,
     min_tiles: usize,
 ) -> (Schedule, Vec<Vec<Piece>>) {
-    let ranges: Vec<(usize, usize)> = lens
+    let origins: Vec<usize> = lens
         .iter()
-        .map(|&l| request_tiles(l, q_len, window_left, tile_tokens))
+        .map(|&l| first_position(l, window.q_len, window.left, window.granularity))
         .collect();
-    let tiles: Vec<usize> = ranges.iter().map(|&(lo, end)| end - lo).collect();
+    let tiles: Vec<usize> = lens
+        .iter()
+        .zip(&origins)
+        .map(|(&l, &o)| tiles_of(l - o, tile_tokens))
+        .collect();
     let total: u64 = tiles.iter().map(|&t| (t * units) as u64).sum();
     let busy = tiles.iter().filter(|&&t| t > 0);
     let (lo, hi) = (busy.clone().min(), busy.clone().max());
@@ -182,15 +201,14 @@ pub fn pieces_in_window(
             for (c, list) in out.iter_mut().enumerate().take(c1 + 1).skip(c0) {
                 let lo = s.begin(c).max(start);
                 let hi = s.begin(c + 1).min(end);
-                let first_tile = ranges[b].0;
                 list.push(Piece {
                     batch: b,
                     unit,
-                    first: first_tile + (lo - start) as usize,
-                    end: first_tile + (hi - start) as usize,
+                    first: (lo - start) as usize,
+                    end: (hi - start) as usize,
                     tiles: t,
                     start,
-                    lo: first_tile,
+                    origin: origins[b],
                 });
             }
             start = end;
@@ -239,6 +257,52 @@ pub fn pieces_in_lanes(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_window_streams_only_its_own_tiles() {
+        let tile = 64;
+        for (granularity, left, q_len) in [(1, 128, 1), (16, 100, 4), (64, 0, 2), (1, 5000, 1)] {
+            let window = TileWindow {
+                q_len,
+                left: Some(left),
+                granularity,
+            };
+            let lens = [0, 1, 100, 129, 4096, 32_768];
+            let (s, per_cta) = pieces_in_window(&lens, window, 3, tile, 16, 2);
+            for (b, &len) in lens.iter().enumerate() {
+                let origin = first_position(len, q_len, Some(left), granularity);
+                // the first position the first new token sees is streamed, from a granule start
+                let seen_from = len.saturating_sub(q_len + left);
+                assert!(origin <= seen_from && seen_from - origin < granularity.max(1));
+                assert_eq!(origin % granularity, 0);
+                // every unit of the request: its tiles once each, from the origin to the length
+                for unit in 0..3 {
+                    let mut got: Vec<usize> = per_cta
+                        .iter()
+                        .flatten()
+                        .filter(|p| p.batch == b && p.unit == unit)
+                        .inspect(|p| assert_eq!(p.origin, origin))
+                        .flat_map(|p| p.first..p.end)
+                        .collect();
+                    got.sort_unstable();
+                    let want: Vec<usize> = (0..tiles_of(len - origin, tile)).collect();
+                    assert_eq!(got, want, "len {len} unit {unit}");
+                }
+            }
+            let total: u64 = lens
+                .iter()
+                .map(|&l| {
+                    3 * tiles_of(l - first_position(l, q_len, Some(left), granularity), tile) as u64
+                })
+                .sum();
+            assert_eq!(s.total, total);
+        }
+        // no window: the plain schedule
+        assert_eq!(
+            pieces_in_window(&[4096, 7], TileWindow::NONE, 2, 64, 8, 2),
+            pieces(&[4096, 7], 2, 64, 8, 2)
+        );
+    }
 
     struct Rng(u64);
     impl Rng {

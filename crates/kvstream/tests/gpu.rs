@@ -750,10 +750,17 @@ fn check_schedule(
         return Ok(());
     };
     let clamped: Vec<usize> = lens.iter().map(|&l| l.min(p.max_len)).collect();
+    let window = kvstream::schedule::TileWindow {
+        q_len: p.q_len,
+        left: p.window.left,
+        granularity: kvstream::schedule::tile_granularity(
+            p.paged.map(|pg| pg.page_size),
+            pp.variant.tile_tokens,
+        ),
+    };
     let (_, want) = kvstream::schedule::pieces_in_window(
         &clamped,
-        p.q_len,
-        p.window.left,
+        window,
         // units of the kernel's view (paired heads: one per pair)
         pp.kernel_problem(p).hkv * pp.col_blocks,
         pp.variant.tile_tokens,
