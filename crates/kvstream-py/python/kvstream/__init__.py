@@ -40,6 +40,16 @@ device, one per cache (``[1]``), per KV head (``[hkv]``) or per request and KV h
     scale = torch.tensor([0.05], device="cuda")
     out = kvstream.decode(q, k8, v8, cache_seqlens=lens, k_scale=scale, v_scale=scale)
 
+Score modifiers, named as in FlashAttention-3: ``window_size=(left, right)`` (a sliding
+window, ``-1`` unbounded; the default ``(-1, 0)`` is causal over the whole cache), ``softcap``
+(scaled scores ``s`` become ``c * tanh(s / c)``) and ``sinks`` (a float32 ``[hq]`` logit per
+query head that joins the softmax denominator and adds no value, gpt-oss's). They, and head
+dims 96 and 256, run on the persistent engine::
+
+    sinks = torch.zeros(hq, device="cuda")
+    out = kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, window_size=(127, 0),
+                          softcap=30.0, sinks=sinks)
+
 New tokens go into a cache with :func:`store_kv` (vLLM's ``reshape_and_cache`` semantics:
 ``slot_mapping`` int64, slot = page * page_size + offset, -1 skips), quantised for an fp8 cache
 with the same scales; :func:`fp8_scales` gives per-KV-head scales (amax / 448) of an existing
@@ -52,9 +62,10 @@ and synchronises the device once); later calls with the same shape reuse it and 
 nothing when ``out`` is given (and ``return_lse`` is False).
 
 CUDA graphs: call :func:`decode` once with the same shapes, dtype, ``softmax_scale``,
-``num_splits``, ``reduction`` and ``device_plan`` before capturing (the usual warm-up), then
-capture; replays may change the contents of ``cache_seqlens``, ``block_table``, ``q`` and the
-caches but not their addresses::
+``window_size``, ``softcap``, ``sinks`` given or not, ``num_splits``, ``reduction`` and
+``device_plan`` before capturing (the usual warm-up), then capture; replays may change the
+contents of ``cache_seqlens``, ``block_table``, ``q``, the caches, the fp8 scales and the sinks
+but not their addresses::
 
     out = torch.empty_like(q)
     kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, out=out)   # warm-up
@@ -97,6 +108,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "FP8_KV_DTYPES",
     "SUPPORTED_HEAD_DIMS",
+    "SPLIT_ENGINE_HEAD_DIMS",
     "MAX_GROUP",
     "MAX_SPLITS",
     "REDUCTIONS",
@@ -113,8 +125,11 @@ __version__ = _native.__version__
 SUPPORTED_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "f16"}
 #: ``str(tensor.dtype)`` of the fp8 cache element type, and its native name.
 FP8_KV_DTYPES = {"torch.float8_e4m3fn": "fp8_e4m3"}
-#: Head dimensions the kernels are built for.
-SUPPORTED_HEAD_DIMS = (64, 128)
+#: Head dimensions the kernels are built for (K and V of the same head dim).
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
+#: Head dimensions the split engine serves (the persistent engine serves all of
+#: ``SUPPORTED_HEAD_DIMS``).
+SPLIT_ENGINE_HEAD_DIMS = (64, 128)
 #: Largest number of query heads per KV head.
 MAX_GROUP = 32
 #: Largest forced split count.
@@ -129,6 +144,8 @@ CLUSTER_SPLITS = (1, 2, 4, 8, 16)
 MAX_Q_LEN = 8
 #: Page sizes of a paged cache (``k_cache.shape[1]`` when ``block_table`` is given).
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Largest bounded side of ``window_size`` (positions); -1 is unbounded.
+_MAX_WINDOW = 2**31 - 2
 
 _INT32 = "torch.int32"
 _TENSOR_ATTRS = ("shape", "dtype", "is_cuda", "device", "stride", "is_contiguous", "data_ptr")
@@ -136,6 +153,12 @@ _TENSOR_ATTRS = ("shape", "dtype", "is_cuda", "device", "stride", "is_contiguous
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _one_of(values: Tuple[Any, ...]) -> str:
+    """``"64, 96, 128 or 256"``."""
+    text = [str(v) for v in values]
+    return text[0] if len(text) == 1 else f"{', '.join(text[:-1])} or {text[-1]}"
 
 
 def _tensor(name: str, x: Any, fn: str = "decode") -> Tuple[int, ...]:
@@ -294,8 +317,8 @@ def _decoder_for(key: tuple, make: Any, capturing: bool, fn: str = "decode") -> 
             f"kvstream.{fn}: no decoder for these shapes yet and the current stream is being "
             "captured into a CUDA graph; creating one compiles kernels and allocates memory, "
             "which capture forbids. Call kvstream.decode once with the same shapes, dtype, "
-            "softmax_scale, num_splits, reduction, block_table shape and device_plan before "
-            "capturing (warm-up)."
+            "softmax_scale, window_size, softcap, sinks given or not, num_splits, reduction, "
+            "block_table shape and device_plan before capturing (warm-up)."
         )
     d = make()
     with _lock:
@@ -449,6 +472,54 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"kvstream.decode: {name} is {value!r}, allowed: {allowed_text}")
 
 
+_WINDOW_ALLOWED = (
+    f"a pair (left, right) of ints, each -1 (unbounded) or a number of positions 0..{_MAX_WINDOW}"
+)
+# float32's largest finite value: the softcap is passed to the kernels as a float32.
+_F32_MAX = 3.4028234663852886e38
+_SOFTCAP_ALLOWED = "0.0 (off) or a finite positive number (a float32)"
+
+
+def _window_size(window_size: Any) -> Tuple[int, int]:
+    """``window_size`` checked: TypeError unless a tuple or list of two ints, ValueError unless
+    each is -1 or 0.._MAX_WINDOW."""
+    if not isinstance(window_size, (tuple, list)) or not all(_is_int(w) for w in window_size):
+        raise TypeError(
+            f"kvstream.decode: window_size must be {_WINDOW_ALLOWED}, got {window_size!r} "
+            f"({type(window_size).__name__})"
+        )
+    if len(window_size) != 2:
+        raise ValueError(
+            f"kvstream.decode: window_size is {window_size!r} ({len(window_size)} values), "
+            f"allowed: {_WINDOW_ALLOWED}"
+        )
+    left, right = (int(w) for w in window_size)
+    for side, w in (("left", left), ("right", right)):
+        if not -1 <= w <= _MAX_WINDOW:
+            raise ValueError(
+                f"kvstream.decode: window_size is ({left}, {right}), its {side} side {w}, "
+                f"allowed: {_WINDOW_ALLOWED}"
+            )
+    return left, right
+
+
+def _softcap(softcap: Any) -> float:
+    """``softcap`` checked: TypeError unless an int or float, ValueError unless 0 or a finite
+    positive number."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(
+            f"kvstream.decode: softcap must be a float, got {softcap!r} "
+            f"({type(softcap).__name__}), allowed: {_SOFTCAP_ALLOWED}"
+        )
+    try:
+        c = float(softcap)
+    except OverflowError:  # an int past any float
+        c = float("inf")
+    if not (c == 0.0 or 0.0 < c <= _F32_MAX):  # NaN and inf fail both
+        raise ValueError(f"kvstream.decode: softcap is {c}, allowed: {_SOFTCAP_ALLOWED}")
+    return c
+
+
 def decode(
     q: Any,
     k_cache: Any,
@@ -457,6 +528,9 @@ def decode(
     cache_seqlens: Any = None,
     block_table: Any = None,
     softmax_scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, 0),
+    softcap: float = 0.0,
+    sinks: Any = None,
     num_splits: Optional[int] = None,
     reduction: Optional[str] = None,
     device_plan: bool = False,
@@ -471,17 +545,19 @@ def decode(
     Args:
         q: ``[batch, q_len, hq, d]`` bf16 or fp16 CUDA tensor, contiguous: ``q_len`` new tokens
             per request, 1..8 (``seqlen_q`` of FlashAttention-3); or ``[batch, hq, d]`` for one
-            token per request. Token ``i`` of request ``r`` attends to cache positions
-            ``0 .. len_r - q_len + i`` (the new tokens are the last ``q_len`` positions of the
-            cache, causal among themselves); a token that sees no position gets an output of
-            zeros and an LSE of ``-inf``.
+            token per request. Token ``i`` of request ``r`` sits at cache position
+            ``t = len_r - q_len + i`` (the new tokens are the last ``q_len`` positions of the
+            cache) and attends to positions ``0 .. t`` (causal among the new tokens), or to
+            those ``window_size`` gives; a token that sees no position gets an output of zeros
+            and an LSE of ``-inf`` (its sink with ``sinks``).
         k_cache, v_cache: without ``block_table``: ``[batch, L, hkv, d]`` tensors of q's dtype,
             or both ``torch.float8_e4m3fn`` (see ``k_scale``), on q's device; the last
             dimension contiguous, other strides multiples of 16 bytes (a slice of a larger
             cache along ``batch`` or ``L`` is fine). With ``block_table``:
             contiguous page pools ``[num_pages, page_size, hkv, d]``, ``page_size`` one of
             ``SUPPORTED_PAGE_SIZES`` (1, 2, 4, ..., 512). ``hq`` must be a multiple of ``hkv``
-            with at most 32 query heads per KV head; ``d`` is 64 or 128.
+            with at most 32 query heads per KV head; ``d`` is 64, 96, 128 or 256 (96 and 256
+            on the persistent engine only).
         cache_seqlens: optional int32 ``[batch]`` CUDA tensor: request ``r`` has
             ``cache_seqlens[r]`` positions in its cache, the new tokens included (values in
             ``0..=L``, or ``0..=max_pages * page_size`` when paged; a length of 0 gives an
@@ -495,6 +571,29 @@ def decode(
             must be a page id in ``0..num_pages - 1``; pages may sit anywhere in the pools, in
             any order. Its values are read on the device only.
         softmax_scale: scale of ``q @ k^T`` before the softmax; default ``1 / sqrt(d)``.
+        window_size: ``(left, right)``, FlashAttention-3's sliding window: the token at cache
+            position ``t`` sees positions ``t - left .. t + right`` of its request (within
+            ``0 .. len_r - 1``); ``-1`` leaves that side unbounded. ``right`` only reaches the
+            later new tokens of a multi-token ``q``. The default ``(-1, 0)`` is causal over the
+            whole cache; ``(-1, -1)`` lets the new tokens see each other (not causal among
+            themselves); ``(w - 1, 0)`` is a window of ``w`` positions ending at the token's
+            own. Values: ``-1`` or ``0 .. 2^31 - 2``. A side that bounds nothing
+            (``left >= capacity - 1``; ``right >= q_len - 1``, or any ``right`` when ``q_len``
+            is 1) is taken as the default's.
+        softcap: logit softcap ``c`` (Gemma 2): scaled scores ``s`` become
+            ``c * tanh(s / c)`` before the softmax. ``0.0`` (default): off; else a finite
+            positive number.
+        sinks: optional float32 ``[hq]`` contiguous CUDA tensor on q's device (gpt-oss's
+            sinks, vLLM's ``s_aux``): one logit per query head, on the scale of the scaled
+            (and capped) scores, that joins each row's softmax denominator and contributes no
+            value: ``out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``. The LSE returned
+            includes it (``log(exp(sink) + sum_j exp(s_j))``), and a row that sees no position
+            gives zeros and an LSE equal to its sink. Its values are read on the device at
+            every call (a graph replay sees new values).
+        The score modifiers (a ``window_size`` other than ``(-1, 0)``, ``softcap``, ``sinks``)
+            and head dims 96 and 256 run on the persistent engine only: with ``engine="split"``
+            or any of ``num_splits``, ``reduction`` and ``device_plan`` they raise
+            ``ValueError``.
         With none of ``num_splits``, ``reduction`` and ``device_plan`` given, batches that fill
             the GPU run on the persistent engine, which partitions the work on the device from
             ``cache_seqlens`` at every call (balanced in a replayed CUDA graph whatever the
@@ -522,8 +621,9 @@ def decode(
             ``[]``) for the whole cache (vLLM's), ``[hkv]`` per KV head, or ``[batch, hkv]``
             per request and KV head (FA3's ``descale_k`` / ``descale_v``). ``None``: 1. Read
             on the device at every call.
-        return_lse: also return the log-sum-exp (natural log) of the scaled scores, float32:
-            ``[batch, q_len, hq]`` for a 4-D ``q``, ``[batch, hq]`` for a 3-D one.
+        return_lse: also return the log-sum-exp (natural log) of the scaled (and capped)
+            scores each row sees, float32: ``[batch, q_len, hq]`` for a 4-D ``q``,
+            ``[batch, hq]`` for a 3-D one; with ``sinks`` it includes the row's sink.
         out: optional contiguous output tensor of q's shape and dtype.
 
     Returns:
@@ -543,9 +643,13 @@ def decode(
         >>> out4, lse4 = kvstream.decode(q4, k, v, cache_seqlens=lens, return_lse=True)
         >>> lse4.shape
         torch.Size([2, 4, 16])
+        >>> # a sliding window of 128 positions and a sink per query head (gpt-oss's layers)
+        >>> sinks = torch.randn(16, device="cuda", dtype=torch.float32)
+        >>> out = kvstream.decode(q, k, v, cache_seqlens=lens, window_size=(127, 0), sinks=sinks)
 
     The call is asynchronous on ``torch.cuda.current_stream()``. Decoders are cached per
-    (shapes, q_len, paging, dtype, softmax_scale, num_splits, reduction, device_plan, device);
+    (shapes, q_len, paging, dtype, softmax_scale, window_size, softcap, whether sinks are
+    given, num_splits, reduction, device_plan, device);
     a cached decoder owns one workspace, so when the same shapes are used from a different
     stream than the previous call, the new stream first waits (on the device, through an
     event) for the previous stream. See the package docs for CUDA graph capture (warm up once
@@ -602,7 +706,7 @@ def decode(
         q_len = 1
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
-            f"kvstream.decode: q has head_dim {d}, allowed: {' or '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+            f"kvstream.decode: q has head_dim {d}, allowed: {_one_of(SUPPORTED_HEAD_DIMS)}"
         )
     if b < 1 or hq < 1:
         raise ValueError(f"kvstream.decode: q has shape {list(qs)}, allowed: batch >= 1, hq >= 1")
@@ -753,6 +857,66 @@ def decode(
                 "device_plan given, allowed: those only with engine='split' or None (they "
                 "configure the split engine)"
             )
+    # ---- score modifiers ----
+    window = _window_size(window_size)
+    softcap = _softcap(softcap)
+    if sinks is not None:
+        sks = _tensor("sinks", sinks)
+        _dtype("sinks", sinks, ("torch.float32",))
+        if sks != (hq,):
+            raise ValueError(
+                f"kvstream.decode: sinks has shape {list(sks)}, allowed: [{hq}] (one float32 "
+                f"logit per query head of q)"
+            )
+        _same_device("sinks", sinks, dev, q)
+        _contiguous("sinks", sinks, sks)
+    # A window that bounds nothing is the default's (the same decoder and plan): a left side
+    # reaching position 0 from the last position of the capacity; a right side reaching the
+    # last new token from the first (with one new token, any right side).
+    left, right = window
+    if left >= L - 1:
+        left = -1
+    if q_len == 1:
+        right = 0
+    elif right >= q_len - 1:
+        right = -1
+    window = (left, right)
+    split_knobs = [
+        text
+        for text, given in (
+            ("engine='split'", engine == "split"),
+            (f"num_splits={num_splits}", num_splits is not None),
+            (f"reduction={reduction!r}", reduction is not None),
+            ("device_plan=True", device_plan),
+        )
+        if given
+    ]
+    if split_knobs:
+        knobs = ", ".join(split_knobs)
+        why = (
+            "head dims 96 and 256, window_size, softcap and sinks run on the persistent engine "
+            "only (engine=None or 'persistent', without num_splits, reduction and device_plan)"
+        )
+        if d not in SPLIT_ENGINE_HEAD_DIMS:
+            raise ValueError(
+                f"kvstream.decode: q has head_dim {d} with {knobs} (the split engine), "
+                f"allowed: {_one_of(SPLIT_ENGINE_HEAD_DIMS)} there; {why}"
+            )
+        if window != (-1, 0):
+            raise ValueError(
+                f"kvstream.decode: window_size is {tuple(window_size)} with {knobs} (the split "
+                f"engine), allowed: (-1, 0) there; {why}"
+            )
+        if softcap != 0.0:
+            raise ValueError(
+                f"kvstream.decode: softcap is {softcap} with {knobs} (the split engine), "
+                f"allowed: 0.0 there; {why}"
+            )
+        if sinks is not None:
+            raise ValueError(
+                f"kvstream.decode: sinks is given with {knobs} (the split engine), allowed: "
+                f"None there; {why}"
+            )
     scale_shapes = {(1,): "per cache", (hkv,): "per KV head", (b, hkv): "per request and KV head"}
     scale_args = [None if sc is None else _scale(name, sc, scale_shapes, dev, q)
                   for name, sc in zip(("k_scale", "v_scale"), scales)]
@@ -768,9 +932,13 @@ def decode(
     stream = torch.cuda.current_stream(index)
     capturing = torch.cuda.is_current_stream_capturing()
     dtype_name = SUPPORTED_DTYPES[qd]
+    # The sinks' values are read on the device at every call: only whether they are given is
+    # part of the decoder.
+    has_sinks = sinks is not None
     key = (
         b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits, reduction, index,
-        k_strides, v_strides, q_len, paging, device_plan, engine, fp8,
+        k_strides, v_strides, q_len, paging, device_plan, engine, fp8, window, softcap,
+        has_sinks,
     )
 
     def make() -> Any:
@@ -780,7 +948,8 @@ def decode(
             reduction=reduction, device=index, k_strides=k_strides, v_strides=v_strides,
             q_len=q_len, page_size=page_size_, num_pages=num_pages_,
             table_stride=table_stride_, device_plan=device_plan, engine=engine,
-            kv_dtype=FP8_KV_DTYPES[kvd] if fp8 else None,
+            kv_dtype=FP8_KV_DTYPES[kvd] if fp8 else None, window_size=window,
+            softcap=softcap, sinks=has_sinks,
         )
 
     cached = _decoder_for(key, make, capturing)
@@ -807,6 +976,7 @@ def decode(
         block_table_ptr=None if block_table is None else int(block_table.data_ptr()),
         k_scale=scale_args[0],
         v_scale=scale_args[1],
+        sinks_ptr=None if sinks is None else int(sinks.data_ptr()),
     )
     return (out, lse) if return_lse else out
 
@@ -1086,8 +1256,7 @@ def store_kv(
     tokens, hkv, d = ks
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
-            f"kvstream.store_kv: k has head_dim {d}, allowed: "
-            f"{' or '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+            f"kvstream.store_kv: k has head_dim {d}, allowed: {_one_of(SUPPORTED_HEAD_DIMS)}"
         )
     if vcs != kcs or tuple(kcs[2:]) != (hkv, d):
         raise ValueError(

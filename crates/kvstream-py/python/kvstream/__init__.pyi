@@ -4,6 +4,7 @@ __version__: str
 SUPPORTED_DTYPES: Dict[str, str]
 FP8_KV_DTYPES: Dict[str, str]
 SUPPORTED_HEAD_DIMS: Tuple[int, ...]
+SPLIT_ENGINE_HEAD_DIMS: Tuple[int, ...]
 MAX_GROUP: int
 MAX_SPLITS: int
 REDUCTIONS: Tuple[str, ...]
@@ -29,6 +30,9 @@ def decode(
     cache_seqlens: Optional[Any] = ...,
     block_table: Optional[Any] = ...,
     softmax_scale: Optional[float] = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    sinks: Optional[Any] = ...,
     num_splits: Optional[int] = ...,
     reduction: Optional[str] = ...,
     device_plan: bool = ...,
@@ -47,6 +51,9 @@ def decode(
     cache_seqlens: Optional[Any] = ...,
     block_table: Optional[Any] = ...,
     softmax_scale: Optional[float] = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    sinks: Optional[Any] = ...,
     num_splits: Optional[int] = ...,
     reduction: Optional[str] = ...,
     device_plan: bool = ...,

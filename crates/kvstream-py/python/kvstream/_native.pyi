@@ -21,6 +21,9 @@ def validate(
     device_plan: bool = False,
     engine: Optional[str] = None,
     kv_dtype: Optional[str] = None,
+    window_size: Tuple[int, int] = (-1, 0),
+    softcap: float = 0.0,
+    sinks: bool = False,
 ) -> str: ...
 
 class Decoder:
@@ -45,6 +48,9 @@ class Decoder:
         device_plan: bool = False,
         engine: Optional[str] = None,
         kv_dtype: Optional[str] = None,
+        window_size: Tuple[int, int] = (-1, 0),
+        softcap: float = 0.0,
+        sinks: bool = False,
     ) -> None: ...
     def run(
         self,
@@ -58,6 +64,7 @@ class Decoder:
         block_table_ptr: Optional[int] = None,
         k_scale: Optional[Tuple[int, int]] = None,
         v_scale: Optional[Tuple[int, int]] = None,
+        sinks_ptr: Optional[int] = None,
     ) -> None: ...
     @property
     def num_splits(self) -> int: ...

@@ -106,6 +106,9 @@ def test_decode_signature():
         ("cache_seqlens", P.KEYWORD_ONLY, None),
         ("block_table", P.KEYWORD_ONLY, None),
         ("softmax_scale", P.KEYWORD_ONLY, None),
+        ("window_size", P.KEYWORD_ONLY, (-1, 0)),
+        ("softcap", P.KEYWORD_ONLY, 0.0),
+        ("sinks", P.KEYWORD_ONLY, None),
         ("num_splits", P.KEYWORD_ONLY, None),
         ("reduction", P.KEYWORD_ONLY, None),
         ("device_plan", P.KEYWORD_ONLY, False),
@@ -210,7 +213,7 @@ def test_three_dim_q():
     # out keeps q's rank
     fails(ValueError, "out", "shape", f"[{B}, {HQ}, {D}]", q=FakeTensor((B, HQ, D)),
           out=FakeTensor((B, 1, HQ, D)))
-    fails(ValueError, "q", "head_dim", "96", q=FakeTensor((B, HQ, 96)))
+    fails(ValueError, "q", "head_dim", "80", q=FakeTensor((B, HQ, 80)))
     fails(ValueError, "hq", "hkv", q=FakeTensor((B, 12, D)), k_cache=FakeTensor((B, L, 5, D)),
           v_cache=FakeTensor((B, L, 5, D)))
     fails(ValueError, "k_cache", "batch", q=FakeTensor((3, HQ, D)))
@@ -226,10 +229,17 @@ def test_group_too_large():
     fails(ValueError, "hq / hkv", "33", "1..32", q=FakeTensor((B, 1, 66, D)))
 
 
-@pytest.mark.parametrize("d", [32, 96, 256])
+@pytest.mark.parametrize("d", [32, 80, 192, 512])
 def test_head_dim(d):
-    fails(ValueError, "head_dim", str(d), "64 or 128", q=FakeTensor((B, 1, HQ, d)),
+    fails(ValueError, "head_dim", str(d), "64, 96, 128 or 256", q=FakeTensor((B, 1, HQ, d)),
           k_cache=FakeTensor((B, L, HKV, d)), v_cache=FakeTensor((B, L, HKV, d)))
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_every_head_dim_passes_validation(d, q_len):
+    passes_validation(FakeTensor((B, q_len, HQ, d)), FakeTensor((B, L, HKV, d)),
+                      FakeTensor((B, L, HKV, d)), cache_seqlens=FakeTensor((B,), I32))
 
 
 def test_cache_shape_mismatches():
@@ -447,7 +457,18 @@ def test_device_plan_takes_no_split_count():
         (dict(hkv=0), "hkv"),
         (dict(hq=12, hkv=5), "hq"),
         (dict(hq=66, hkv=2), "hq / hkv"),
-        (dict(head_dim=96), "head_dim"),
+        (dict(head_dim=80), "head_dim"),
+        (dict(head_dim=512), "head_dim"),
+        (dict(window_size=(-2, 0)), "window_size[0] (left)"),
+        (dict(window_size=(0, -3)), "window_size[1] (right)"),
+        (dict(window_size=(2**31 - 1, 0)), "window_size[0] (left)"),
+        (dict(softcap=-1.0), "softcap"),
+        (dict(softcap=math.inf), "softcap"),
+        (dict(softcap=math.nan), "softcap"),
+        (dict(window_size=(128, 0), engine="split"), "engine"),
+        (dict(softcap=30.0, num_splits=4), "engine"),
+        (dict(sinks=True, reduction="kernel"), "engine"),
+        (dict(head_dim=256, device_plan=True), "engine"),
         (dict(max_len=0), "max_len"),
         (dict(dtype="fp8"), "dtype"),
         (dict(softmax_scale=-1.0), "softmax_scale"),
@@ -649,6 +670,164 @@ def test_fp8_validates_through_the_native_layer():
         _native.validate(4, 32, 8, 128, 4096, "bf16", kv_dtype="e5m2")
 
 
+# ---- score modifiers: window_size, softcap, sinks (the persistent engine only) ----
+
+def sinks_tensor(shape=(HQ,), dtype=F32, **kw):
+    return FakeTensor(shape, dtype, **kw)
+
+
+def test_score_mod_constants():
+    assert kvstream.SUPPORTED_HEAD_DIMS == (64, 96, 128, 256)
+    assert kvstream.SPLIT_ENGINE_HEAD_DIMS == (64, 128)
+    assert {"SUPPORTED_HEAD_DIMS", "SPLIT_ENGINE_HEAD_DIMS"} <= set(kvstream.__all__)
+    doc = kvstream.decode.__doc__
+    for word in ("window_size", "softcap", "sinks", "(-1, -1)", "includes", "s_aux"):
+        assert word in doc, word
+
+
+@pytest.mark.parametrize("bad", [128, "128, 0", None, (1.0, 0), (128, None), (True, 0),
+                                 (128, 0.0), {128: 0}])
+def test_window_size_type(bad):
+    fails(TypeError, "window_size", repr(bad), "pair (left, right) of ints", window_size=bad)
+
+
+@pytest.mark.parametrize("bad", [(-2, 0), (0, -2), (-1, -100), (2**31 - 1, 0), (0, 2**63),
+                                 (1, 2, 3), (5,), ()])
+def test_window_size_value(bad):
+    fails(ValueError, "window_size", str(bad), "-1 (unbounded)", window_size=bad)
+
+
+@pytest.mark.parametrize("bad", ["30", None, True, [30.0], 1j])
+def test_softcap_type(bad):
+    fails(TypeError, "softcap", repr(bad), "0.0 (off) or a finite positive number", softcap=bad)
+
+
+@pytest.mark.parametrize("bad", [-1.0, -1e-9, -30, math.nan, math.inf, -math.inf, 1e39, 10**400])
+def test_softcap_value(bad):
+    fails(ValueError, "softcap", "0.0 (off) or a finite positive number", softcap=bad)
+
+
+@pytest.mark.parametrize("shape", [(HQ + 1,), (HKV,), (1, HQ), (HQ, 1), (), (B, HQ)])
+def test_sinks_shape(shape):
+    fails(ValueError, "sinks", f"[{HQ}]", "per query head", sinks=sinks_tensor(shape))
+
+
+@pytest.mark.parametrize("dt", [BF16, F16, I32, E4M3])
+def test_sinks_dtype(dt):
+    fails(TypeError, "sinks", str(dt), "torch.float32", sinks=sinks_tensor(dtype=dt))
+
+
+def test_sinks_device_layout_and_type():
+    fails(ValueError, "sinks", "cpu", sinks=sinks_tensor(device=FakeDevice("cpu", None)))
+    fails(ValueError, "sinks", "cuda:1", "cuda:0", sinks=sinks_tensor(device=FakeDevice("cuda", 1)))
+    fails(ValueError, "sinks", "contiguous", sinks=sinks_tensor(strides=(2,)))
+    fails(TypeError, "sinks", "list", sinks=[0.0] * HQ)
+    fails(TypeError, "sinks", "bool", sinks=True)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        dict(window_size=(128, 0)),
+        dict(window_size=[128, 0]),
+        dict(window_size=(-1, -1)),
+        dict(window_size=(0, 0)),
+        dict(window_size=(2**31 - 2, 2**31 - 2)),
+        dict(softcap=30.0),
+        dict(softcap=50),
+        dict(softcap=0),
+        dict(sinks=sinks_tensor()),
+        dict(window_size=(127, 0), softcap=30.0, sinks=sinks_tensor(), engine="persistent"),
+        dict(window_size=(128, 0), sinks=sinks_tensor(), return_lse=True,
+             out=FakeTensor((B, 1, HQ, D)), cache_seqlens=FakeTensor((B,), I32)),
+    ],
+)
+def test_score_mods_pass_validation(over):
+    pos, _ = good()
+    passes_validation(*pos, **over)
+
+
+@pytest.mark.parametrize("d", [96, 256])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_score_mods_with_new_head_dims_paged_and_fp8_pass_validation(d, q_len):
+    mods = dict(window_size=(128, 0), softcap=30.0, sinks=sinks_tensor(),
+                cache_seqlens=FakeTensor((B,), I32), return_lse=True)
+    q = FakeTensor((B, q_len, HQ, d))
+    passes_validation(q, FakeTensor((NP, PS, HKV, d)), FakeTensor((NP, PS, HKV, d)),
+                      block_table=FakeTensor((B, MP), I32), **mods)
+    passes_validation(q, FakeTensor((B, L, HKV, d), E4M3), FakeTensor((B, L, HKV, d), E4M3),
+                      k_scale=FakeTensor((HKV,), F32), v_scale=FakeTensor((1,), F32), **mods)
+
+
+SPLIT_KNOBS = [dict(engine="split"), dict(num_splits=4), dict(reduction="kernel"),
+               dict(reduction="cluster"), dict(device_plan=True)]
+
+
+@pytest.mark.parametrize("knob", SPLIT_KNOBS)
+@pytest.mark.parametrize(
+    "feature,words",
+    [
+        (dict(window_size=(128, 0)), ("window_size", "(128, 0)", "(-1, 0)")),
+        (dict(window_size=(-1, -1), q=FakeTensor((B, 4, HQ, D))), ("window_size", "(-1, -1)")),
+        (dict(softcap=30.0), ("softcap", "30.0")),
+        (dict(sinks=sinks_tensor()), ("sinks", "None")),
+        (dict(q=FakeTensor((B, 1, HQ, 96)), k_cache=FakeTensor((B, L, HKV, 96)),
+              v_cache=FakeTensor((B, L, HKV, 96))), ("head_dim", "96", "64 or 128")),
+        (dict(q=FakeTensor((B, HQ, 256)), k_cache=FakeTensor((B, L, HKV, 256)),
+              v_cache=FakeTensor((B, L, HKV, 256))), ("head_dim", "256", "64 or 128")),
+    ],
+)
+def test_split_engine_refuses_score_mods_and_new_head_dims(knob, feature, words):
+    name = next(iter(knob))
+    msg = fails(ValueError, *words, name, "persistent engine", **feature, **knob)
+    assert "split engine" in msg, msg
+
+
+def test_windows_that_bound_nothing_keep_the_split_engine():
+    # one new token: the right side reaches nothing; a left side of capacity - 1 or more
+    # reaches position 0 from anywhere: the default's window, so the split knobs apply
+    pos, _ = good()
+    for window in ((-1, -1), (-1, 5), (L - 1, 0), (L + 100, -1)):
+        passes_validation(*pos, window_size=window, num_splits=4)
+    # four new tokens: a right side of 3 or more sees every later new token, as -1 does
+    q4 = FakeTensor((B, 4, HQ, D))
+    fails(ValueError, "window_size", "(-1, 3)", q=q4, window_size=(-1, 3), num_splits=4)
+    fails(ValueError, "window_size", "(-1, 2)", q=q4, window_size=(-1, 2), num_splits=4)
+    fails(ValueError, "window_size", "(254, 0)", window_size=(254, 0), num_splits=4)
+    # a paged cache's capacity is max_pages * page_size
+    args = paged(window_size=(MP * PS - 1, 0), num_splits=4)
+    passes_validation(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
+    paged_fails(ValueError, "window_size", window_size=(MP * PS - 2, 0), num_splits=4)
+
+
+def test_native_validate_score_mods():
+    args = (1, 16, 2, 128, 4096, "bf16")  # one request: the split engine by default
+    assert _native.validate(*args).startswith("Split(")
+    assert _native.validate(*args, window_size=(-1, 0), softcap=0.0, sinks=False).startswith(
+        "Split(")
+    # any score modifier or a new head dim takes the persistent engine
+    for kw in (dict(window_size=(128, 0)), dict(window_size=(-1, -1), q_len=4),
+               dict(softcap=30.0), dict(sinks=True), dict(head_dim=96), dict(head_dim=256),
+               dict(head_dim=256, q_len=4, window_size=(128, 0), softcap=30.0, sinks=True,
+                    page_size=16, num_pages=300),
+               dict(head_dim=96, kv_dtype="fp8_e4m3", window_size=(128, 0), sinks=True)):
+        a = dict(zip(("batch", "hq", "hkv", "head_dim", "max_len", "dtype"), args))
+        a.update(kw)
+        plan = _native.validate(**a)
+        assert plan.startswith("Persistent("), (kw, plan)
+    # the split engine names what it does not serve
+    for kw, why in ((dict(window_size=(128, 0)), "window_size (128, 0)"),
+                    (dict(softcap=30.0), "softcap"), (dict(sinks=True), "sinks"),
+                    (dict(head_dim=96), "head dim 96")):
+        a = dict(zip(("batch", "hq", "hkv", "head_dim", "max_len", "dtype"), args))
+        a.update(kw)
+        for knob in SPLIT_KNOBS:
+            with pytest.raises(ValueError) as e:
+                _native.validate(**a, **knob)
+            msg = str(e.value)
+            assert "engine" in msg and why in msg and "persistent" in msg, (knob, msg)
+
+
 def store_args(**over):
     args = dict(
         k=FakeTensor((5, HKV, D)), v=FakeTensor((5, HKV, D)),
@@ -679,7 +858,8 @@ def test_store_kv_validation():
     store_fails(ValueError, "k_scale", "scales belong to", k_cache=FakeTensor((B, L, HKV, D)),
                 v_cache=FakeTensor((B, L, HKV, D)), k_scale=FakeTensor((1,), F32))
     store_fails(ValueError, "v_scale", "per KV head", v_scale=FakeTensor((3,), F32))
-    store_fails(ValueError, "head_dim", k=FakeTensor((5, HKV, 96)), v=FakeTensor((5, HKV, 96)))
+    store_fails(ValueError, "head_dim", "64, 96, 128 or 256", k=FakeTensor((5, HKV, 80)),
+                v=FakeTensor((5, HKV, 80)))
 
 
 def test_store_kv_signature():

@@ -3,7 +3,8 @@
 Correctness against an fp32 torch reference (masked softmax with per-request lengths and the
 causal rule among new tokens), LSE, multi-token decode, paged caches (shuffled page pools),
 device planning, CUDA graph capture and replay with new lengths, and two streams in flight at
-once. If KVSTREAM_PY_GPU_SUMMARY names a file, a JSON summary of every check is written there.
+once; the score modifiers (sliding window, softcap, sinks) and head dims 96 and 256 against an
+fp64 reference, row by row. If KVSTREAM_PY_GPU_SUMMARY names a file, a JSON summary of every check is written there.
 """
 
 import json
@@ -614,6 +615,289 @@ def test_store_kv_then_decode(fp8):
     kd = k_cache.float() * (ks[None, None, :, None] if fp8 else 1)
     vd = v_cache.float() * (vs[None, None, :, None] if fp8 else 1)
     check(q, kd, vd, lens, out, lse, 1 / d ** 0.5, f"decode of a store_kv cache fp8={fp8}")
+
+
+# ---- score modifiers (sliding window, softcap, sinks) and head dims 96 and 256 ----------------
+
+def reference_mods(q, k, v, lens, scale, window=(-1, 0), softcap=0.0, sinks=None):
+    """float64 out (q's shape), lse and which rows see a position ([b, q_len] for a 4-D q, [b]
+    for a 3-D one), over contiguous caches [b, L, hkv, d], with FlashAttention-3's score
+    modifiers.
+
+    Token i of request r sits at position t = lens[r] - q_len + i and sees positions
+    t - left .. t + right within 0 .. lens[r] - 1 (a side of -1 is unbounded); scaled scores s
+    become softcap * tanh(s / softcap); the sink of each query head joins the softmax
+    denominator and adds no value, so the LSE includes it and a row that sees no position gives
+    0 and LSE = its sink (-inf without sinks).
+    """
+    three = q.dim() == 3
+    q4 = q.unsqueeze(1) if three else q
+    b, s, hq, d = q4.shape
+    L, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    dev = q.device
+    # query head h = kvh * g + j uses KV head kvh: rows (j, token) of KV head kvh
+    qf = q4.double().reshape(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * s, d)
+    kf = k.double().transpose(1, 2)                                 # [b, hkv, L, d]
+    vf = v.double().transpose(1, 2)
+    scores = (qf @ kf.transpose(-1, -2)) * scale                    # [b, hkv, g * s, L]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    t = lens.long()[:, None] - s + torch.arange(s, device=dev)[None, :]        # [b, s]
+    pos = torch.arange(L, device=dev)[None, None, :]
+    seen = pos < lens.long()[:, None, None]                         # [b, s, L]
+    left, right = window
+    if left >= 0:
+        seen = seen & (pos >= t[:, :, None] - left)
+    if right >= 0:
+        seen = seen & (pos <= t[:, :, None] + right)
+    mask = seen[:, None].expand(b, g, s, L).reshape(b, 1, g * s, L)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    logits = scores
+    if sinks is not None:
+        sink = sinks.double().reshape(1, hkv, g, 1).expand(b, hkv, g, s).reshape(b, hkv, g * s, 1)
+        logits = torch.cat([scores, sink], dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)                           # [b, hkv, g * s]
+    shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    out = torch.exp(scores - shift[..., None]) @ vf                 # [b, hkv, g * s, d]
+    out = out.reshape(b, hkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d)
+    lse = lse.reshape(b, hkv, g, s).permute(0, 3, 1, 2).reshape(b, s, hq)
+    live = seen.any(dim=-1)                                         # [b, s]
+    return (out[:, 0], lse[:, 0], live[:, 0]) if three else (out, lse, live)
+
+
+def row_errors(got, want, dtype):
+    """Relative error of each row (the last dimension) of ``got`` against float64 ``want``;
+    rows of ``want`` whose norm is below dtype's smallest normal (times sqrt(d)) are measured
+    against that floor instead."""
+    d = want.shape[-1]
+    g = got.double().reshape(-1, d)
+    w = want.double().reshape(-1, d)
+    floor = torch.finfo(dtype).tiny * d ** 0.5
+    return (g - w).norm(dim=-1) / w.norm(dim=-1).clamp_min(floor)
+
+
+def check_rows(q, out, lse, ref, sinks, label):
+    """out and lse of a call vs reference_mods' ``ref`` row by row: each row that sees a
+    position within TOL (relative; rows of tiny norm against the dtype's smallest normal) with
+    its LSE within 1e-3; each row that sees none exactly 0 with LSE -inf (without sinks) or its
+    sink (within 1e-3)."""
+    ref_out, ref_lse, live = ref
+    d = q.shape[-1]
+    assert out.shape == q.shape and out.dtype == q.dtype, label
+    assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32, label
+    assert bool(torch.isfinite(out.float()).all()), f"{label}: out holds NaN or inf"
+    rows_live = live[..., None].expand(lse.shape).reshape(-1)
+    o = out.double().reshape(-1, d)
+    rel = row_errors(out, ref_out, q.dtype)
+    got_lse = lse.double().reshape(-1)
+    want_lse = ref_lse.reshape(-1)
+    any_live = bool(rows_live.any())
+    worst = rel[rows_live].max().item() if any_live else 0.0
+    worst_lse = (got_lse - want_lse).abs()[rows_live].max().item() if any_live else 0.0
+    dead = ~rows_live
+    dead_ok = bool((o[dead] == 0).all())
+    if sinks is None:
+        dead_ok = dead_ok and bool(torch.isneginf(got_lse[dead]).all())
+    else:
+        dead_ok = dead_ok and bool(((got_lse[dead] - want_lse[dead]).abs() <= 1e-3).all())
+    SUMMARY["cases"].append({"case": label, "rel_err": worst, "lse_err": worst_lse,
+                             "empty_rows": int(dead.sum()), "empty_rows_ok": dead_ok})
+    assert worst <= TOL, f"{label}: worst row relative error {worst}"
+    assert worst_lse <= 1e-3, f"{label}: worst row lse error {worst_lse}"
+    assert dead_ok, f"{label}: rows that see no position must give 0 and lse -inf / their sink"
+
+
+def make_sinks(hq, seed):
+    """float32 [hq] sink logits on the scale of the tests' scores (scale 3 / sqrt(d): row
+    LSEs of about 3..15), so that a sink takes anything from a small share of its row to
+    nearly all of it."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (8.0 + 2.0 * torch.randn(hq, device="cuda", generator=gen)).contiguous()
+
+
+SCORE_MOD_CASES = [
+    # d, q_len, hq, hkv, dtype, window_size, softcap, sinks, page_size, fp8 scales
+    (96, 1, 32, 4, torch.bfloat16, (128, 0), 30.0, True, None, None),
+    (96, 4, 16, 2, torch.float16, (128, 0), 30.0, True, 16, None),
+    (256, 1, 16, 2, torch.bfloat16, (128, 0), 30.0, True, 64, None),
+    (256, 4, 8, 1, torch.bfloat16, (128, 0), 30.0, True, None, None),
+    (96, 4, 32, 8, torch.bfloat16, (128, 0), 0.0, True, None, None),
+    (256, 1, 32, 2, torch.float16, (-1, 0), 30.0, False, None, None),
+    (128, 4, 16, 2, torch.bfloat16, (-1, -1), 0.0, True, None, None),
+    (64, 3, 16, 4, torch.float16, (37, 1), 30.0, False, 1, None),
+    (128, 4, 32, 4, torch.bfloat16, (128, 0), 30.0, True, 16, "per_head"),
+    (256, 1, 16, 2, torch.bfloat16, (128, 0), 30.0, True, None, "per_cache"),
+    (96, 2, 16, 2, torch.float16, (128, 0), 30.0, True, 64, "per_head"),
+]
+
+
+@pytest.mark.parametrize("d,q_len,hq,hkv,dtype,window,softcap,sinks,page_size,fp8",
+                         SCORE_MOD_CASES)
+def test_score_mods_match_reference(d, q_len, hq, hkv, dtype, window, softcap, sinks,
+                                    page_size, fp8):
+    b, L = 6, 1024
+    q, k, v = make(b, hq, hkv, d, L, dtype, seed=1100 + d + 10 * q_len + hq, q_len=q_len)
+    # the full cache, empty, shorter than q_len (its first tokens see nothing), shorter than
+    # the window, one past the window, longer
+    lens = torch.tensor([L, 0, 2, 50, 129, 700], device="cuda", dtype=torch.int32)
+    scale = 3.0 / d ** 0.5   # scores of a few units: a softcap of 30 bends the largest ones
+    sk = make_sinks(hq, seed=d + q_len) if sinks else None
+    label = (f"mods d{d} q_len{q_len} hq{hq} hkv{hkv} {dtype} window{window} softcap{softcap} "
+             f"sinks={sinks} page {page_size} fp8 {fp8}")
+    kw = dict(cache_seqlens=lens, softmax_scale=scale, window_size=window, softcap=softcap,
+              sinks=sk, return_lse=True)
+    kr, vr = k, v    # what the reference attends to
+    if fp8 is not None:
+        k8, ks, kr = to_fp8(k, fp8 == "per_head")
+        v8, vs, vr = to_fp8(v, fp8 == "per_head")
+        kw.update(k_scale=ks, v_scale=vs)
+        if page_size is not None:
+            kp, vp, table = to_pages(k8.view(torch.uint8), v8.view(torch.uint8), page_size,
+                                     seed=page_size)
+            caches = (kp.view(torch.float8_e4m3fn), vp.view(torch.float8_e4m3fn))
+            kw["block_table"] = table
+        else:
+            caches = (k8, v8)
+    elif page_size is not None:
+        kp, vp, table = to_pages(poison_past(k, lens), poison_past(v, lens), page_size,
+                                 seed=page_size)
+        caches = (kp, vp)
+        kw["block_table"] = table
+    else:
+        caches = (k, v)
+    ref = reference_mods(q, kr, vr, lens, scale, window, softcap, sk)
+    # the case exercises what it names: without any one of its modifiers, some row moves
+    # past the tolerance
+    mods = dict(window=window, softcap=softcap, sinks=sk)
+    on = [("window", (-1, 0))] if window != (-1, 0) else []
+    on += [("softcap", 0.0)] if softcap else []
+    on += [("sinks", None)] if sk is not None else []
+    for name, off in on:
+        other = reference_mods(q, kr, vr, lens, scale, **{**mods, name: off})
+        moved = row_errors(other[0], ref[0], dtype).max().item()
+        assert moved > 2 * TOL, f"{label}: without {name}, no row moves ({moved})"
+    out, lse = kvstream.decode(q, *caches, **kw)
+    check_rows(q, out, lse, ref, sk, label)
+    # the same call again, into a given out: the same bits
+    o2 = torch.empty_like(q)
+    res, lse2 = kvstream.decode(q, *caches, out=o2, **kw)
+    torch.cuda.synchronize()
+    assert res.data_ptr() == o2.data_ptr()
+    assert torch.equal(o2, out) and torch.equal(lse2, lse), f"{label}: a second call differs"
+    if q_len == 1:
+        # q as [b, hq, d]: out [b, hq, d], lse [b, hq], the same rows
+        out3, lse3 = kvstream.decode(q[:, 0], *caches, **kw)
+        check_rows(q[:, 0], out3, lse3, reference_mods(q[:, 0], kr, vr, lens, scale, window,
+                                                       softcap, sk), sk, f"{label} 3-D q")
+
+
+def test_score_mods_are_part_of_the_decoder_key():
+    """Shapes alike, modifiers not: one decoder each (window, softcap, sinks given or not), each
+    right; new sink values reuse their decoder; a window that bounds nothing is the default's;
+    the split engine's knobs are refused with any of them."""
+    b, hq, hkv, d, L = 3, 16, 2, 128, 2048
+    q, k, v = make(b, hq, hkv, d, L, torch.bfloat16, seed=1200)
+    lens = torch.tensor([2048, 0, 300], device="cuda", dtype=torch.int32)
+    scale = 3.0 / d ** 0.5
+    sk = make_sinks(hq, seed=1201)
+    kvstream.clear_cache()
+    base = kvstream.decoder_cache_info()["captured"]
+    variants = [dict(), dict(window_size=(255, 0)), dict(softcap=30.0), dict(sinks=sk),
+                dict(window_size=(255, 0), softcap=30.0, sinks=sk)]
+    try:
+        for i, mods in enumerate(variants):
+            out, lse = kvstream.decode(q, k, v, cache_seqlens=lens, softmax_scale=scale,
+                                       return_lse=True, **mods)
+            ref = reference_mods(q, k, v, lens, scale, mods.get("window_size", (-1, 0)),
+                                 mods.get("softcap", 0.0), mods.get("sinks"))
+            check_rows(q, out, lse, ref, mods.get("sinks"), f"decoder key {sorted(mods)}")
+            assert kvstream.decoder_cache_info()["size"] == base + i + 1, mods
+        # new sink values: the same decoder, new results
+        sk2 = sk - 3.0
+        out, lse = kvstream.decode(q, k, v, cache_seqlens=lens, softmax_scale=scale, sinks=sk2,
+                                   return_lse=True)
+        check_rows(q, out, lse, reference_mods(q, k, v, lens, scale, sinks=sk2), sk2,
+                   "decoder key, new sinks")
+        # one new token: window_size (-1, -1) and a left side past the capacity are the default's
+        for window in ((-1, -1), (L - 1, 0), (10 * L, 5)):
+            out, lse = kvstream.decode(q, k, v, cache_seqlens=lens, softmax_scale=scale,
+                                       window_size=window, return_lse=True)
+            check_rows(q, out, lse, reference_mods(q, k, v, lens, scale), None,
+                       f"decoder key, window {window}")
+        assert kvstream.decoder_cache_info()["size"] == base + len(variants)
+        for mods in variants[1:]:
+            for knob in (dict(engine="split"), dict(num_splits=4), dict(device_plan=True)):
+                with pytest.raises(ValueError, match="persistent engine"):
+                    kvstream.decode(q, k, v, cache_seqlens=lens, **mods, **knob)
+        SUMMARY["checks"]["score mods in the decoder key"] = True
+    finally:
+        kvstream.clear_cache()
+
+
+@pytest.mark.parametrize("d,paged", [(256, True), (96, False)])
+def test_score_mods_graph_replay_with_new_lengths_and_sinks(d, paged):
+    """A graph captured once with a window, a softcap and sinks replays with new lengths and new
+    sink values (read on the device) like eager calls, and matches the reference."""
+    b, L, q_len, page_size = 4, 2048, 2, 64
+    hq, hkv = (16, 8) if d == 256 else (32, 16)
+    q, k, v = make(b, hq, hkv, d, L, torch.bfloat16, seed=1300 + d, q_len=q_len)
+    lens = torch.tensor([2048, 1, 0, 700], device="cuda", dtype=torch.int32)
+    sk = make_sinks(hq, seed=1301)
+    scale = 3.0 / d ** 0.5
+    if paged:
+        k_pool, v_pool, table = to_pages(k, v, page_size, seed=13)
+        args, extra = (q, k_pool, v_pool), dict(block_table=table)
+    else:
+        args, extra = (q, k, v), {}
+    kw = dict(cache_seqlens=lens, softmax_scale=scale, window_size=(300, 0), softcap=30.0,
+              sinks=sk, **extra)
+    out = torch.empty_like(q)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kvstream.decode(*args, out=out, return_lse=True, **kw)   # warm-up creates the decoder
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _, lse = kvstream.decode(*args, out=out, return_lse=True, **kw)
+    for i, new in enumerate(([5, 2048, 301, 0], [0, 0, 0, 0], [2048] * 4)):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        sk.copy_(make_sinks(hq, seed=1400 + i))
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        eager, eager_lse = kvstream.decode(*args, return_lse=True, **kw)
+        torch.cuda.synchronize()
+        same = torch.equal(out, eager) and torch.equal(lse, eager_lse)
+        assert same, f"d{d} replay with lengths {new} differs from the eager call"
+        ref = reference_mods(q, k, v, lens, scale, (300, 0), 30.0, sk)
+        check_rows(q, out, lse, ref, sk, f"mods graph d{d} paged={paged} lens={new}")
+    SUMMARY["checks"][f"score mods graph replay equals eager d{d} paged={paged}"] = True
+
+
+def test_store_kv_new_head_dims():
+    """store_kv at d 96 and 256 writes what torch writes, byte for byte (2-byte and e4m3)."""
+    for d in (96, 256):
+        for fp8 in (False, True):
+            b, hkv, L, tokens = 2, 4, 64, 50
+            gen = torch.Generator(device="cuda").manual_seed(d + fp8)
+            k = torch.randn(tokens, hkv, d, device="cuda", generator=gen).to(torch.bfloat16)
+            v = torch.randn(tokens, hkv, d, device="cuda", generator=gen).to(torch.bfloat16)
+            cdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+            k_cache = torch.zeros(b, L, hkv, d, device="cuda", dtype=cdt)
+            v_cache = torch.zeros_like(k_cache)
+            slots = torch.randperm(b * L, device="cuda")[:tokens]
+            scale = torch.full((hkv,), 0.02, device="cuda") if fp8 else None
+            kvstream.store_kv(k, v, k_cache, v_cache, slots, k_scale=scale, v_scale=scale)
+            torch.cuda.synchronize()
+            for name, rows, cache in (("k", k, k_cache), ("v", v, v_cache)):
+                new = (rows.float() / 0.02).to(cdt) if fp8 else rows
+                # built as bytes: [b * L, hkv, bytes per head] (index_put on bytes only)
+                want = torch.zeros_like(cache).view(torch.uint8).reshape(b * L, hkv, -1)
+                want[slots] = new.view(torch.uint8)
+                got = cache.view(torch.uint8).reshape(b * L, hkv, -1)
+                assert torch.equal(got, want), f"store_kv {name} d{d} fp8={fp8}"
+    SUMMARY["checks"]["store_kv d96 and d256 equal torch's cache"] = True
 
 
 # ---- MLA decode ------------------------------------------------------------------------------
