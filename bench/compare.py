@@ -9,8 +9,9 @@ Method (docs/benchmarking.md, kept here so the file stands alone):
   fails on a shape gets ``{"error": ...}``; the run goes on.
 * Inputs: random bf16 values, identical for every implementation, each in its own contiguous
   layout (the SDPA copies are made from the [b, L, hkv, d] pool, outside the timing). A rotating
-  pool of ``sets = clamp(ceil(512 MiB / kv_bytes_per_set), 2, 256)`` input sets keeps the KV read
-  per cycle above the 60 MB L2.
+  pool of ``sets = clamp(ceil(512 MiB / kv_bytes_read_per_set), 2, 256)`` input sets keeps the KV
+  read per cycle above the 60 MB L2 (for a windowed row, whose calls read only the window, the
+  pool's memory is also capped at 32 GiB, never below 2 sets).
 * Timer: one CUDA graph per implementation holding one call per set (every set is called once
   eagerly on a side stream first: the kvstream binding plans and compiles on its first call, the
   peers pick their kernels). 2 warm-up replays, then ``--rounds`` rounds; each round replays every
@@ -23,7 +24,8 @@ Method (docs/benchmarking.md, kept here so the file stands alone):
 * Byte floor per shape: a streaming-read kernel (cupy.RawKernel, 16-byte loads, grid-stride loop,
   one value written per block) over exactly ``io_bytes`` per set, with its own rotating pool of the
   same number of sets and the same graph timer; best of a few grid sizes. Read ceiling: the same
-  kernel over 4 GiB. ``io_bytes`` = Q + K + V + O bytes, each once; GB/s are decimal.
+  kernel over 4 GiB. ``io_bytes`` = Q + K + V + O bytes, each once, K and V over the positions a
+  call must read (``min(L, window + q_len)`` per request with a window); GB/s are decimal.
 
 FP8 caches (``--kv-dtype fp8_e4m3``): the same shapes with K and V in e4m3 (values / 1/64,
 clamped to +-448; one scale per cache). Implementations: ``kvstream`` (bf16 q, e4m3 caches, the
@@ -35,6 +37,23 @@ reference; each row also records kvstream's error against the bf16 reference (wh
 quantisation costs). Byte floors count one byte per K and V element. Outputs
 ``h200-fp8-latest.json`` / ``h200-fp8-DATE.json``, ``bench/RESULTS-fp8.md``.
 
+Model rows (``--matrix bench/matrix-models.json``, ``"kind": "models"``): rows may carry
+``window`` (left window; token t sees positions t - window .. t), ``softcap`` (scaled scores s
+become c * tanh(s / c)), ``sinks`` (one float32 logit per query head, uniform in [-3, 3) from a
+fixed seed, joining the softmax denominator) and ``q_len`` up to 8 (token i of a request of
+length L sees positions up to L - q_len + i). kvstream gets ``window_size=(window, 0)``,
+``softcap`` and ``sinks``; FA3 gets ``causal=True`` (bottom-right aligned for several new tokens),
+``window_size`` and ``softcap``, and no sink rows; the SDPA peers get only plain single-token rows.
+A peer that does not support a row's features is not called: its entry is
+``{"error": "unsupported: <features>"}`` (``n/s`` in the tables), and the best peer is the
+fastest one that supports the row. The summary adds the rows with no supporting peer, the window
+rows' distance to the byte floor of the positions they read (the target: <= 1.10x at batch >=
+16) and the cost of sinks and of a softcap (their rows over the plain row of the same shape).
+Outputs ``h200-models-latest.json`` / ``h200-models-DATE.json``, ``bench/RESULTS-models.md``,
+``plot-models-<group>``: a matrix's ``kind`` and the fp8 mode name the outputs, ``--out-prefix``
+(default ``h200``) starts the results files' names, and ``--merge`` orders the rows by the
+matrix of the runs' kind.
+
 Outputs: ``bench/results/h200-latest.json`` (the format of docs/benchmarking.md plus ``summary``, ``notes`` and a
 few extra keys), a dated copy ``bench/results/h200-YYYY-MM-DD.json``, ``bench/RESULTS.md`` and
 ``bench/results/plot-<group>.png/.svg``. While running, ``bench/results/h200-partial.json`` is
@@ -45,6 +64,7 @@ Run on the GPU machine, from the repository root (kvstream and the FA3 wheel on 
 
     KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site:/tmp/site \\
         python3 bench/compare.py --matrix bench/matrix.json
+    python3 bench/compare.py --matrix bench/matrix-models.json   # model rows (same environment)
     python3 bench/compare.py --quick                      # smoke test: 6 shapes, 5 rounds
     python3 bench/compare.py --ids gqa-d128-L4096,batch-b4-L4096 --impls kvstream,cudnn
 
@@ -52,6 +72,7 @@ Without a GPU (needs only matplotlib)::
 
     python3 bench/compare.py --plot-only bench/results/h200-latest.json     # plots again
     python3 bench/compare.py --report-only bench/results/h200-latest.json   # RESULTS.md + plots
+    python3 bench/compare.py --report-only bench/results/h200-models-latest.json # RESULTS-models.md
     python3 bench/compare.py --merge a.json b.json    # runs of parts of the matrix (--ids) as one
 """
 
@@ -82,6 +103,9 @@ GROUPS = ("mqa", "gqa", "mha", "batch")
 DTYPE_BYTES = {"bf16": 2, "fp8_e4m3": 1}
 
 POOL_BYTES = 512 << 20  # KV per pool cycle: well above the H200's 60 MB L2
+# A windowed row reads a small part of each set's cache: the sets that cover POOL_BYTES of reads
+# could need more memory than the GPU has, so its pool stops at this many bytes of cache.
+POOL_ALLOC_BYTES = 32 << 30
 MIN_SETS, MAX_SETS = 2, 256
 WARMUP_REPLAYS = 2
 MIN_ROUNDS = 7
@@ -95,6 +119,10 @@ NEAR_FLOOR = 1.05
 SHORT_L, SHORT_US = 4096, 4.0  # batch-1 L <= 4096 shapes should take <= 4 us
 ERROR_CHARS = 300
 BUSY_CYCLES = 100_000  # ~50 us at the H200's ~2 GHz
+SINK_RANGE = 3.0  # sink logits uniform in [-3, 3): the scaled scores' own scale
+SINK_SEED = 7     # their own generator: a sink row's q, K and V equal its plain twin's
+WINDOW_NEAR_FLOOR, WINDOW_MIN_BATCH = 1.10, 16  # window rows at batch >= 16: <= 1.10x the floor
+SDPA_PEERS = ("cudnn", "sdpa_flash")
 
 READ_KERNEL_SRC = r"""
 // Streams n 16-byte words through the SMs; the XOR of everything read is written once per block
@@ -135,6 +163,11 @@ extern "C" __global__ void stream_read(const uint4* __restrict__ src, unsigned l
 # ------------------------------------------------------------------------------------------------
 
 
+def matrix_kind(path):
+    """The matrix file's ``kind`` ("models" for bench/matrix-models.json), None without one."""
+    return json.loads(Path(path).read_text()).get("kind")
+
+
 def load_matrix(path, ids=None, quick=False):
     """The matrix's shapes, filtered by ``ids`` (in matrix order), the first few if ``quick``."""
     shapes = json.loads(Path(path).read_text())["shapes"]
@@ -147,6 +180,13 @@ def load_matrix(path, ids=None, quick=False):
     for s in shapes:
         if s["dtype"] not in DTYPE_BYTES:
             raise SystemExit(f"compare.py: shape {s['id']}: dtype {s['dtype']} not supported")
+        # A malformed feature would otherwise surface only after minutes of GPU time.
+        window, softcap = s.get("window", 0), s.get("softcap", 0)
+        if not (type(window) is int and window >= 0
+                and type(softcap) in (int, float) and softcap >= 0
+                and type(s.get("sinks", False)) is bool):
+            raise SystemExit(f"compare.py: shape {s['id']}: window must be an int >= 0, softcap "
+                             f"a number >= 0, sinks a bool")
     return shapes[:QUICK_SHAPES] if quick else shapes
 
 
@@ -164,15 +204,68 @@ def kv_bytes(shape):
     return 2 * s["batch"] * s["L"] * s["hkv"] * s["d"] * DTYPE_BYTES[kv_dtype(s)]
 
 
+def window_of(shape):
+    """The row's left window (positions before a token's own that it sees), None without one."""
+    return shape.get("window")
+
+
+def softcap_of(shape):
+    return float(shape.get("softcap") or 0.0)
+
+
+def kv_positions(shape):
+    """Cache positions one request's call must read: with a window, the new tokens see together
+    the last window + q_len positions."""
+    w = window_of(shape)
+    return shape["L"] if w is None else min(shape["L"], w + shape["q_len"])
+
+
+def kv_read_bytes(shape):
+    """K + V bytes one call must read (kv_bytes without a window)."""
+    s = shape
+    return 2 * s["batch"] * kv_positions(s) * s["hkv"] * s["d"] * DTYPE_BYTES[kv_dtype(s)]
+
+
 def io_bytes(shape):
-    """Q + K + V + O bytes, each counted once."""
+    """Q + K + V + O bytes, each counted once; K and V over the positions a call must read."""
     s = shape
     q_or_o = s["batch"] * s["q_len"] * s["hq"] * s["d"] * DTYPE_BYTES[s["dtype"]]
-    return 2 * q_or_o + kv_bytes(shape)
+    return 2 * q_or_o + kv_read_bytes(shape)
 
 
 def pool_sets(shape):
-    return min(max(math.ceil(POOL_BYTES / kv_bytes(shape)), MIN_SETS), MAX_SETS)
+    sets = min(max(math.ceil(POOL_BYTES / kv_read_bytes(shape)), MIN_SETS), MAX_SETS)
+    return min(sets, max(POOL_ALLOC_BYTES // kv_bytes(shape), MIN_SETS))
+
+
+def row_features(row):
+    """What a row asks beyond plain single-token decode, as short names ("window 128",
+    "softcap 50", "sinks", "q_len 8"); empty for a plain row."""
+    out = []
+    if window_of(row) is not None:
+        out.append(f"window {window_of(row)}")
+    if softcap_of(row):
+        out.append(f"softcap {softcap_of(row):g}")
+    if row.get("sinks"):
+        out.append("sinks")
+    if row.get("q_len", 1) > 1:
+        out.append(f"q_len {row['q_len']}")
+    return out
+
+
+def unsupported(name, shape):
+    """The row's features a peer lacks, joined ("window, sinks"), or None if it runs the row.
+
+    FA3 has windows, softcap and bottom-right causal multi-token decode, but no sinks. Torch SDPA
+    has none of them: its is_causal aligns the mask top-left, which is not decode's rule when
+    the new tokens are fewer than the cache positions."""
+    lacking = []
+    if name == "fa3" and shape.get("sinks"):
+        lacking = ["sinks"]
+    elif name in SDPA_PEERS:
+        lacking = [f.split()[0] for f in row_features(shape)]
+        lacking = ["multi-token" if f == "q_len" else f for f in lacking]
+    return ", ".join(lacking) or None
 
 
 def parse_plan(plan):
@@ -243,7 +336,67 @@ def best_peer(row):
 
 
 def row_kv_bytes(row):
-    return 2 * row["batch"] * row["L"] * row["hkv"] * row["d"] * DTYPE_BYTES.get(kv_dtype(row), 2)
+    """K + V bytes a call on the row reads (results files of older runs have no fp8 entry)."""
+    return 2 * row["batch"] * kv_positions(row) * row["hkv"] * row["d"] * \
+        DTYPE_BYTES.get(kv_dtype(row), 2)
+
+
+def is_unsupported(entry):
+    return bool(entry) and str(entry.get("error", "")).startswith("unsupported")
+
+
+def twin_key(row):
+    """Rows with the same key differ only in their features."""
+    return tuple(row.get(k) for k in ("group", "batch", "q_len", "hq", "hkv", "d", "L", "dtype",
+                                      "kv_dtype"))
+
+
+def feature_costs(rows):
+    """(feature, row id, kvstream ratio, fa3 ratio or None) of every row whose features add work
+    without reading fewer bytes (sinks, softcap), over its plain twin: the row of the same group
+    and shape without features. Window rows are judged against their byte floor instead."""
+    plain = {twin_key(r): r for r in rows if not row_features(r)}
+    out = []
+    for r in rows:
+        feats = row_features(r)
+        base = plain.get(twin_key(r))
+        if not feats or base is None or window_of(r) is not None:
+            continue
+        k, k0 = ok_us(r["results"].get("kvstream")), ok_us(base["results"].get("kvstream"))
+        if k is None or k0 is None:
+            continue
+        f, f0 = ok_us(r["results"].get("fa3")), ok_us(base["results"].get("fa3"))
+        fa3 = round(f / f0, 3) if f is not None and f0 is not None else None
+        out.append((", ".join(feats), r["id"], round(k / k0, 3), fa3))
+    return out
+
+
+def summarize_models(rows):
+    """The model matrix's figures: rows no peer supports, window rows over their byte floor,
+    feature costs."""
+    peerless = sum(1 for r in rows
+                   if all(is_unsupported(r["results"].get(p)) for p in PEERS))
+    window_floor, judged = [], []
+    for r in rows:
+        if window_of(r) is None:
+            continue
+        k, floor = ok_us(r["results"].get("kvstream")), r.get("floor_us")
+        ratio = round(k / floor, 3) if k is not None and floor else None
+        window_floor.append([r["id"], ratio])
+        if r["batch"] >= WINDOW_MIN_BATCH:
+            judged.append((ratio, r["id"]))
+    measured = [(x, i) for x, i in judged if x is not None]  # a failed row counts as missed
+    worst = max(measured, default=(None, None))
+    return {
+        "shapes_without_supporting_peer": peerless,
+        "window_shapes_b16": len(judged),
+        "window_b16_within_1.10x_floor": sum(1 for x, _ in measured if x <= WINDOW_NEAR_FLOOR),
+        "window_b16_worst_floor_ratio": worst[0],
+        "window_b16_worst_shape": worst[1],
+        "window_floor_ratio": window_floor,
+        "feature_cost": [{"feature": f, "shape": i, "kvstream": k, "fa3": fa3}
+                         for f, i, k, fa3 in feature_costs(rows)],
+    }
 
 
 def summarize(rows):
@@ -287,6 +440,8 @@ def summarize(rows):
         low, low_id = min(vs_best)
         out["min_speedup_vs_best_peer"] = round(low, 3)
         out["min_speedup_shape"] = low_id
+    if any(row_features(r) for r in rows):  # the model matrix: plain matrices keep their summary
+        out.update(summarize_models(rows))
     return out
 
 
@@ -296,7 +451,7 @@ def summary_lines(summary):
     def x(v):
         return "n/a" if v is None else f"{v:.2f}x"
 
-    return [
+    lines = [
         f"median speedup vs best peer: {x(s['median_speedup_vs_best_peer'])} over "
         f"{s['shapes_compared']} of {s['shapes']} shapes "
         f"(kvstream fastest on {s['kvstream_fastest_shapes']})",
@@ -309,12 +464,33 @@ def summary_lines(summary):
         f"batch-1 shapes with L <= {SHORT_L} at <= {SHORT_US:g} us: "
         f"{s['b1_short_within_4us']} of {s['b1_short_shapes']}",
     ]
+    if "shapes_without_supporting_peer" not in s:
+        return lines
+    # Speedups above are over the fastest peer that supports the row (supported, no error).
+    lines.append(f"shapes no peer supports (every peer n/s): "
+                 f"{s['shapes_without_supporting_peer']} of {s['shapes']}")
+    lines.append(f"window shapes at batch >= {WINDOW_MIN_BATCH} within {WINDOW_NEAR_FLOOR:.2f}x "
+                 f"of the byte floor of the positions they read: "
+                 f"{s['window_b16_within_1.10x_floor']} of {s['window_shapes_b16']} (worst "
+                 f"{x(s['window_b16_worst_floor_ratio'])}, {s['window_b16_worst_shape'] or 'n/a'})")
+    if s["window_floor_ratio"]:
+        lines.append("window shapes, kvstream / floor: " + ", ".join(
+            f"{i} {'-' if r is None else f'{r:.2f}'}" for i, r in s["window_floor_ratio"]))
+    for c in s["feature_cost"]:
+        fa3 = f", fa3 {c['fa3']:.2f}x" if c["fa3"] is not None else ""
+        lines.append(f"cost of {c['feature']} ({c['shape']} / its plain twin): kvstream "
+                     f"{c['kvstream']:.2f}x{fa3}")
+    if not s["feature_cost"]:
+        lines.append("cost of sinks / softcap: n/a (no measured row next to a plain twin)")
+    return lines
 
 
 def fmt_us(entry):
     if not entry:
         return "-"
     if "error" in entry:
+        if is_unsupported(entry):
+            return "n/s"
         return "wrong" if entry["error"].startswith("wrong result") else "error"
     return f"{entry['us']:.2f}"
 
@@ -323,27 +499,54 @@ def group_heading(group, rows):
     heads = sorted({(r["hq"], r["hkv"]) for r in rows})
     batches = sorted({r["batch"] for r in rows})
     hs = ", ".join(f"{a}/{b}" for a, b in heads)
-    bs = "batch 1" if batches == [1] else f"batch {batches[0]}..{batches[-1]}"
-    return f"## {group.upper()} ({bs}, hq/hkv {hs}, bf16)"
+    bs = f"batch {batches[0]}" if len(batches) == 1 else f"batch {batches[0]}..{batches[-1]}"
+    # the seed's groups name their head dims in the shape ids, the model groups do not
+    dims = "/".join(str(d) for d in sorted({r["d"] for r in rows}))
+    ds = "" if group in GROUPS else f", d {dims}"
+    return f"## {group.upper()} ({bs}, hq/hkv {hs}{ds}, bf16)"
 
 
-def markdown(doc):
-    """bench/RESULTS.md from a results document."""
+def output_tag(kind, fp8):
+    """Suffix of a run's output names: "", "-fp8", "-models", "-models-fp8"."""
+    return (f"-{kind}" if kind else "") + ("-fp8" if fp8 else "")
+
+
+def doc_tag(doc):
+    return output_tag(doc.get("kind"), any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"]))
+
+
+def markdown(doc, prefix=None):
+    """bench/RESULTS.md from a results document; ``prefix`` names its results files."""
     ceiling = doc.get("read_ceiling_GBps")
     fp8 = any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"])
+    kind = doc.get("kind")
+    prefix = prefix or f"h200{doc_tag(doc)}"
+    flags = (f" --matrix bench/matrix-{kind}.json" if kind else "") + \
+        (" --kv-dtype fp8_e4m3" if fp8 else "")
+    unsupported_any = any(is_unsupported(e) for r in doc["rows"] for e in r["results"].values())
     lines = [
-        f"# kvstream vs peers{', FP8 (e4m3) caches' if fp8 else ''}: {doc.get('gpu', '?')}",
+        f"# kvstream vs peers{', model rows' if kind == 'models' else ''}"
+        f"{', FP8 (e4m3) caches' if fp8 else ''}: {doc.get('gpu', '?')}",
         "",
         f"Date {doc.get('date')}, commit `{doc.get('commit')}`, GPU {doc.get('gpu')}, read "
         f"ceiling {ceiling if ceiling is not None else 'n/a'} GB/s. Produced by "
-        f"`bench/compare.py{' --kv-dtype fp8_e4m3' if fp8 else ''}` (method in its docstring and "
+        f"`bench/compare.py{flags}` (method in its docstring and "
         f"docs/benchmarking.md); raw numbers in "
-        f"`bench/results/{'h200-fp8' if fp8 else 'h200'}-latest.json`.",
+        f"`bench/results/{prefix}-latest.json`.",
         "",
         "Latencies are medians of graph-replay rounds, per call, in us. Speedup = best peer "
         "latency / kvstream latency (> 1: kvstream faster). floor = streaming read of the same "
         "bytes (Q + K + V + O) with the same timer; kvstream / floor >= 1 always, 1.00 is the "
         "physical limit. `wrong` = output failed the fp32 check, `error` = the peer did not run.",
+    ]
+    if unsupported_any:
+        lines += [
+            "",
+            "`n/s` = the peer does not support the row's features and was not called (FA3: "
+            "sinks; the SDPA peers: windows, softcap, sinks, several new tokens); the best peer is "
+            "the fastest one that supports the row. A window row's bytes count only the positions "
+            "its calls read, min(L, window + q_len) per request."]
+    lines += [
         "",
         "## Summary",
         "",
@@ -378,7 +581,7 @@ def markdown(doc):
             lines.append("| " + " | ".join(cells) + " |")
             for impl in IMPLS:
                 e = res.get(impl) or {}
-                if "error" in e:
+                if "error" in e and not is_unsupported(e):
                     errors.append(f"{row['id']} {impl}: {e['error']}")
         if errors:
             lines += ["", "Errors:", ""] + [f"- {e}" for e in errors]
@@ -394,9 +597,10 @@ def ordered_groups(rows):
     return [g for g in GROUPS if g in present] + [g for g in present if g not in GROUPS]
 
 
-def x_param(group):
-    """The parameter that varies along a group's x axis."""
-    return "batch" if group == "batch" else "L"
+def x_param(group, rows=()):
+    """The parameter that varies along a group's x axis: batch where the group varies it (the
+    model groups vary L too: one panel per L), else L."""
+    return "batch" if group == "batch" or len({r["batch"] for r in rows}) > 1 else "L"
 
 
 def tick_label(param, value):
@@ -418,15 +622,16 @@ def plot_results(doc, out_dir):
     written = []
     styles = {"kvstream": ("C3", "o"), "cudnn": ("C0", "s"), "sdpa_flash": ("C2", "^"),
               "fa3": ("C1", "D"), "kvstream_bf16": ("C4", "v")}
-    tag = "fp8-" if any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"]) else ""
+    tag = doc_tag(doc)[1:] + "-" if doc_tag(doc) else ""
     for group in ordered_groups(doc["rows"]):
         rows = [r for r in doc["rows"] if group_of(r) == group]
-        param = x_param(group)
-        # One panel per combination of the parameters that do not vary along x (d, heads, L).
+        param = x_param(group, rows)
+        # One panel per combination of the parameters that do not vary along x (d, heads, L,
+        # the features).
         panels = {}
         for r in rows:
             key = tuple((k, r[k]) for k in ("hq", "hkv", "d", "L", "batch") if k != param)
-            panels.setdefault(key, []).append(r)
+            panels.setdefault(key + tuple(row_features(r)), []).append(r)
         fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
         for ax, (key, prs) in zip(axes[0], panels.items()):
             prs = sorted(prs, key=lambda r: r[param])
@@ -446,12 +651,21 @@ def plot_results(doc, out_dir):
             ax.set_xlabel("batch" if param == "batch" else "L (KV length)")
             ax.set_ylabel("effective TB/s (Q+K+V+O / latency)")
             ax.set_ylim(bottom=0)
-            d = dict(key)
+            d = dict(kv for kv in key if isinstance(kv, tuple))
             parts = [f"hq/hkv {d['hq']}/{d['hkv']}", f"d {d['d']}"]
             parts.append(f"L {d['L']}" if "L" in d else f"batch {d['batch']}")
-            ax.set_title(f"{group.upper()}: " + ", ".join(parts))
+            parts += [f for f in key if isinstance(f, str)]
+            small = {"fontsize": 10} if len(parts) > 3 else {}  # the features lengthen it
+            ax.set_title(f"{group.upper()}: " + ", ".join(parts), **small)
             ax.grid(True, alpha=0.3)
-        axes[0][0].legend(loc="best", fontsize=8)
+        # one legend for the figure: a peer may run only in some panels (n/s in the others)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        for ax in axes[0][1:]:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
+        axes[0][0].legend(handles, labels, loc="best", fontsize=8)
         fig.suptitle(f"{doc.get('gpu', '')} {doc.get('date', '')} {doc.get('commit', '')}",
                      fontsize=9)
         fig.tight_layout()
@@ -496,7 +710,7 @@ def write_outputs(doc, results_dir, md_path, prefix="h200"):
     dated = results_dir / f"{prefix}-{doc['date']}.json"
     write_json(latest, doc)
     write_json(dated, doc)
-    Path(md_path).write_text(markdown(doc))
+    Path(md_path).write_text(markdown(doc, prefix))
     paths = [latest, dated, Path(md_path)]
     try:
         paths += plot_results(doc, results_dir)
@@ -511,9 +725,10 @@ def write_outputs(doc, results_dir, md_path, prefix="h200"):
 
 
 def make_pool(shape, sets, seed=1):
-    """Input sets: q [sets,b,1,hq,d] and k, v [sets,b,L,hkv,d] bf16, random (never zeros); for
-    fp8 rows also their e4m3 copies k8, v8 (value / FP8_SCALE, clamped), q8 for FA3's fp8 path,
-    the scale tensors and FA3's descales."""
+    """Input sets: q [sets,b,q_len,hq,d] and k, v [sets,b,L,hkv,d] bf16, random (never zeros);
+    for fp8 rows also their e4m3 copies k8, v8 (value / FP8_SCALE, clamped), q8 for FA3's fp8
+    path, the scale tensors and FA3's descales; for sink rows the float32 [hq] sink logits (one
+    tensor: every set's calls take the same)."""
     import torch
 
     s = shape
@@ -527,6 +742,10 @@ def make_pool(shape, sets, seed=1):
         k[i].normal_(generator=gen)
         v[i].normal_(generator=gen)
     pool = {"q": q, "k": k, "v": v}
+    if s.get("sinks"):
+        sink_gen = torch.Generator(device="cuda").manual_seed(SINK_SEED)
+        pool["sinks"] = (torch.rand(s["hq"], generator=sink_gen, device="cuda",
+                                    dtype=torch.float32) * 2 - 1) * SINK_RANGE
     if kv_dtype(s) == "fp8_e4m3":
         f8 = torch.float8_e4m3fn
         pool["k8"] = torch.empty(k.shape, device="cuda", dtype=f8)
@@ -551,13 +770,16 @@ def sdpa_layout(pool):
     }
 
 
-def reference(q, k, v):
-    """fp32 attention of q [b,1,hq,d] over k, v [b,L,hkv,d]: [b, hq, d].
+def reference(q, k, v, window=None, softcap=0.0, sinks=None):
+    """fp32 attention of q [b,q_len,hq,d] over k, v [b,L,hkv,d]: [b, hq, d] for one token
+    without score modifiers, else [b, q_len, hq, d] (reference_mods).
 
     One request at a time, so the fp32 upcast of the largest shape (batch 128, 16 GiB of bf16 KV)
     needs only one request's worth of memory."""
     import torch
 
+    if q.shape[1] > 1 or window is not None or softcap or sinks is not None:
+        return reference_mods(q, k, v, window, softcap, sinks)
     b, _, hq, d = q.shape
     group = hq // k.shape[2]
     out = torch.empty(b, hq, d, device=q.device, dtype=torch.float32)
@@ -569,6 +791,51 @@ def reference(q, k, v):
         out[i] = (p @ vi).squeeze(1)
         del ki, vi, p
     return out
+
+
+def reference_mods(q, k, v, window, softcap, sinks):
+    """fp32 decode attention with score modifiers: [b, q_len, hq, d].
+
+    Token i of a request of length L sees positions 0 .. L - q_len + i, with a window only those
+    >= (L - q_len + i) - window; the scaled scores s become softcap * tanh(s / softcap), then the
+    head's sink logit joins the softmax denominator (it adds no value). The rows of one KV head
+    (its query heads times the new tokens) go through one matmul: no K / V copy per query head."""
+    import torch
+
+    b, q_len, hq, d = q.shape
+    L, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    rows = group * q_len  # row r of a KV head: query head r // q_len of the group, token r % q_len
+    pos = torch.arange(L, device=q.device)
+    last = L - q_len + torch.arange(q_len, device=q.device)  # each new token's own position
+    hidden = pos[None, :] > last[:, None]  # [q_len, L]
+    if window is not None:
+        hidden |= pos[None, :] < (last - window)[:, None]
+    hidden = hidden.repeat(group, 1)  # [rows, L]
+    sink = None
+    if sinks is not None:
+        sink = sinks.float().view(hkv, group, 1).expand(hkv, group, q_len).reshape(hkv, rows, 1)
+    out = torch.empty(b, q_len, hq, d, device=q.device, dtype=torch.float32)
+    for i in range(b):
+        qi = q[i].float().permute(1, 0, 2).reshape(hkv, rows, d)
+        ki = k[i].float().transpose(0, 1)  # [hkv, L, d]
+        vi = v[i].float().transpose(0, 1)
+        sc = qi @ ki.transpose(1, 2) / math.sqrt(d)  # [hkv, rows, L]
+        if softcap:
+            sc = softcap * torch.tanh(sc / softcap)
+        sc.masked_fill_(hidden, float("-inf"))
+        if sink is not None:
+            sc = torch.cat([sc, sink], dim=-1)
+        p = torch.softmax(sc, dim=-1)[..., :L]
+        out[i] = (p @ vi).reshape(hq, q_len, d).transpose(0, 1)
+        del ki, vi, sc, p
+    return out
+
+
+def ref_mods(shape, pool):
+    """reference()'s score-modifier arguments for a row."""
+    return {"window": window_of(shape), "softcap": softcap_of(shape),
+            "sinks": pool.get("sinks")}
 
 
 def rel_err(out, ref):
@@ -607,37 +874,65 @@ def load_impls(names):
     return handles
 
 
-def make_call(name, handle, pool, sdpa):
-    """call(s) -> output tensor of set s, for one implementation in its native layout."""
+def kvstream_mods(shape, pool):
+    """kvstream.decode's score-modifier arguments for a row (none for a plain row)."""
+    mods = {}
+    if window_of(shape) is not None:
+        mods["window_size"] = (window_of(shape), 0)
+    if softcap_of(shape):
+        mods["softcap"] = softcap_of(shape)
+    if shape.get("sinks"):
+        mods["sinks"] = pool["sinks"]
+    return mods
+
+
+def fa3_mods(shape):
+    """flash_attn_with_kvcache's arguments for a row's features (none for a plain single-token
+    row: the call stays the main matrix's). causal=True aligns the mask bottom-right, which is
+    decode's rule for several new tokens; FA3 makes a window's right side 0 under it."""
+    mods = {}
+    if shape["q_len"] > 1 or window_of(shape) is not None:
+        mods["causal"] = True
+        mods["window_size"] = (window_of(shape), 0) if window_of(shape) is not None else (-1, -1)
+    if softcap_of(shape):
+        mods["softcap"] = softcap_of(shape)
+    return mods
+
+
+def make_call(name, handle, pool, sdpa, shape=None):
+    """call(s) -> output tensor of set s, for one implementation in its native layout, with the
+    row's features (``shape``; None: a plain row)."""
     import torch
     import torch.nn.functional as F
 
     fp8 = "k8" in pool
+    kmods = kvstream_mods(shape, pool) if shape else {}
+    fmods = fa3_mods(shape) if shape else {}
     if name == "kvstream" and fp8:
         outs = torch.empty_like(pool["q"])
 
         def call(s):
             return handle.decode(pool["q"][s], pool["k8"][s], pool["v8"][s], out=outs[s],
-                                 k_scale=pool["scale"], v_scale=pool["scale"])
+                                 k_scale=pool["scale"], v_scale=pool["scale"], **kmods)
 
     elif name in ("kvstream", "kvstream_bf16"):
         outs = torch.empty_like(pool["q"])  # preallocated: the binding then allocates nothing
 
         def call(s):
-            return handle.decode(pool["q"][s], pool["k"][s], pool["v"][s], out=outs[s])
+            return handle.decode(pool["q"][s], pool["k"][s], pool["v"][s], out=outs[s], **kmods)
 
     elif name == "fa3" and fp8:
 
         def call(s):
             return handle(pool["q8"][s], pool["k8"][s], pool["v8"][s], num_splits=0,
                           q_descale=pool["q_descale"], k_descale=pool["descale"],
-                          v_descale=pool["descale"])
+                          v_descale=pool["descale"], **fmods)
 
     elif name == "fa3":
 
         def call(s):
             # cache_seqlens not passed: every request uses all L positions (uniform matrix).
-            return handle(pool["q"][s], pool["k"][s], pool["v"][s], num_splits=0)
+            return handle(pool["q"][s], pool["k"][s], pool["v"][s], num_splits=0, **fmods)
 
     else:
         from torch.nn.attention import sdpa_kernel
@@ -716,8 +1011,18 @@ def kvstream_plan(kvstream, shape):
     """(splits, mode) of the binding's default plan for the shape."""
     s = shape
     fp8 = kv_dtype(s) if kv_dtype(s) != s["dtype"] else None
+    # only what differs from the defaults: a plain row's call is the one the main matrix makes
+    extra = {}
+    if s["q_len"] > 1:
+        extra["q_len"] = s["q_len"]
+    if window_of(s) is not None:
+        extra["window_size"] = (window_of(s), 0)
+    if softcap_of(s):
+        extra["softcap"] = softcap_of(s)
+    if s.get("sinks"):
+        extra["sinks"] = True
     plan = kvstream._native.validate(s["batch"], s["hq"], s["hkv"], s["d"], s["L"], s["dtype"],
-                                     kv_dtype=fp8)
+                                     kv_dtype=fp8, **extra)
     return parse_plan(plan)
 
 
@@ -727,24 +1032,31 @@ def measure_attention(shape, handles, rounds):
 
     results = {name: {"error": err} for name, (h, err) in handles.items() if err}
     live = [name for name, (h, err) in handles.items() if not err]
+    for name in list(live):  # a peer without the row's features is not called
+        lacking = unsupported(name, shape)
+        if lacking:
+            results[name] = {"error": f"unsupported: {lacking}"}
+            live.remove(name)
     if not live:
-        return results
+        return {name: results[name] for name in handles if name in results}
     sets = pool_sets(shape)
     io = io_bytes(shape)
-    pool = sdpa = ref = ref8 = None
+    pool = sdpa = ref = ref8 = mods = None
     graphs, outs = {}, {}
     call = graph = out = None
     try:
         pool = make_pool(shape, sets)
-        if any(n in ("cudnn", "sdpa_flash") for n in live):
+        if any(n in SDPA_PEERS for n in live):
             sdpa = sdpa_layout(pool)
-        ref = reference(pool["q"][0], pool["k"][0], pool["v"][0])
+        mods = ref_mods(shape, pool)
+        ref = reference(pool["q"][0], pool["k"][0], pool["v"][0], **mods)
         # fp8 rows: what kvstream and FA3 were given, dequantised
         ref8 = None if "k8" not in pool else reference(
-            pool["q"][0], pool["k8"][0].float() * FP8_SCALE, pool["v8"][0].float() * FP8_SCALE)
+            pool["q"][0], pool["k8"][0].float() * FP8_SCALE, pool["v8"][0].float() * FP8_SCALE,
+            **mods)
         for name in live:
             try:
-                call = make_call(name, handles[name][0], pool, sdpa)
+                call = make_call(name, handles[name][0], pool, sdpa, shape)
                 graph, out = capture(call, sets)
                 for o in out:  # a graph that writes nothing must fail the check
                     o.fill_(float("nan"))
@@ -770,8 +1082,8 @@ def measure_attention(shape, handles, rounds):
             results.setdefault(name, {"error": f"shape setup: {short_error(e)}"})
     finally:
         # The closures and graphs hold the pool: drop every reference before emptying the cache.
-        call = graph = out = None
-        del graphs, outs, pool, sdpa, ref, ref8, call, graph, out
+        call = graph = out = mods = None
+        del graphs, outs, pool, sdpa, ref, ref8, call, graph, out, mods
         gc.collect()
         torch.cuda.empty_cache()
     if "kvstream" in results and "error" not in results["kvstream"]:
@@ -951,6 +1263,7 @@ def run_gpu(args, shapes, impls, rounds):
     doc = {
         "date": datetime.date.today().isoformat(),
         "commit": args.commit or git_commit(),
+        **({"kind": args.kind} if args.kind else {}),
         "gpu": torch.cuda.get_device_name(0),
         "read_ceiling_GBps": round(CEILING_BYTES / ceiling_us / 1e3, 1),
         "rows": [],
@@ -966,7 +1279,8 @@ def run_gpu(args, shapes, impls, rounds):
     for i, shape in enumerate(shapes, 1):
         sets = pool_sets(shape)
         row = {k: shape[k] for k in ("id", "group", "batch", "q_len", "hq", "hkv", "d", "L",
-                                     "dtype", "kv_dtype") if k in shape}
+                                     "dtype", "kv_dtype", "window", "softcap", "sinks")
+               if k in shape}
         row["io_bytes"] = io_bytes(shape)
         row["sets"] = sets
         try:
@@ -987,8 +1301,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="See the module docstring for the method.")
-    ap.add_argument("--matrix", default=str(REPO / "bench" / "matrix.json"),
-                    help="matrix JSON (default: bench/matrix.json)")
+    ap.add_argument("--matrix",
+                    help="matrix JSON (default: bench/matrix.json; with --merge, the matrix of "
+                         "the runs' kind)")
     ap.add_argument("--ids", type=lambda s: [x for x in s.split(",") if x],
                     help="comma-separated shape ids to run (default: all)")
     ap.add_argument("--impls", type=lambda s: [x for x in s.split(",") if x],
@@ -999,8 +1314,13 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=9, help=f"timed rounds (>= {MIN_ROUNDS})")
     ap.add_argument("--commit", help="commit of the measured code (default: git rev-parse)")
     ap.add_argument("--results-dir", default=str(REPO / "bench" / "results"))
-    ap.add_argument("--md", default=str(REPO / "bench" / "RESULTS.md"),
-                    help="markdown report path (default: bench/RESULTS.md)")
+    ap.add_argument("--md",
+                    help="markdown report path (default: bench/RESULTS.md; RESULTS-fp8.md with "
+                         "--kv-dtype fp8_e4m3, RESULTS-<kind>[-fp8].md for a matrix with a kind "
+                         "such as bench/matrix-models.json)")
+    ap.add_argument("--out-prefix", default="h200",
+                    help="start of the results files' names (default: h200): "
+                         "<prefix>[-<kind>][-fp8]-latest.json, -DATE.json, -partial.json")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8_e4m3"), default="bf16",
                     help="cache dtype: fp8_e4m3 runs the FP8 comparison (see the docstring)")
     ap.add_argument("--plot-only", metavar="JSON",
@@ -1012,11 +1332,10 @@ def parse_args(argv=None):
                          "(each shape once, in --matrix order) into the latest and dated files, "
                          "--md and the plots")
     args = ap.parse_args(argv)
-    args.prefix = "h200" if args.kv_dtype == "bf16" else "h200-fp8"
     if args.kv_dtype == "fp8_e4m3":
         use_fp8_impls()
-        if args.md == str(REPO / "bench" / "RESULTS.md"):
-            args.md = str(REPO / "bench" / "RESULTS-fp8.md")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.out_prefix):
+        ap.error("--out-prefix must be a plain file-name part")
     if args.impls is None:
         args.impls = list(IMPLS)
     bad = [x for x in args.impls if x not in IMPLS]
@@ -1029,6 +1348,15 @@ def parse_args(argv=None):
     if sum(bool(x) for x in (args.plot_only, args.report_only, args.merge)) > 1:
         ap.error("--plot-only, --report-only and --merge exclude each other")
     return args
+
+
+def resolve_outputs(args, kind, fp8):
+    """args.prefix (results files) and args.md for a run or document of this matrix kind and
+    cache dtype: "h200", "h200-fp8", "h200-models", ... and bench/RESULTS<same suffix>.md."""
+    tag = output_tag(kind, fp8)
+    args.prefix = f"{args.out_prefix}{tag}"
+    if args.md is None:
+        args.md = str(REPO / "bench" / f"RESULTS{tag}.md")
 
 
 def use_fp8_impls():
@@ -1071,32 +1399,36 @@ def main(argv=None):
     args = parse_args(argv)
     if args.merge:
         docs = [json.loads(Path(p).read_text()) for p in args.merge]
-        ids = [s["id"] for s in json.loads(Path(args.matrix).read_text())["shapes"]]
+        kind = docs[0].get("kind")
+        matrix = args.matrix or REPO / "bench" / (f"matrix-{kind}.json" if kind else "matrix.json")
+        ids = [s["id"] for s in json.loads(Path(matrix).read_text())["shapes"]]
         doc = merge_docs(docs, ids)
         fp8 = any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"])
         if fp8:
             use_fp8_impls()
-            if args.md == str(REPO / "bench" / "RESULTS.md"):
-                args.md = str(REPO / "bench" / "RESULTS-fp8.md")
+        resolve_outputs(args, kind, fp8)
         for line in summary_lines(doc["summary"]):
             print(line)
-        for p in write_outputs(doc, args.results_dir, args.md, "h200-fp8" if fp8 else "h200"):
+        for p in write_outputs(doc, args.results_dir, args.md, args.prefix):
             print(f"wrote {shown(p)}")
         return 0
     if args.plot_only or args.report_only:
         path = Path(args.plot_only or args.report_only)
         doc = json.loads(path.read_text())
-        if any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"]):
+        fp8 = any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"])
+        if fp8:
             use_fp8_impls()
-            if args.md == str(REPO / "bench" / "RESULTS.md"):
-                args.md = str(REPO / "bench" / "RESULTS-fp8.md")
+        resolve_outputs(args, doc.get("kind"), fp8)
         if args.report_only:
             doc.setdefault("summary", summarize(doc["rows"]))
-            Path(args.md).write_text(markdown(doc))
+            Path(args.md).write_text(markdown(doc, args.prefix))
             print(f"wrote {shown(args.md)}")
         for p in plot_results(doc, path.parent):
             print(f"wrote {shown(p)}")
         return 0
+    args.matrix = args.matrix or str(REPO / "bench" / "matrix.json")
+    args.kind = matrix_kind(args.matrix)
+    resolve_outputs(args, args.kind, args.kv_dtype != "bf16")
     shapes = load_matrix(args.matrix, args.ids, args.quick)
     if args.kv_dtype != "bf16":
         shapes = [dict(s, kv_dtype=args.kv_dtype) for s in shapes]

@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: jit demo sanitize sass gputests pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
+# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -106,6 +106,15 @@ if want compare; then
     python3 bench/compare.py --matrix bench/matrix.json --commit "${COMMIT:-unknown}" ${COMPARE_ARGS:-} \
     2>&1 | tee $O/compare.txt | tail -80
   tar czf $O/compare-results.tar.gz bench/results bench/RESULTS.md 2>/dev/null
+fi
+if want models; then
+  # the model matrix (bench/matrix-models.json: head dims 96 / 256, windows, softcap, sinks,
+  # large multi-token groups) against FA3 and cuDNN where they support a row; MODELS_ARGS e.g.
+  # `--ids a,b --rounds 7`
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout 560 \
+    python3 bench/compare.py --matrix bench/matrix-models.json --impls kvstream,fa3,cudnn --commit "${COMMIT:-unknown}" \
+    --results-dir $O/models --md $O/models/RESULTS-models.md ${MODELS_ARGS:-} 2>&1 | tee $O/models.txt | tail -40
 fi
 if want compare8; then
   # the FP8 comparison (bench/compare.py --kv-dtype fp8_e4m3): h200-fp8-latest.json, RESULTS-fp8.md
