@@ -170,6 +170,13 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
     if (lane == 0) *out = {total, lo, hi, req_base, s.per, req, s.ctas, (int)(blockIdx.x % p.col_lanes)};
 }
 
+// This CTA's place in its lane (schedule.cuh), and the workspace slot of its cut piece that
+// starts at tile `start` of the lane's sequence.
+__device__ __forceinline__ int lane_place(const PersistentParams& p) { return blockIdx.x / p.col_lanes; }
+__device__ __forceinline__ int piece_slot(const PersistentParams& p, const Schedule& s, int lane, long long start) {
+    return lane_slot(s.slot(lane_place(p), start), p.col_lanes, lane);
+}
+
 // The pieces of this CTA's range, in order; every role walks its own copy.
 template <int TILE_TOKENS>
 struct PieceWalk {

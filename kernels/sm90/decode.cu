@@ -9,6 +9,9 @@
 // CUDA graph replayed with any lengths stays balanced. A unit cut by CTA boundaries is merged
 // by the CTA whose piece arrives last (an arrival counter it resets itself: nothing is zeroed
 // between calls); the merge order is fixed, so results are bitwise reproducible.
+// With column lanes (p.col_lanes > 1, a KV head of several column blocks) the grid is dealt
+// into one lane per block, each lane scheduled over the same tiles for its own block, so that
+// L2 serves the other lanes' reads (schedule.cuh); workspace slots interleave the lanes.
 //
 // Roles (CTA of 4 * CONSUMER_GROUPS consumer warps + PRODUCER_WARPS producer warps):
 //   scheduler  consumer warp 0 at entry: the total tile count and the request holding this
@@ -560,7 +563,8 @@ __device__ __forceinline__ void store_normalised(const PersistentParams& p, cons
 }
 
 // The unit's cut pieces, merged in CTA order by the CTA that parked the last of them. Piece i
-// of the unit is CTA c0 + i's; only the first can sit in its CTA's second slot. The pieces'
+// of the unit is that of the CTA at place c0 + i of the lane; only the first can sit in its
+// CTA's second slot. The pieces'
 // statistics go to shared memory first (the epilogue scratch, free again: the caller has
 // synchronised). Then `split` adjacent threads share each group of four head dims (as many
 // as the threads allow, up to a warp), thread j of them summing pieces j, j + split, ...
@@ -568,11 +572,11 @@ __device__ __forceinline__ void store_normalised(const PersistentParams& p, cons
 // a fixed order: one L2 round trip per MERGE_LOADS x split pieces, bitwise reproducible.
 constexpr int MERGE_LOADS = 16;
 __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Schedule& s, const Piece& pc,
-                                           const Columns& cols, const float (&v_scale)[HEADS_PER_ROW],
-                                           float* scratch) {
+                                           int lane, const Columns& cols,
+                                           const float (&v_scale)[HEADS_PER_ROW], float* scratch) {
     const int c0 = s.cta_of(pc.start), pieces = s.cta_of(pc.start + pc.tiles - 1) - c0 + 1;
-    const int first_slot = s.slot(c0, pc.start);
-    auto slot_of = [&](int i) { return 2 * (c0 + i) + (i == 0 ? first_slot - 2 * c0 : 0); };
+    const int first_slot = lane_slot(s.slot(c0, pc.start), p.col_lanes, lane);
+    auto slot_of = [&](int i) { return i == 0 ? first_slot : lane_slot(2 * (c0 + i), p.col_lanes, lane); };
     float* piece_m = scratch;                        // [count][pieces]
     float* piece_l = scratch + cols.count * pieces;  // [count][pieces]
     for (int j = threadIdx.x; j < cols.count * pieces; j += CONSUMER_THREADS) {
@@ -715,9 +719,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         const Ring ring = {smem_addr(smem + SharedPlan::ring), smem_addr(k_full), smem_addr(v_full),
                            smem_addr(empty), smem_addr(smem + SharedPlan::q), smem_addr(q_full),
                            smem_addr(q_empty)};
-        const u64 policy = KV_L2 == 0 ? l2_policy_evict_first()
-                           : KV_L2 == 1 ? l2_policy_evict_normal()
-                                        : l2_policy_evict_last();
+        // column lanes read every tile once per lane: L2 keeps it for the others
+        const u64 policy = KV_L2 == 2          ? l2_policy_evict_last()
+                           : KV_L2 == 1 || p.col_lanes > 1 ? l2_policy_evict_normal()
+                                                            : l2_policy_evict_first();
         if constexpr (GATHER) {
             const int w = warp - PRODUCER_WARP;
             produce_gathered(p, ring, st, policy, w,
@@ -777,13 +782,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         float m_run[N_TILES][2], l_run[N_TILES][2];
         float score_scale[N_TILES][2];  // softmax scale x the K scale of each column's head
         const bool capped = p.softcap_log2 > 0.f;
-        // Every column of the piece sees positions within [unit_low, pc.len) and at least
-        // [max_low, min_high) of them (token 0 sees the least far, the last token the least
-        // far back): only tiles reaching past those bounds need masks. V rows below unit_low
-        // are cleared like those past the length (they may be stale pages).
-        const VisibleRange first_token = visible_range(pc.len, p.q_len, 0, p.window_left, p.window_right);
-        const int unit_low = first_token.low, min_high = first_token.high;
-        const int max_low = visible_range(pc.len, p.q_len, p.q_len - 1, p.window_left, p.window_right).low;
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt) {
 #pragma unroll
@@ -810,7 +808,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             const u32 k_tile = ring_base + stage * STAGE_BYTES;
             const u32 v_tile = k_tile + TILE_BYTES;
             const int tile_begin = pc.tile_begin(k, TILE_TOKENS);
-            const bool masked = tile_begin + TILE_TOKENS > min_high || tile_begin < max_low;
+            // Every column of the piece sees positions within [unit_low, pc.len) and at least
+            // [max_low, min_high) of them (token 0 sees the least far, the last token the least
+            // far back): only tiles reaching past those bounds need masks, in the scores and in
+            // V (whose rows below unit_low, stale pages perhaps, are cleared like those past the
+            // length). Worked out per tile from the parameters: a few integer operations, no
+            // registers held across the loop.
+            const VisibleRange first_token = visible_range(pc.len, p.q_len, 0, p.window_left, p.window_right);
+            const int unit_low = first_token.low;
+            const bool masked =
+                tile_begin + TILE_TOKENS > first_token.high ||
+                tile_begin < visible_range(pc.len, p.q_len, p.q_len - 1, p.window_left, p.window_right).low;
 
 #pragma unroll
             for (int ms0 = 0; ms0 < M_SLICES; ms0 += SOFTMAX_SLICES) {
@@ -913,7 +921,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                     // last tile, and those before the window in its first. Lane holds V^T
                     // columns (positions) 2*(lane%4) + {0,1} in a[0..1] and 8 more in a[2..3].
                     u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
-                    if (tile_begin + TILE_TOKENS > pc.len || tile_begin < unit_low) {
+                    if (masked) {
                         const int t0 = tile_begin + slice_row + 2 * (lane % 4);
                         auto kept = [&](int t) { return t < pc.len && t >= unit_low; };
                         keep_lo = (kept(t0) ? 0x0000ffffu : 0u) | (kept(t0 + 1) ? 0xffff0000u : 0u);
@@ -979,8 +987,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         // Sum the warps in a fixed order: four head-dim elements per thread per step.
         const bool whole = pc.whole();
         const long long piece_start = pc.start + pc.first;
-        const long long slot_row =
-            whole ? 0 : (long long)sched.slot(blockIdx.x, piece_start) * GROUP_PAD;
+        const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, piece_start) * GROUP_PAD;
         for (int i = threadIdx.x; i < cols.count * (Q_DIM / 4); i += CONSUMER_THREADS) {
             const int g = i / (Q_DIM / 4), d = (i % (Q_DIM / 4)) * 4;  // d: of the column's head
             const int part = cols.part(p, g);
@@ -1026,7 +1033,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             named_barrier_sync(1, CONSUMER_THREADS);
             if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
             if (*merge_flag) {
-                merge_unit(p, sched, pc, cols, v_scale, merge);
+                merge_unit(p, sched, pc, st.lane, cols, v_scale, merge);
                 if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);
             }
         }

@@ -362,13 +362,6 @@ __device__ __forceinline__ float lse_of(float m, float l) {
     return l > 0.f ? (m + __log2f(l)) * 0.69314718055994531f : neg_inf();
 }
 
-// This CTA's place in its lane (schedule.cuh), and the workspace slot of its cut piece that
-// starts at tile `start` of the lane's sequence.
-__device__ __forceinline__ int lane_place(const PersistentParams& p) { return blockIdx.x / p.col_lanes; }
-__device__ __forceinline__ int piece_slot(const PersistentParams& p, const Schedule& s, int lane, long long start) {
-    return lane_slot(s.slot(lane_place(p), start), p.col_lanes, lane);
-}
-
 // Slot of piece i of a cut unit whose pieces lie in the CTAs at places c0, c0 + 1, ... of a
 // lane: only the first can sit in its CTA's second slot (schedule.cuh).
 struct CutUnit {

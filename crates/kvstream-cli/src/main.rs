@@ -89,6 +89,9 @@ pub struct ShapeArgs {
     /// Attention sinks: one random f32 logit per query head joins each softmax (gpt-oss).
     #[arg(long)]
     pub sinks: bool,
+    /// Persistent engine: one lane of CTAs per column block (more than 32 query rows a KV head).
+    #[arg(long)]
+    pub column_lanes: bool,
 }
 
 /// `--window LEFT[,RIGHT]` as a [`Window`].
@@ -206,6 +209,7 @@ impl ShapeArgs {
             reduction: self.reduction.as_deref().map(str::parse).transpose()?,
             device_plan: self.device_plan,
             engine: self.engine.as_deref().map(str::parse).transpose()?,
+            persistent_column_lanes: self.column_lanes.then_some(true),
             ..ring
         };
         Ok((p, opts))

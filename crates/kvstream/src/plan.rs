@@ -398,6 +398,8 @@ pub struct PersistentPlan {
     pub min_tiles_per_cta: usize,
     /// Column blocks per KV head (per pair of heads where `variant.heads_per_row` is 2).
     pub col_blocks: usize,
+    /// Lanes of CTAs (schedule.cuh): 1, or `col_blocks` ([`PlanOptions::persistent_column_lanes`]).
+    pub col_lanes: usize,
     /// Launch with PDL.
     pub pdl: bool,
     /// L2 promotion of the K and V tensor maps.
@@ -512,11 +514,19 @@ pub fn plan_persistent(
     }
     let grid = persistent_grid(device, &options)?;
     let min_tiles_per_cta = min_tiles_per_cta(&options, PERSISTENT_MIN_TILES_PER_CTA)?;
+    let col_blocks = variant.column_blocks(problem);
+    // a lane needs one CTA at least
+    let col_lanes = if options.persistent_column_lanes == Some(true) && col_blocks <= grid {
+        col_blocks
+    } else {
+        1
+    };
     Ok(PersistentPlan {
         variant,
         grid,
         min_tiles_per_cta,
-        col_blocks: variant.column_blocks(problem),
+        col_blocks,
+        col_lanes,
         pdl: !options.disable_pdl,
         kv_promotion: kv_promotion(problem, options),
     })
@@ -875,6 +885,10 @@ impl PlanOptions {
         [
             ("persistent_ctas", self.persistent_ctas.is_some()),
             ("min_tiles_per_cta", self.min_tiles_per_cta.is_some()),
+            (
+                "persistent_column_lanes",
+                self.persistent_column_lanes.is_some(),
+            ),
         ]
         .into_iter()
         .find_map(|(name, set)| set.then_some(name))
@@ -1138,6 +1152,12 @@ pub struct PlanOptions {
     /// Tuning knob of both engines: the L2 promotion of the K and V tensor maps instead of
     /// [`crate::launch::TmaPromotion::default`].
     pub kv_promotion: Option<crate::launch::TmaPromotion>,
+    /// Persistent engine, knob: `true` deals the grid into one lane of CTAs per column block
+    /// where a KV head has several (more than 32 query rows: large multi-token groups), each
+    /// lane streaming the same tiles for its block so that L2 serves the other lanes' reads
+    /// (schedule.cuh, "lanes"); `false` or `None`: one sequence of every unit. Not yet the
+    /// default: not yet measured on the GQA kernel (bench/NOTES.md, "Model coverage").
+    pub persistent_column_lanes: Option<bool>,
 }
 
 /// Shared memory of one H100/H200 SM, and what the hardware reserves per resident CTA.
@@ -1933,6 +1953,35 @@ mod tests {
         assert_eq!(engine(&b1(131_072, KvDType::Fp8E4m3)), "persistent x2");
         assert_eq!(engine(&b1(32_768, KvDType::Fp8E4m3)), "split");
         assert_eq!(engine(&b1(131_072, KvDType::AsQuery)), "split");
+    }
+
+    #[test]
+    fn column_lanes_follow_the_knob_and_the_column_blocks() {
+        // 64/8 heads x 8 new tokens: 64 rows a KV head, two blocks of 32
+        let p = DecodeProblem::new(4, 64, 8, 128, 4096, DType::Bf16)
+            .unwrap()
+            .with_q_len(8)
+            .unwrap();
+        let lanes = |p: &DecodeProblem, on: Option<bool>| {
+            let o = PlanOptions {
+                persistent_column_lanes: on,
+                ..Default::default()
+            };
+            let plan = persistent(p, o).unwrap();
+            (plan.col_blocks, plan.col_lanes)
+        };
+        assert_eq!(lanes(&p, None), (2, 1));
+        assert_eq!(lanes(&p, Some(false)), (2, 1));
+        assert_eq!(lanes(&p, Some(true)), (2, 2));
+        // one block: nothing to deal
+        let one = DecodeProblem::new(4, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        assert_eq!(lanes(&one, Some(true)), (1, 1));
+        // the knob selects the persistent engine
+        let o = PlanOptions {
+            persistent_column_lanes: Some(true),
+            ..Default::default()
+        };
+        assert!(choose(&p, DeviceFacts::H200, o).unwrap().split().is_none());
     }
 
     #[test]

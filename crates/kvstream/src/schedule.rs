@@ -230,6 +230,7 @@ pub fn lane_slot(slot: usize, lanes: usize, lane: usize) -> usize {
 /// by CTA, `lanes` x the schedule's working CTAs of them.
 pub fn pieces_in_lanes(
     lens: &[usize],
+    window: TileWindow,
     units: usize,
     lanes: usize,
     tile_tokens: usize,
@@ -237,7 +238,14 @@ pub fn pieces_in_lanes(
     min_tiles: usize,
 ) -> (Schedule, Vec<Vec<Piece>>) {
     assert!(lanes >= 1 && units % lanes == 0 && grid >= lanes);
-    let (s, per_place) = pieces(lens, units / lanes, tile_tokens, grid / lanes, min_tiles);
+    let (s, per_place) = pieces_in_window(
+        lens,
+        window,
+        units / lanes,
+        tile_tokens,
+        grid / lanes,
+        min_tiles,
+    );
     let mut out = Vec::with_capacity(per_place.len() * lanes);
     for list in &per_place {
         for lane in 0..lanes {
@@ -396,7 +404,7 @@ mod tests {
             let lanes = 1 + (rng.next() % 4) as usize;
             let grid = lanes + (rng.next() % 140) as usize;
             let lens: Vec<usize> = (0..batch).map(|_| (rng.next() % 9000) as usize).collect();
-            let (s, per_cta) = pieces_in_lanes(&lens, lanes, lanes, 64, grid, 2);
+            let (s, per_cta) = pieces_in_lanes(&lens, TileWindow::NONE, lanes, lanes, 64, grid, 2);
             assert_eq!(per_cta.len(), s.ctas * lanes);
             let mut seen = std::collections::HashMap::new();
             let mut slots = std::collections::HashSet::new();

@@ -758,11 +758,12 @@ fn check_schedule(
             pp.variant.tile_tokens,
         ),
     };
-    let (_, want) = kvstream::schedule::pieces_in_window(
+    let (_, want) = kvstream::schedule::pieces_in_lanes(
         &clamped,
         window,
         // units of the kernel's view (paired heads: one per pair)
         pp.kernel_problem(p).hkv * pp.col_blocks,
+        pp.col_lanes,
         pp.variant.tile_tokens,
         pp.grid,
         pp.min_tiles_per_cta,

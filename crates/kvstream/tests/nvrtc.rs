@@ -56,7 +56,8 @@ fn every_variant_compiles_to_sm90a_without_spills_with_its_sass_facts() {
             // one CTA of 160 threads per SM: 65536 registers / 160 threads
             assert!(r.registers <= 255, "{}: {r}", var.name());
             assert!(d.shared_bytes() <= 227 * 1024);
-            check_decode_sass(&var.name(), &c.cubin, d.n_tiles, KvCopies::Tma, d.kv_dtype);
+            let shape = (d.n_tiles, d.head_dim, d.tile_tokens);
+            check_decode_sass(&var.name(), &c.cubin, shape, KvCopies::Tma, d.kv_dtype);
         }
         if let AnyVariant::Persistent(d) = v {
             // one CTA per SM: its threads share the register file, and the shared memory fits
@@ -70,7 +71,8 @@ fn every_variant_compiles_to_sm90a_without_spills_with_its_sass_facts() {
                 KvSource::PagedGather => KvCopies::Gathered,
                 KvSource::Contiguous | KvSource::PagedBoxes => KvCopies::Tma,
             };
-            check_decode_sass(&var.name(), &c.cubin, d.n_tiles, copies, d.kv_dtype);
+            let shape = (d.n_tiles, d.head_dim, d.tile_tokens);
+            check_decode_sass(&var.name(), &c.cubin, shape, copies, d.kv_dtype);
         }
         if let AnyVariant::Mla(m) = v {
             // the producer warpgroup hands its registers to the consumers (setmaxnreg): the

@@ -42,12 +42,14 @@ pub enum KvCopies {
     Gathered,
 }
 
-/// The SASS facts of one decode variant with `n_tiles` n8 tiles of query rows: per m16 slice
-/// and n8 tile, d/16 HMMA for S^T and d/16 for O^T in the one KV loop.
+/// The SASS facts of one decode variant with `n_tiles` n8 tiles of query rows, rows of
+/// `head_dim` dims and tiles of `tile_tokens` positions (four warps of tile_tokens / 64 m16
+/// slices each): per m16 slice and n8 tile, d/16 HMMA for S^T and d/16 for O^T in the one KV
+/// loop.
 pub fn check_decode_sass(
     name: &str,
     cubin: &[u8],
-    n_tiles: usize,
+    (n_tiles, head_dim, tile_tokens): (usize, usize, usize),
     copies: KvCopies,
     kv_dtype: KvDType,
 ) {
@@ -61,7 +63,8 @@ pub fn check_decode_sass(
         KvDType::AsQuery => assert_eq!(widened, 0, "{name}: e4m3 conversions"),
     }
     let hmma = count(&sass, "HMMA");
-    assert_eq!(hmma, 16 * n_tiles, "{name}: {hmma} HMMA");
+    let want = n_tiles * (tile_tokens / 64) * 2 * (head_dim / 16);
+    assert_eq!(hmma, want, "{name}: {hmma} HMMA");
     let (tma, ldgsts) = (count(&sass, "UTMALDG"), count(&sass, "LDGSTS"));
     match copies {
         KvCopies::Tma => assert!(tma > 0, "{name}: no TMA loads"),

@@ -267,6 +267,7 @@ fn mla_case<T: Half>(
     let clamped: Vec<usize> = lens.iter().map(|&l| l.min(p.max_len)).collect();
     let (_, model) = kvstream::schedule::pieces_in_lanes(
         &clamped,
+        kvstream::schedule::TileWindow::NONE,
         plan.col_blocks,
         plan.col_lanes,
         plan.variant.tile_tokens,

@@ -22,6 +22,9 @@ struct ModelCase {
     window: Window,
     softcap: Option<f32>,
     sinks: bool,
+    /// Column lanes ([`PlanOptions::persistent_column_lanes`]) where a KV head has several
+    /// column blocks.
+    lanes: bool,
     data_seed: u64,
 }
 
@@ -49,6 +52,7 @@ impl ModelCase {
                 },
                 softcap: Some(20.0),
                 sinks: true,
+                lanes: false,
                 data_seed: 0x5EED,
             };
         }
@@ -98,6 +102,7 @@ impl ModelCase {
             window,
             softcap: [None, None, Some(1.5), Some(20.0)][rng.below(4)],
             sinks: rng.below(2) == 0,
+            lanes: false,
             data_seed: rng.next_u64(),
         }
     }
@@ -151,6 +156,7 @@ fn run_model_case_as<T: Half>(
     let opts = PlanOptions {
         engine: Some(kvstream::Engine::Persistent),
         record_schedule: true,
+        persistent_column_lanes: c.lanes.then_some(true),
         ..Default::default()
     };
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
@@ -238,6 +244,84 @@ fn score_mods_and_head_dims_match_reference() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// Large multi-token groups (more than 32 query rows a KV head: several column blocks) with
+/// column lanes, each lane streaming the same tiles for its block: equal to the reference and
+/// the schedule model with lanes, bitwise reproducible; with windows, sinks, pages, e4m3.
+/// Expected run time: a few seconds.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn column_lanes_match_reference() {
+    let (rt, stream) = open_gpu();
+    let base = ModelCase {
+        dtype: DType::Bf16,
+        fp8: false,
+        head_dim: 128,
+        hq: 64,
+        hkv: 8,
+        q_len: 8,
+        max_len: 1500,
+        lens: vec![1500, 0, 9, 777],
+        page_size: None,
+        window: Window::CAUSAL,
+        softcap: None,
+        sinks: false,
+        lanes: true,
+        data_seed: 0x1A4E5,
+    };
+    let cases = [
+        base.clone(),
+        // 128 query rows a KV head: four lanes
+        ModelCase {
+            hq: 32,
+            hkv: 2,
+            ..base.clone()
+        },
+        ModelCase {
+            head_dim: 64,
+            q_len: 4,
+            window: Window {
+                left: Some(100),
+                right: Some(0),
+            },
+            sinks: true,
+            page_size: Some(16),
+            ..base.clone()
+        },
+        // d 256: blocks of 16 rows, 32 rows a KV head
+        ModelCase {
+            head_dim: 256,
+            hq: 16,
+            hkv: 1,
+            q_len: 2,
+            page_size: Some(64),
+            ..base.clone()
+        },
+        ModelCase {
+            fp8: true,
+            dtype: DType::F16,
+            softcap: Some(20.0),
+            ..base.clone()
+        },
+        ModelCase {
+            head_dim: 96,
+            q_len: 5,
+            lens: vec![1, 1500, 3, 64],
+            ..base.clone()
+        },
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        let errors =
+            run_model_case(&rt, &stream, c).unwrap_or_else(|e| panic!("case {i} {c:?}: {e}"));
+        println!(
+            "column lanes, case {i} (d {}, {} rows a KV head): max rel err {:.3e}, max lse err {:.3e}",
+            c.head_dim,
+            c.q_len * c.hq / c.hkv,
+            errors.rel,
+            errors.lse
+        );
+    }
 }
 
 /// A graph captured once, replayed with new lengths, equals eager calls and the reference, for
