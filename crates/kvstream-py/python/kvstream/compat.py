@@ -1,0 +1,480 @@
+"""FlashAttention-3's ``flash_attn_with_kvcache`` on kvstream.
+
+Code written against FA3's KV-cache call switches by changing one import::
+
+    # from flash_attn_interface import flash_attn_with_kvcache
+    from kvstream.compat import flash_attn_with_kvcache
+
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
+                                  cache_seqlens=lens, causal=True)
+
+Same parameters, defaults and semantics as FA3's function (hopper/flash_attn_interface.py);
+what kvstream cannot honour raises ``NotImplementedError`` naming the argument, never a silent
+difference. The call is built from :func:`kvstream.store_kv` (the append) and
+:func:`kvstream.decode` (the attention) plus a few small torch ops (rotary embedding, slots,
+lengths) on the current stream; nothing synchronises with the host. Importing this module needs
+neither torch nor a GPU (``import kvstream`` does not import it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple, Union
+
+from . import (
+    FP8_KV_DTYPES,
+    MAX_GROUP,
+    MAX_Q_LEN,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    SUPPORTED_PAGE_SIZES,
+    decode,
+    store_kv,
+)
+
+__all__ = ["flash_attn_with_kvcache"]
+
+_FN = "kvstream.compat.flash_attn_with_kvcache"
+_INT32 = "torch.int32"
+# Largest bounded window side kvstream takes, and float32's largest finite value (softcap).
+_MAX_WINDOW = 2**31 - 2
+_F32_MAX = 3.4028234663852886e38
+_FLOAT32 = "torch.float32"
+
+# FA3 arguments with no kvstream counterpart: refused when given (not None), with the reason.
+_UNSUPPORTED_TENSORS = (
+    ("qv", "FA3's extra query-value operand (qv) has no kvstream counterpart"),
+    ("cu_seqlens_q", "variable-length q is not supported: pass q as [batch, seqlen_q, nheads, "
+                     "headdim]"),
+    ("cu_seqlens_k_new", "variable-length k / v are not supported: pass them as [batch, "
+                         "seqlen_new, nheads_k, headdim]"),
+    ("max_seqlen_q", "it goes with cu_seqlens_q (variable-length q), which is not supported"),
+    ("rotary_seqlens", "rotary positions other than cache_seqlens are not supported"),
+    ("q_descale", "kvstream keeps q in bf16 / fp16 (an fp8 q is refused); fp8 caches take "
+                  "k_descale / v_descale"),
+    ("cache_leftpad", "caches that start past position 0 are not supported: store each "
+                      "request's rows from position 0, or map them with page_table"),
+    ("scheduler_metadata", "FA3's precomputed schedule (get_scheduler_metadata) has no kvstream "
+                           "counterpart; kvstream plans its own partition: drop the argument"),
+)
+
+
+def _unsupported(name: str, why: str) -> NotImplementedError:
+    return NotImplementedError(f"{_FN}: {name} is not supported: {why}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _shape(name: str, x: Any) -> Tuple[int, ...]:
+    """The shape of a tensor argument, as ints (TypeError for something else)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{_FN}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    return tuple(int(s) for s in x.shape)
+
+
+def _bool(name: str, x: Any) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{_FN}: {name} must be a bool, got {x!r} ({type(x).__name__})")
+    return x
+
+
+def _index_vector(name: str, x: Any, b: int) -> None:
+    """An int32 ``[b]`` tensor (cache_seqlens, cache_batch_idx)."""
+    shape = _shape(name, x)
+    if str(x.dtype) != _INT32:
+        raise TypeError(f"{_FN}: {name} has dtype {x.dtype}, allowed: torch.int32")
+    if shape != (b,):
+        raise ValueError(f"{_FN}: {name} has shape {list(shape)}, allowed: [{b}] (the batch of q)")
+
+
+def flash_attn_with_kvcache(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    k: Any = None,
+    v: Any = None,
+    qv: Any = None,
+    rotary_cos: Any = None,
+    rotary_sin: Any = None,
+    cache_seqlens: Optional[Union[int, Any]] = None,
+    cache_batch_idx: Any = None,
+    cache_leftpad: Any = None,
+    page_table: Any = None,
+    cu_seqlens_q: Any = None,
+    cu_seqlens_k_new: Any = None,
+    max_seqlen_q: Optional[int] = None,
+    rotary_seqlens: Any = None,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    attention_chunk: int = 0,
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    scheduler_metadata: Any = None,
+    num_splits: int = 0,
+    pack_gqa: Optional[bool] = None,
+    sm_margin: int = 0,
+    return_softmax_lse: bool = False,
+) -> Any:
+    """FlashAttention-3's ``flash_attn_with_kvcache`` (its signature, defaults and semantics),
+    served by :func:`kvstream.store_kv` and :func:`kvstream.decode`.
+
+    If ``k`` and ``v`` are given, they are written *in place* into ``k_cache`` / ``v_cache`` at
+    positions ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1`` of each request (rotated
+    first when ``rotary_cos`` / ``rotary_sin`` are given), and the attention then covers
+    ``cache_seqlens + seqlen_new`` positions; query token ``i`` sits at position
+    ``i + seqlen_k - seqlen_q`` (the causal mask aligned to the bottom right).
+
+    Args:
+        q: ``[batch, seqlen_q, nheads, headdim]`` bf16 or fp16 CUDA tensor; ``seqlen_q`` 1..8,
+            ``headdim`` 64, 96, 128 or 256, at most 32 query heads per KV head (else
+            ``NotImplementedError``).
+        k_cache, v_cache: ``[batch_size_cache, seqlen_cache, nheads_k, headdim]``, or page
+            pools ``[num_blocks, page_block_size, nheads_k, headdim]`` with ``page_table``
+            (page sizes 1, 2, 4, ..., 512); q's dtype, or both ``torch.float8_e4m3fn`` (then
+            ``k_descale`` / ``v_descale`` are their dequantisation scales). V's head dim must
+            be K's.
+        k, v: optional new tokens ``[batch, seqlen_new, nheads_k, headdim]`` of q's dtype
+            (quantised with the descales for an fp8 cache); need ``cache_seqlens``. Slots past
+            a request's capacity are skipped and the lengths attended cut to the capacity (FA3
+            leaves such calls undefined).
+        rotary_cos, rotary_sin: optional ``[seqlen_ro, rotary_dim / 2]`` tables (q's dtype or
+            float32), only with ``k`` / ``v``: the new keys are rotated at positions
+            ``cache_seqlens[b] + i``; the queries at ``cache_seqlens[b] + i`` if ``causal`` or
+            local (a ``window_size`` bounding something), else all at ``cache_seqlens[b]``.
+            ``rotary_interleaved``: pairs (0, 1), (2, 3), ... (True) or (j, j + rotary_dim / 2)
+            (False, GPT-NeoX). Positions past ``seqlen_ro`` read its last row.
+        cache_seqlens: int, or int32 ``[batch]`` CUDA tensor: each request's cached length
+            before the append. None: the whole capacity (not allowed with ``k`` / ``v``).
+        cache_batch_idx: optional int32 ``[batch]``: the cache row of each batch entry
+            (contiguous caches only). A contiguous cache is read in place through a block
+            table over its rows (no copy); a strided one is gathered (a copy of those rows).
+        page_table: optional int32 ``[batch, max_num_blocks_per_seq]`` (kvstream's
+            ``block_table``).
+        k_descale, v_descale: fp8 caches only: float32 ``[batch, nheads_k]`` (FA3's; or
+            kvstream's ``[1]`` / ``[nheads_k]``) dequantisation scales, also the scales the
+            appended tokens are quantised with.
+        softmax_scale: default ``1 / sqrt(headdim)``.
+        causal: the causal mask (``window_size``'s right side becomes 0).
+        window_size: ``(left, right)`` sliding window, negative sides unbounded.
+        softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` when above 0.
+        num_splits, pack_gqa: FA3's performance hints; accepted and not used (kvstream plans
+            its own partition, which changes rounding only).
+        return_softmax_lse: also return the natural-log LSE, float32 ``[batch, nheads,
+            seqlen_q]``.
+
+    Refused with ``NotImplementedError`` (the argument named): ``qv``, ``cu_seqlens_q``,
+    ``cu_seqlens_k_new``, ``max_seqlen_q``, ``rotary_seqlens``, ``q_descale``,
+    ``cache_leftpad``, ``scheduler_metadata`` (any of them given), ``attention_chunk`` and
+    ``sm_margin`` other than 0, ``cache_batch_idx`` with ``page_table`` (index the table's
+    rows instead), an fp8 ``q``, and the shapes above kvstream does not serve.
+
+    Returns:
+        ``out`` ``[batch, seqlen_q, nheads, headdim]`` (q's dtype), or ``(out, softmax_lse)``
+        with ``return_softmax_lse``. A query row that sees no position gives zeros and an LSE
+        of ``-inf`` (FA3 gives ``+inf`` there when it does not split).
+    """
+    # ---- what kvstream cannot honour: refused before anything else ----
+    given = dict(qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
+                 max_seqlen_q=max_seqlen_q, rotary_seqlens=rotary_seqlens, q_descale=q_descale,
+                 cache_leftpad=cache_leftpad, scheduler_metadata=scheduler_metadata)
+    for name, why in _UNSUPPORTED_TENSORS:
+        if given[name] is not None:
+            raise _unsupported(name, why)
+    for name, value, why in (
+        ("attention_chunk", attention_chunk, "chunked attention (attention_chunk > 0) has no "
+                                             "kvstream counterpart; allowed: 0"),
+        ("sm_margin", sm_margin, "kvstream cannot leave SMs free; allowed: 0"),
+    ):
+        if not _is_int(value):
+            raise TypeError(f"{_FN}: {name} must be an int, got {value!r} ({type(value).__name__})")
+        if value != 0:
+            raise _unsupported(f"{name}={value}", why)
+    paged = page_table is not None
+    if cache_batch_idx is not None and paged:
+        raise _unsupported(
+            "cache_batch_idx", "together with page_table (FA3 does not define it either); index "
+                               "the table's rows instead: page_table[cache_batch_idx]")
+
+    # ---- the rest of the arguments, checked without torch ----
+    qs = _shape("q", q)
+    if len(qs) != 4:
+        raise ValueError(
+            f"{_FN}: q has shape {list(qs)}, allowed: [batch, seqlen_q, nheads, headdim]")
+    b, s_q, hq, d = qs
+    if b < 1 or hq < 1:
+        raise ValueError(f"{_FN}: q has shape {list(qs)}, allowed: batch >= 1, nheads >= 1")
+    qd = str(q.dtype)
+    if qd in FP8_KV_DTYPES or "float8" in qd:
+        raise _unsupported(f"q of dtype {qd}", "kvstream keeps q in bf16 or fp16 "
+                                               "(fp8 caches are fine, with k_descale / v_descale)")
+    if qd not in SUPPORTED_DTYPES:
+        raise TypeError(f"{_FN}: q has dtype {qd}, allowed: {', '.join(SUPPORTED_DTYPES)}")
+    if not 1 <= s_q <= MAX_Q_LEN:
+        raise _unsupported(f"q with seqlen_q = {s_q}", f"kvstream decodes 1..{MAX_Q_LEN} query "
+                                                        f"tokens per request")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise _unsupported(f"q with headdim {d}", "kvstream's head dims are "
+                                                  f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    ks = _shape("k_cache", k_cache)
+    vs = _shape("v_cache", v_cache)
+    if len(ks) != 4 or len(vs) != 4:
+        raise ValueError(
+            f"{_FN}: k_cache / v_cache have shapes {list(ks)} / {list(vs)}, allowed: 4 "
+            f"dimensions [batch_size_cache or num_blocks, seqlen_cache or page_block_size, "
+            f"nheads_k, headdim]")
+    if vs[-1] != ks[-1]:
+        raise _unsupported(f"v_cache with headdim {vs[-1]}",
+                           f"V's head dim must be K's ({ks[-1]}) in kvstream")
+    if vs != ks:
+        raise ValueError(f"{_FN}: v_cache has shape {list(vs)}, allowed: k_cache's {list(ks)}")
+    blocks, block_size, hkv = ks[0], ks[1], ks[2]
+    if ks[3] != d:
+        raise ValueError(f"{_FN}: k_cache has headdim {ks[3]}, allowed: {d} (q's)")
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(f"{_FN}: q has {hq} heads and k_cache {hkv}, allowed: nheads a "
+                         f"multiple of nheads_k")
+    if hq // hkv > MAX_GROUP:
+        raise _unsupported(f"{hq // hkv} query heads per KV head (q, k_cache)",
+                           f"kvstream serves at most {MAX_GROUP}")
+    kvd = str(k_cache.dtype)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if str(t.dtype) != kvd or kvd not in (qd, *FP8_KV_DTYPES):
+            raise TypeError(f"{_FN}: {name} has dtype {t.dtype} (k_cache: {kvd}), allowed: "
+                            f"{qd} (q's) or {', '.join(FP8_KV_DTYPES)}, the same for both")
+    if paged:
+        ts = _shape("page_table", page_table)
+        if len(ts) != 2:
+            raise ValueError(f"{_FN}: page_table has shape {list(ts)}, allowed: [batch, "
+                             f"max_num_blocks_per_seq]")
+        if ts[0] != b:
+            raise ValueError(f"{_FN}: page_table has shape {list(ts)}, allowed: [{b}, "
+                             f"max_num_blocks_per_seq] (the batch of q)")
+        if block_size not in SUPPORTED_PAGE_SIZES:
+            raise _unsupported(f"page_table with page_block_size {block_size} (k_cache's dim 1)",
+                               f"kvstream's page sizes are "
+                               f"{', '.join(map(str, SUPPORTED_PAGE_SIZES))}")
+        capacity = ts[1] * block_size
+    else:
+        capacity = block_size
+        if cache_batch_idx is None and blocks != b:
+            raise ValueError(f"{_FN}: k_cache has batch_size_cache {blocks}, allowed: {b} (the "
+                             f"batch of q) without cache_batch_idx")
+    fp8 = kvd in FP8_KV_DTYPES
+    if (k is None) != (v is None):
+        raise ValueError(f"{_FN}: k and v go together: {'k' if k is None else 'v'} is None")
+    s_new = 0
+    if k is not None:
+        kn, vn = _shape("k", k), _shape("v", v)
+        want = (b, kn[1] if len(kn) == 4 else -1, hkv, d)
+        if kn != want or vn != want:
+            raise ValueError(
+                f"{_FN}: k / v have shapes {list(kn)} / {list(vn)}, allowed: both [{b}, "
+                f"seqlen_new, {hkv}, {d}] (q's batch, k_cache's heads and head dim)")
+        for name, t in (("k", k), ("v", v)):
+            if str(t.dtype) != qd:
+                raise TypeError(f"{_FN}: {name} has dtype {t.dtype}, allowed: {qd} (q's)")
+        if cache_seqlens is None:
+            raise ValueError(f"{_FN}: k / v are given without cache_seqlens, allowed: an int or "
+                             f"an int32 [{b}] tensor (where the new tokens go)")
+        s_new = kn[1]
+    if _is_int(cache_seqlens):
+        if not 0 <= cache_seqlens <= capacity:
+            raise ValueError(f"{_FN}: cache_seqlens is {cache_seqlens}, allowed: 0..{capacity} "
+                             f"(the cache's capacity)")
+    elif cache_seqlens is not None:
+        _index_vector("cache_seqlens", cache_seqlens, b)
+    if cache_batch_idx is not None:
+        _index_vector("cache_batch_idx", cache_batch_idx, b)
+    rotary_dim = 0
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{_FN}: rotary_cos and rotary_sin go together: "
+                         f"{'rotary_cos' if rotary_cos is None else 'rotary_sin'} is None")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError(f"{_FN}: rotary_cos / rotary_sin are given without k / v (FA3 "
+                             f"rotates only with new tokens to append)")
+        cs, ss = _shape("rotary_cos", rotary_cos), _shape("rotary_sin", rotary_sin)
+        if len(cs) != 2 or cs != ss or cs[0] < 1 or not 1 <= 2 * cs[1] <= d:
+            raise ValueError(
+                f"{_FN}: rotary_cos / rotary_sin have shapes {list(cs)} / {list(ss)}, allowed: "
+                f"both [seqlen_ro >= 1, rotary_dim / 2] with rotary_dim <= headdim ({d})")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if str(t.dtype) not in (qd, _FLOAT32):
+                raise TypeError(f"{_FN}: {name} has dtype {t.dtype}, allowed: {qd} (q's) or "
+                                f"{_FLOAT32}")
+        rotary_dim = 2 * cs[1]
+    for name, sc in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if sc is not None and not fp8:
+            raise ValueError(
+                f"{_FN}: {name} is given for {k_cache.dtype} caches, allowed: None (descales "
+                f"belong to {', '.join(FP8_KV_DTYPES)} caches; FA3 ignores them otherwise)")
+        if sc is not None and _shape(name, sc) not in ((), (1,), (hkv,), (b, hkv)):
+            raise ValueError(f"{_FN}: {name} has shape {list(sc.shape)}, allowed: [{b}, {hkv}] "
+                             f"(per request and KV head, FA3's), [{hkv}] or [1]")
+    causal = _bool("causal", causal)
+    rotary_interleaved = _bool("rotary_interleaved", rotary_interleaved)
+    return_softmax_lse = _bool("return_softmax_lse", return_softmax_lse)
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(_is_int(w) for w in window_size)):
+        raise TypeError(f"{_FN}: window_size must be a pair (left, right) of ints, got "
+                        f"{window_size!r}")
+    if max(window_size) > _MAX_WINDOW:
+        raise ValueError(f"{_FN}: window_size is {tuple(window_size)}, allowed: sides up to "
+                         f"{_MAX_WINDOW} (or negative: unbounded)")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{_FN}: softcap must be a float, got {softcap!r} "
+                        f"({type(softcap).__name__})")
+    if softcap > _F32_MAX:
+        raise ValueError(f"{_FN}: softcap is {softcap}, allowed: a finite float32 (<= 0: off)")
+    if not _is_int(num_splits):
+        raise TypeError(f"{_FN}: num_splits must be an int, got {num_splits!r} "
+                        f"({type(num_splits).__name__})")
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"{_FN}: pack_gqa must be a bool or None, got {pack_gqa!r} "
+                        f"({type(pack_gqa).__name__})")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"{_FN}: softmax_scale must be a float or None, got "
+                            f"{softmax_scale!r} ({type(softmax_scale).__name__})")
+        if not 0.0 < softmax_scale < float("inf"):
+            raise ValueError(f"{_FN}: softmax_scale is {softmax_scale}, allowed: a finite "
+                             f"positive number")
+
+    # FA3's mask: negative sides are unbounded; causal bounds the right side at 0.
+    left = int(window_size[0]) if window_size[0] >= 0 else -1
+    right = 0 if causal else (int(window_size[1]) if window_size[1] >= 0 else -1)
+    # FA3 rotates the queries at their own positions when causal or local, after dropping
+    # window sides that bound nothing (left past the capacity, right past the last query).
+    local_left = left if left < capacity - 1 else -1
+    local_right = right if (causal or right < s_q - 1) else -1
+    queries_at_own_positions = local_left >= 0 or local_right >= 0
+    # softcap <= 0 is off in FA3
+    cap = float(softcap) if softcap > 0 else 0.0
+
+    # ---- the work: small torch ops, then store_kv and decode ----
+    import torch
+
+    dev = q.device
+    lens0 = None  # each request's cached length before the append, int32 [b]
+    if _is_int(cache_seqlens):
+        lens0 = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=dev)
+    elif cache_seqlens is not None:
+        lens0 = cache_seqlens.contiguous()
+    idx = None if cache_batch_idx is None else cache_batch_idx.contiguous().long()
+    k_scale = None if k_descale is None else k_descale.contiguous()
+    v_scale = None if v_descale is None else v_descale.contiguous()
+
+    if rotary_dim:
+        assert lens0 is not None  # rotary needs k, which needs cache_seqlens
+        start = lens0.long()[:, None]
+        q = _rotate(q, rotary_cos, rotary_sin,
+                    start + (torch.arange(s_q, device=dev) if queries_at_own_positions
+                             else torch.zeros(s_q, dtype=torch.long, device=dev)),
+                    rotary_interleaved)
+        k = _rotate(k, rotary_cos, rotary_sin, start + torch.arange(s_new, device=dev),
+                    rotary_interleaved)
+
+    lens = lens0
+    if k is not None and s_new > 0:
+        assert lens0 is not None
+        pos = lens0.long()[:, None] + torch.arange(s_new, device=dev)  # [b, s_new]
+        if paged:
+            table = page_table.long()
+            col = torch.div(pos, block_size, rounding_mode="floor")
+            valid = (pos >= 0) & (col < table.shape[1])
+            page = table.gather(1, col.clamp(0, table.shape[1] - 1))
+            slots = page * block_size + pos.remainder(block_size)
+        else:
+            rows = idx if idx is not None else torch.arange(b, device=dev)
+            valid = (pos >= 0) & (pos < block_size)
+            slots = rows[:, None] * block_size + pos
+        slots = torch.where(valid, slots, torch.full_like(slots, -1))
+        store_kv(
+            k.reshape(b * s_new, hkv, d).contiguous(),
+            v.reshape(b * s_new, hkv, d).contiguous(),
+            k_cache, v_cache, slots.reshape(-1),
+            k_scale=_block_scale(k_scale, slots, valid, blocks, block_size, b, hkv,
+                                 per_request_blocks=not paged and idx is None),
+            v_scale=_block_scale(v_scale, slots, valid, blocks, block_size, b, hkv,
+                                 per_request_blocks=not paged and idx is None),
+        )
+        # lengths past the capacity (FA3 leaves such calls undefined) are cut to it
+        lens = (lens0 + s_new).clamp_max(capacity)
+
+    kc, vc, table = k_cache, v_cache, page_table
+    if paged:
+        table = page_table.contiguous()
+    elif idx is not None:
+        if k_cache.is_contiguous() and v_cache.is_contiguous():
+            # The rows a batch entry uses, in place: the cache seen as a pool of pages of
+            # `ps` positions, request r's pages those of cache row idx[r].
+            ps = max(p for p in SUPPORTED_PAGE_SIZES if block_size % p == 0)
+            per = block_size // ps
+            kc = k_cache.view(blocks * per, ps, hkv, d)
+            vc = v_cache.view(blocks * per, ps, hkv, d)
+            table = (idx[:, None] * per + torch.arange(per, device=dev)).to(torch.int32)
+        else:
+            # A strided cache cannot be seen as a pool: its rows are gathered (a copy).
+            kc, vc = (_gather_rows(c, idx) for c in (k_cache, v_cache))
+    res = decode(
+        q.contiguous(), kc, vc, cache_seqlens=lens, block_table=table,
+        softmax_scale=softmax_scale, window_size=(left, right), softcap=cap,
+        k_scale=k_scale, v_scale=v_scale, return_lse=return_softmax_lse,
+    )
+    if return_softmax_lse:
+        out, lse = res
+        return out, lse.transpose(1, 2).contiguous()  # [b, s_q, h] -> FA3's [b, h, s_q]
+    return res
+
+
+def _rotate(x: Any, cos: Any, sin: Any, pos: Any, interleaved: bool) -> Any:
+    """``x`` ``[b, s, h, d]`` with its first ``rotary_dim`` channels rotated by the rows ``pos``
+    ``[b, s]`` of ``cos`` / ``sin`` ``[seqlen_ro, rotary_dim / 2]``, in float32, rounded back to
+    x's dtype (FA3's arithmetic)."""
+    import torch
+
+    b, s = pos.shape
+    half = cos.shape[1]
+    at = pos.clamp(0, cos.shape[0] - 1).reshape(-1)
+    c = cos.index_select(0, at).float().view(b, s, 1, half)
+    sn = sin.index_select(0, at).float().view(b, s, 1, half)
+    xr = x[..., : 2 * half].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * sn, x1 * sn + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        rot = torch.cat((x1 * c - x2 * sn, x1 * sn + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _block_scale(scale: Any, slots: Any, valid: Any, blocks: int, block_size: int, b: int,
+                 hkv: int, per_request_blocks: bool) -> Any:
+    """The scale :func:`kvstream.store_kv` quantises with. FA3's per-request ``[b, hkv]``
+    descale becomes a ``[blocks, hkv]`` one whose blocks (cache rows or pages) receiving request
+    r's new tokens hold r's scales; other shapes ([1], [hkv]) and a contiguous cache whose
+    blocks are the requests take it as it is."""
+    if scale is None or per_request_blocks or tuple(scale.shape) != (b, hkv):
+        return scale
+    import torch
+
+    s_new = slots.shape[1]
+    block = torch.div(slots, block_size, rounding_mode="floor")
+    block = torch.where(valid, block, torch.full_like(block, blocks))  # skipped: a spare row
+    per_block = torch.ones(blocks + 1, hkv, dtype=scale.dtype, device=scale.device)
+    per_block[block.reshape(-1)] = scale[:, None, :].expand(b, s_new, hkv).reshape(-1, hkv)
+    return per_block[:blocks]
+
+
+def _gather_rows(cache: Any, idx: Any) -> Any:
+    """``cache[idx]`` as a new contiguous tensor (fp8 caches gathered as bytes)."""
+    import torch
+
+    if str(cache.dtype) in FP8_KV_DTYPES:
+        return cache.view(torch.uint8).index_select(0, idx).view(cache.dtype)
+    return cache.index_select(0, idx)
