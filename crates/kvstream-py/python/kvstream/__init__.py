@@ -79,6 +79,11 @@ replayed with lengths very different from the capacity may leave SMs idle. With
 ``device_plan=True`` the partition is planned on the GPU from the lengths in ``cache_seqlens``
 at every call (and every replay): each request gets splits in proportion to its length.
 
+torch.compile: with torch tensors the calls run as torch custom ops (``torch.ops.kvstream.decode``,
+``decode_out`` when ``out`` is given, ``mla_decode``, ``mla_decode_out``, ``store_kv``; see
+``kvstream._ops``), registered at the first such call, so ``torch.compile(fullgraph=True)`` and
+``torch.export`` trace through them and the profiler names them.
+
 Importing this package needs neither PyTorch nor a GPU; arguments are checked by their
 attributes (``shape``, ``dtype``, ``is_cuda``, ``device``, ``stride``, ``is_contiguous``,
 ``data_ptr``), so errors are reported before anything touches the GPU: ``TypeError`` for a wrong
@@ -89,6 +94,7 @@ or ``RuntimeError`` (driver, compiler, no suitable GPU).
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
@@ -207,7 +213,9 @@ def _device_key(x: Any) -> Tuple[str, Optional[int]]:
     return (str(getattr(dev, "type", dev)), getattr(dev, "index", None))
 
 
-def _aligned(name: str, x: Any, fn: str = "decode") -> None:
+def _aligned(name: str, x: Any, fn: str = "decode", fake: bool = False) -> None:
+    if fake:  # a fake tensor (torch.compile, export) has no address: checked at run time
+        return
     ptr = int(x.data_ptr())
     if ptr % 16 != 0:
         raise ValueError(
@@ -247,7 +255,7 @@ def _cache_strides(
 
 
 def _scale(name: str, sc: Any, shapes: Dict[tuple, str], dev: Any, ref: Any,
-           fn: str = "decode") -> Tuple[int, int]:
+           fn: str = "decode", fake: bool = False) -> Tuple[int, int]:
     """(pointer, element count) of a float32 scale tensor of one of ``shapes`` (shape ->
     what it means, for the error)."""
     ss = _tensor(name, sc, fn)
@@ -260,7 +268,7 @@ def _scale(name: str, sc: Any, shapes: Dict[tuple, str], dev: Any, ref: Any,
     numel = 1
     for n in ss:
         numel *= n
-    return int(sc.data_ptr()), numel
+    return (0 if fake else int(sc.data_ptr())), numel
 
 
 #: Decoders kept at most by default (see :func:`set_decoder_cache_size`).
@@ -327,6 +335,62 @@ def _decoder_for(key: tuple, make: Any, capturing: bool, fn: str = "decode") -> 
         dropped = _evict_over_capacity()
     _release(dropped)
     return c
+
+
+class _Spec:
+    """What checking one call's arguments found: what its launch needs besides the tensors.
+
+    ``key`` and ``make(index)`` name and build its decoder (the device index is added at launch,
+    where a tensor on ``cuda`` without an index resolves to the current device); ``args`` are
+    the arguments it was made from (the torch ops reuse a spec only for the very same ones).
+    """
+
+    __slots__ = ("fn", "dev", "key", "make", "out_shape", "lse_shape", "scales", "args")
+
+    def __init__(self, fn: str, dev: Tuple[str, Optional[int]], key: tuple, make: Any,
+                 out_shape: Tuple[int, ...], lse_shape: Tuple[int, ...], scales: Any,
+                 args: tuple) -> None:
+        self.fn = fn
+        self.dev = dev
+        self.key = key
+        self.make = make
+        self.out_shape = out_shape
+        self.lse_shape = lse_shape
+        self.scales = scales
+        self.args = args
+
+
+def _prepare(spec: _Spec) -> Tuple[Any, Any]:
+    """The cached decoder of ``spec`` (made at the first call) and the current stream, ordered
+    after the decoder's previous stream: its workspace may still be in use there."""
+    import torch  # the tensors are torch tensors: torch is importable here
+
+    dev = spec.dev
+    index = dev[1] if dev[1] is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    capturing = torch.cuda.is_current_stream_capturing()
+    cached = _decoder_for(spec.key + (index,), lambda: spec.make(index), capturing, spec.fn)
+    if not capturing:
+        prev = cached.stream
+        if prev is not None and prev != stream:
+            ev = torch.cuda.Event()
+            ev.record(prev)
+            stream.wait_event(ev)
+        cached.stream = stream
+    return cached.decoder, stream
+
+
+def _torch_ops(x: Any) -> Any:
+    """kvstream._ops (the torch custom ops) if ``x`` is a torch tensor, else None (torch not
+    imported, or a tensor-like object of another kind). The first such call imports it, which
+    registers the ops: ``import kvstream`` needs no torch. (No module global records the
+    import: torch.compile may trace the first call, and guards on the globals it reads.)"""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor):
+        return None
+    from . import _ops
+
+    return _ops
 
 
 def self_test(verbose: bool = True) -> bool:
@@ -654,8 +718,41 @@ def decode(
     stream than the previous call, the new stream first waits (on the device, through an
     event) for the previous stream. See the package docs for CUDA graph capture (warm up once
     before capturing).
+
+    With torch tensors the work is the custom op ``torch.ops.kvstream.decode`` (with ``out``:
+    ``kvstream.decode_out``), so ``torch.compile(fullgraph=True)`` traces through this call and
+    the profiler shows it by that name.
     """
-    # ---- validation: everything before touching the GPU or importing torch ----
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, window_size, softcap,
+            sinks, num_splits, reduction, device_plan, engine, k_scale, v_scale, return_lse, out)
+    ops = _torch_ops(q)
+    if ops is not None and ops.tracing(q):
+        # torch.compile, export, make_fx: the op's fake implementation checks the arguments
+        return ops.decode(args, None)
+    spec = _check_decode(*args)  # everything checked before touching the GPU
+    if ops is not None:
+        return ops.decode(args, spec)
+    # tensor-like objects that are not torch tensors: launched here (torch is needed)
+    import torch
+
+    if out is None:
+        out = torch.empty(spec.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(spec.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+    _launch_decode(spec, q, k_cache, v_cache, cache_seqlens, block_table, sinks, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def _check_decode(
+    q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any,
+    softmax_scale: Any, window_size: Any, softcap: Any, sinks: Any, num_splits: Any,
+    reduction: Any, device_plan: Any, engine: Any, k_scale: Any, v_scale: Any,
+    return_lse: Any, out: Any, fake: bool = False,
+) -> _Spec:
+    """:func:`decode`'s arguments checked, in pure Python (no torch, no GPU), raising what
+    :func:`decode` documents; ``fake``: tensors without addresses (torch.compile's), whose
+    alignment is checked at run time."""
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, window_size, softcap,
+            sinks, num_splits, reduction, device_plan, engine, k_scale, v_scale, return_lse, out)
     qs = _tensor("q", q)
     ks = _tensor("k_cache", k_cache)
     vs = _tensor("v_cache", v_cache)
@@ -753,7 +850,7 @@ def decode(
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _same_device(name, t, dev, q)
     _contiguous("q", q, qs)
-    _aligned("q", q)
+    _aligned("q", q, fake=fake)
     if paged:
         # The pools are addressed page by page: contiguous, no strides to pass.
         _contiguous("k_cache", k_cache, ks)
@@ -763,8 +860,8 @@ def decode(
         align = 16 if fp8 else 8
         k_strides = _cache_strides("k_cache", k_cache, ks, align)
         v_strides = _cache_strides("v_cache", v_cache, vs, align)
-    _aligned("k_cache", k_cache)
-    _aligned("v_cache", v_cache)
+    _aligned("k_cache", k_cache, fake=fake)
+    _aligned("v_cache", v_cache, fake=fake)
     paging: Optional[Tuple[int, int, int]] = None
     if paged:
         ts = _tensor("block_table", block_table)
@@ -807,7 +904,7 @@ def decode(
             )
         _same_device("out", out, dev, q)
         _contiguous("out", out, os_)
-        _aligned("out", out)
+        _aligned("out", out, fake=fake)
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(
@@ -918,30 +1015,24 @@ def decode(
                 f"None there; {why}"
             )
     scale_shapes = {(1,): "per cache", (hkv,): "per KV head", (b, hkv): "per request and KV head"}
-    scale_args = [None if sc is None else _scale(name, sc, scale_shapes, dev, q)
+    scale_args = [None if sc is None else _scale(name, sc, scale_shapes, dev, q, fake=fake)
                   for name, sc in zip(("k_scale", "v_scale"), scales)]
     if not isinstance(return_lse, bool):
         raise TypeError(
             f"kvstream.decode: return_lse must be a bool, got {type(return_lse).__name__}"
         )
 
-    # ---- launch ----
-    import torch  # the tensors are torch tensors: torch is importable here
-
-    index = dev[1] if dev[1] is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index)
-    capturing = torch.cuda.is_current_stream_capturing()
     dtype_name = SUPPORTED_DTYPES[qd]
     # The sinks' values are read on the device at every call: only whether they are given is
     # part of the decoder.
     has_sinks = sinks is not None
     key = (
-        b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits, reduction, index,
+        b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits, reduction,
         k_strides, v_strides, q_len, paging, device_plan, engine, fp8, window, softcap,
         has_sinks,
     )
 
-    def make() -> Any:
+    def make(index: int) -> Any:
         page_size_, num_pages_, table_stride_ = paging if paging is not None else (None,) * 3
         return _native.Decoder(
             b, hq, hkv, d, L, dtype_name, softmax_scale, num_splits,
@@ -952,20 +1043,15 @@ def decode(
             softcap=softcap, sinks=has_sinks,
         )
 
-    cached = _decoder_for(key, make, capturing)
-    if not capturing:
-        prev = cached.stream
-        if prev is not None and prev != stream:
-            # The decoder's workspace may still be in use by work on the previous stream.
-            ev = torch.cuda.Event()
-            ev.record(prev)
-            stream.wait_event(ev)
-        cached.stream = stream
-    if out is None:
-        out = torch.empty(qs, dtype=q.dtype, device=q.device)
     lse_shape = (b, q_len, hq) if len(qs) == 4 else (b, hq)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
-    cached.decoder.run(
+    return _Spec("decode", dev, key, make, qs, lse_shape, scale_args, args)
+
+
+def _launch_decode(spec: _Spec, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
+                   block_table: Any, sinks: Any, out: Any, lse: Any) -> None:
+    """Launches a checked decode on the current stream (``lse`` None: not written)."""
+    decoder, stream = _prepare(spec)
+    decoder.run(
         int(q.data_ptr()),
         int(k_cache.data_ptr()),
         int(v_cache.data_ptr()),
@@ -974,11 +1060,10 @@ def decode(
         None if cache_seqlens is None else int(cache_seqlens.data_ptr()),
         int(stream.cuda_stream),
         block_table_ptr=None if block_table is None else int(block_table.data_ptr()),
-        k_scale=scale_args[0],
-        v_scale=scale_args[1],
+        k_scale=spec.scales[0],
+        v_scale=spec.scales[1],
         sinks_ptr=None if sinks is None else int(sinks.data_ptr()),
     )
-    return (out, lse) if return_lse else out
 
 
 #: Width of an MLA cache row and query row (latent 512 + rope 64), and of an MLA output row.
@@ -1038,8 +1123,29 @@ def mla_decode(
 
     Asynchronous on the current stream; decoders cached per shapes as :func:`decode`'s, so a
     CUDA graph captured after one warm-up call replays with new lengths, tables and scales,
-    balanced on the device whatever the lengths.
+    balanced on the device whatever the lengths. With torch tensors the work is the custom op
+    ``torch.ops.kvstream.mla_decode`` (with ``out``: ``kvstream.mla_decode_out``).
     """
+    args = (q, kv_cache, softmax_scale, cache_seqlens, block_table, kv_scale, return_lse, out)
+    ops = _torch_ops(q)
+    if ops is not None and ops.tracing(q):
+        return ops.mla_decode(args, None)
+    spec = _check_mla(*args)
+    if ops is not None:
+        return ops.mla_decode(args, spec)
+    import torch
+
+    if out is None:
+        out = torch.empty(spec.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(spec.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+    _launch_mla(spec, q, kv_cache, cache_seqlens, block_table, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def _check_mla(q: Any, kv_cache: Any, softmax_scale: Any, cache_seqlens: Any, block_table: Any,
+               kv_scale: Any, return_lse: Any, out: Any, fake: bool = False) -> _Spec:
+    """:func:`mla_decode`'s arguments checked in pure Python (see :func:`_check_decode`)."""
+    args = (q, kv_cache, softmax_scale, cache_seqlens, block_table, kv_scale, return_lse, out)
     fn = "mla_decode"
     qs = _tensor("q", q, fn)
     cs = _tensor("kv_cache", kv_cache, fn)
@@ -1094,9 +1200,9 @@ def mla_decode(
     dev = _device_key(q)
     _same_device("kv_cache", kv_cache, dev, q, fn)
     _contiguous("q", q, qs, fn)
-    _aligned("q", q, fn)
+    _aligned("q", q, fn, fake=fake)
     _contiguous("kv_cache", kv_cache, cs, fn)
-    _aligned("kv_cache", kv_cache, fn)
+    _aligned("kv_cache", kv_cache, fn, fake=fake)
     L = n1
     paging: Optional[Tuple[int, int, int]] = None
     if paged:
@@ -1144,7 +1250,8 @@ def mla_decode(
                 f"kvstream.mla_decode: kv_scale is given for a {kvd} cache, allowed: None "
                 f"(scales belong to {', '.join(FP8_KV_DTYPES)} caches)"
             )
-        scale_arg = _scale("kv_scale", kv_scale, {(1,): "per cache", (b,): "per request"}, dev, q, fn)
+        scale_arg = _scale("kv_scale", kv_scale, {(1,): "per cache", (b,): "per request"}, dev, q,
+                           fn, fake=fake)
     elif fp8:
         raise ValueError(
             f"kvstream.mla_decode: kv_scale is None for a {kvd} cache, allowed: a float32 CUDA "
@@ -1161,21 +1268,16 @@ def mla_decode(
             )
         _same_device("out", out, dev, q, fn)
         _contiguous("out", out, os_, fn)
-        _aligned("out", out, fn)
+        _aligned("out", out, fn, fake=fake)
     if not isinstance(return_lse, bool):
         raise TypeError(
             f"kvstream.mla_decode: return_lse must be a bool, got {type(return_lse).__name__}"
         )
 
-    import torch
-
-    index = dev[1] if dev[1] is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index)
-    capturing = torch.cuda.is_current_stream_capturing()
     dtype_name = SUPPORTED_DTYPES[qd]
-    key = ("mla", b, hq, q_len, L, dtype_name, softmax_scale, index, paging, fp8)
+    key = ("mla", b, hq, q_len, L, dtype_name, softmax_scale, paging, fp8)
 
-    def make() -> Any:
+    def make(index: int) -> Any:
         page_size_, num_pages_, table_stride_ = paging if paging is not None else (None,) * 3
         return _native.MlaDecoder(
             b, hq, q_len, L, dtype_name, softmax_scale, device=index, page_size=page_size_,
@@ -1183,18 +1285,14 @@ def mla_decode(
             kv_dtype=FP8_KV_DTYPES[kvd] if fp8 else None,
         )
 
-    cached = _decoder_for(key, make, capturing, fn)
-    if not capturing:
-        prev = cached.stream
-        if prev is not None and prev != stream:
-            ev = torch.cuda.Event()
-            ev.record(prev)
-            stream.wait_event(ev)
-        cached.stream = stream
-    if out is None:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(qs[:-1], dtype=torch.float32, device=q.device) if return_lse else None
-    cached.decoder.run(
+    return _Spec(fn, dev, key, make, out_shape, qs[:-1], scale_arg, args)
+
+
+def _launch_mla(spec: _Spec, q: Any, kv_cache: Any, cache_seqlens: Any, block_table: Any,
+                out: Any, lse: Any) -> None:
+    """Launches a checked MLA decode on the current stream (``lse`` None: not written)."""
+    decoder, stream = _prepare(spec)
+    decoder.run(
         int(q.data_ptr()),
         int(kv_cache.data_ptr()),
         int(out.data_ptr()),
@@ -1202,9 +1300,8 @@ def mla_decode(
         None if cache_seqlens is None else int(cache_seqlens.data_ptr()),
         int(stream.cuda_stream),
         block_table_ptr=None if block_table is None else int(block_table.data_ptr()),
-        kv_scale=scale_arg,
+        kv_scale=spec.scales,
     )
-    return (out, lse) if return_lse else out
 
 
 _writers: Dict[tuple, Any] = {}
@@ -1238,8 +1335,25 @@ def store_kv(
 
     Asynchronous on ``torch.cuda.current_stream()``, no host synchronisation; capturable in a
     CUDA graph after one warm-up call per cache shape (replays may change the slots, rows and
-    scales, not their addresses).
+    scales, not their addresses). With torch tensors the work is the custom op
+    ``torch.ops.kvstream.store_kv``, which mutates ``k_cache`` and ``v_cache``.
     """
+    args = (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    ops = _torch_ops(k)
+    if ops is not None and ops.tracing(k):
+        return ops.store_kv(args, None)
+    spec = _check_store(*args)
+    if ops is not None:
+        return ops.store_kv(args, spec)
+    _launch_store(spec, k, v, k_cache, v_cache, slot_mapping)
+    return None
+
+
+def _check_store(k: Any, v: Any, k_cache: Any, v_cache: Any, slot_mapping: Any, k_scale: Any,
+                 v_scale: Any, fake: bool = False) -> _Spec:
+    """:func:`store_kv`'s arguments checked in pure Python (see :func:`_check_decode`); the
+    spec's ``make(index)`` builds its writer."""
+    args = (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     ks = _tensor("k", k, fn="store_kv")
     vs = _tensor("v", v, fn="store_kv")
     kcs = _tensor("k_cache", k_cache, fn="store_kv")
@@ -1278,7 +1392,7 @@ def store_kv(
         _same_device(name, t, dev, k, fn="store_kv")
     for name, t, sh in (("k", k, ks), ("v", v, vs)):
         _contiguous(name, t, sh, fn="store_kv")
-        _aligned(name, t, fn="store_kv")
+        _aligned(name, t, fn="store_kv", fake=fake)
     align = 16 if fp8 else 8
     k_strides = _cache_strides("k_cache", k_cache, kcs, align, fn="store_kv")
     v_strides = _cache_strides("v_cache", v_cache, vcs, align, fn="store_kv")
@@ -1287,8 +1401,8 @@ def store_kv(
             f"kvstream.store_kv: v_cache has strides {list(v_cache.stride())}, allowed: "
             f"k_cache's {list(k_cache.stride())} (one layout for both)"
         )
-    _aligned("k_cache", k_cache, fn="store_kv")
-    _aligned("v_cache", v_cache, fn="store_kv")
+    _aligned("k_cache", k_cache, fn="store_kv", fake=fake)
+    _aligned("v_cache", v_cache, fn="store_kv", fake=fake)
     ss = _tensor("slot_mapping", slot_mapping, fn="store_kv")
     _dtype("slot_mapping", slot_mapping, ("torch.int64",), fn="store_kv")
     if ss != (tokens,):
@@ -1309,13 +1423,28 @@ def store_kv(
             )
         shapes = {(1,): "per cache", (hkv,): "per KV head",
                   (kcs[0], hkv): "per request of a contiguous cache"}
-        scale_args.append(_scale(name, sc, shapes, dev, k, fn="store_kv"))
+        scale_args.append(_scale(name, sc, shapes, dev, k, fn="store_kv", fake=fake))
 
+    key = (kcs[0], kcs[1], hkv, d, kd, fp8, k_strides)
+
+    def make(index: int) -> Any:
+        return _native.KvWriter(
+            kcs[0], hkv, d, kcs[1], SUPPORTED_DTYPES[kd], device=index, k_strides=k_strides,
+            kv_dtype=FP8_KV_DTYPES[kvd] if fp8 else None,
+        )
+
+    return _Spec("store_kv", dev, key, make, kcs, (), scale_args, args)
+
+
+def _launch_store(spec: _Spec, k: Any, v: Any, k_cache: Any, v_cache: Any,
+                  slot_mapping: Any) -> None:
+    """Launches a checked store_kv on the current stream."""
     import torch
 
+    dev = spec.dev
     index = dev[1] if dev[1] is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(index)
-    key = (kcs[0], kcs[1], hkv, d, kd, fp8, k_strides, index)
+    key = spec.key + (index,)
     with _lock:
         w = _writers.get(key)
     if w is None:
@@ -1325,16 +1454,13 @@ def store_kv(
                 "is being captured into a CUDA graph; call store_kv once with the same cache "
                 "shapes before capturing (warm-up)."
             )
-        w = _native.KvWriter(
-            kcs[0], hkv, d, kcs[1], SUPPORTED_DTYPES[kd], device=index, k_strides=k_strides,
-            kv_dtype=FP8_KV_DTYPES[kvd] if fp8 else None,
-        )
+        w = spec.make(index)
         with _lock:
             w = _writers.setdefault(key, w)
     w.run(
-        tokens, int(k.data_ptr()), int(v.data_ptr()), int(slot_mapping.data_ptr()),
+        int(k.shape[0]), int(k.data_ptr()), int(v.data_ptr()), int(slot_mapping.data_ptr()),
         int(k_cache.data_ptr()), int(v_cache.data_ptr()), int(stream.cuda_stream),
-        k_scale=scale_args[0], v_scale=scale_args[1],
+        k_scale=spec.scales[0], v_scale=spec.scales[1],
     )
 
 

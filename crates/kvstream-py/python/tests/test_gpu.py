@@ -4,7 +4,9 @@ Correctness against an fp32 torch reference (masked softmax with per-request len
 causal rule among new tokens), LSE, multi-token decode, paged caches (shuffled page pools),
 device planning, CUDA graph capture and replay with new lengths, and two streams in flight at
 once; the score modifiers (sliding window, softcap, sinks) and head dims 96 and 256 against an
-fp64 reference, row by row. If KVSTREAM_PY_GPU_SUMMARY names a file, a JSON summary of every check is written there.
+fp64 reference, row by row; the torch custom ops under torch.compile (fullgraph, inductor,
+reduce-overhead), in CUDA graphs, in the profiler and through torch.library.opcheck. If
+KVSTREAM_PY_GPU_SUMMARY names a file, a JSON summary of every check is written there.
 """
 
 import json
@@ -979,3 +981,151 @@ def test_mla_graph_replay_with_skewed_lengths():
         if bool(live.any()):
             assert rel_err(out[live], ref_out[live]) <= TOL, f"replay {i}"
     SUMMARY["checks"]["MLA graph replay with skewed lengths equals eager"] = True
+
+
+# ---- the torch custom ops: torch.compile, CUDA graphs, the profiler -----------------------------
+
+def op_inputs(seed):
+    """A small decode step: GQA caches with a store_kv append, and an MLA cache."""
+    b, hq, hkv, d, L = 4, 32, 8, 128, 2048
+    q, k, v = make(b, hq, hkv, d, L, torch.bfloat16, seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    k_new = torch.randn(b, hkv, d, device="cuda", generator=gen).to(torch.bfloat16)
+    v_new = torch.randn(b, hkv, d, device="cuda", generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([2048, 1, 700, 1500], device="cuda", dtype=torch.int32)
+    slots = (torch.arange(b, device="cuda") * L + lens.long() - 1)  # each request's last row
+    qm = torch.randn(b, 1, 16, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    kv = torch.randn(b, 1024, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    return dict(q=q, k_cache=k, v_cache=v, k_new=k_new, v_new=v_new, slots=slots, lens=lens,
+                out=torch.empty_like(q), qm=qm, kv=kv)
+
+
+def decode_step(q, k_cache, v_cache, k_new, v_new, slots, lens, out, qm, kv):
+    kvstream.store_kv(k_new, v_new, k_cache, v_cache, slots)
+    o, lse = kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, return_lse=True)
+    kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, window_size=(255, 0), out=out)
+    m = kvstream.mla_decode(qm, kv, softmax_scale=0.07, cache_seqlens=lens.clamp(max=1024))
+    return o.float() * 2, lse, out.clone(), m
+
+
+def test_torch_compile_fullgraph_equals_eager():
+    torch._dynamo.reset()
+    compiled = torch.compile(decode_step, fullgraph=True)  # inductor
+    for rnd, new_lens in enumerate(([2048, 1, 700, 1500], [5, 2048, 0, 1000])):
+        a, b = op_inputs(77), op_inputs(77)
+        a["lens"].copy_(torch.tensor(new_lens, dtype=torch.int32))
+        b["lens"].copy_(a["lens"])
+        want = decode_step(**a)
+        got = compiled(**b)
+        torch.cuda.synchronize()
+        for i, (w, g) in enumerate(zip(want, got)):
+            assert torch.equal(w, g), f"round {rnd}: output {i} of the compiled step differs"
+        # the append went into the caches, in place, as in eager
+        assert torch.equal(a["k_cache"], b["k_cache"]) and torch.equal(a["v_cache"], b["v_cache"])
+        assert torch.equal(a["out"], b["out"])
+    ref, _ = reference(b["q"], b["k_cache"], b["v_cache"], b["lens"], 1 / 128 ** 0.5)
+    assert rel_err(got[0] / 2, ref) <= TOL
+    SUMMARY["checks"]["torch.compile(fullgraph) equals eager"] = True
+
+
+def test_torch_compile_reduce_overhead_replays_with_new_lengths():
+    # inductor's CUDA graphs (warm-up, capture, replays): each call equals the eager one
+    torch._dynamo.reset()
+    x = op_inputs(78)
+
+    def step(q, k_cache, v_cache, lens):
+        out, lse = kvstream.decode(q, k_cache, v_cache, cache_seqlens=lens, return_lse=True)
+        return out * 1, lse
+
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    for new_lens in ([2048, 1, 700, 1500], [1, 2, 3, 4], [2048, 0, 2047, 17], [9, 9, 9, 9]):
+        x["lens"].copy_(torch.tensor(new_lens, dtype=torch.int32))
+        x["q"].normal_()
+        got = [t.clone() for t in compiled(x["q"], x["k_cache"], x["v_cache"], x["lens"])]
+        want = step(x["q"], x["k_cache"], x["v_cache"], x["lens"])
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), new_lens
+    SUMMARY["checks"]["torch.compile(reduce-overhead) replays equal eager"] = True
+
+
+def test_out_op_in_cuda_graph_replays_with_new_lengths():
+    x = op_inputs(79)
+    q, k, v, lens, out = x["q"], x["k_cache"], x["v_cache"], x["lens"], x["out"]
+    lse = torch.empty(q.shape[:-1], device="cuda", dtype=torch.float32)
+    op = torch.ops.kvstream.decode_out
+    op(q, k, v, out, lse, cache_seqlens=lens)  # warm-up
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        op(q, k, v, out, lse, cache_seqlens=lens)
+        # through the function, out= given: the same op, allocation-free
+        kvstream.decode(q, k, v, cache_seqlens=lens, out=x["out"])
+    for new in ([1, 2, 3, 4], [2048, 0, 2047, 17]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        g.replay()
+        want, want_lse = kvstream.decode(q, k, v, cache_seqlens=lens, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), new
+    SUMMARY["checks"]["decode_out op in a CUDA graph replays"] = True
+
+
+def test_profiler_names_the_ops():
+    x = op_inputs(80)
+    decode_step(**x)  # warm-up (decoders, writers)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        decode_step(**x)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    for op in ("kvstream::decode", "kvstream::decode_out", "kvstream::mla_decode",
+               "kvstream::store_kv"):
+        assert op in names, (op, sorted(n for n in names if "kvstream" in n))
+    SUMMARY["checks"]["profiler names the ops"] = True
+
+
+def test_opcheck():
+    x = op_inputs(81)
+    q, k, v, lens = x["q"], x["k_cache"], x["v_cache"], x["lens"]
+    lse = torch.empty(q.shape[:-1], device="cuda", dtype=torch.float32)
+    cases = [
+        (torch.ops.kvstream.decode.default, (q, k, v), dict(cache_seqlens=lens, return_lse=True)),
+        (torch.ops.kvstream.decode.default, (q[:, 0], k, v), dict(cache_seqlens=lens)),
+        (torch.ops.kvstream.decode_out.default, (q, k, v, x["out"], lse), dict(cache_seqlens=lens)),
+        (torch.ops.kvstream.mla_decode.default, (x["qm"], x["kv"], 0.07), dict(return_lse=True)),
+        (torch.ops.kvstream.mla_decode_out.default,
+         (x["qm"], x["kv"], 0.07, torch.empty(4, 1, 16, 512, device="cuda", dtype=torch.bfloat16)),
+         {}),
+        (torch.ops.kvstream.store_kv.default, (x["k_new"], x["v_new"], k, v, x["slots"]), {}),
+    ]
+    for op, args, kwargs in cases:
+        torch.library.opcheck(op, args, kwargs,
+                              test_utils=("test_schema", "test_faketensor",
+                                          "test_aot_dispatch_dynamic"))
+    SUMMARY["checks"]["opcheck"] = True
+
+
+def test_function_checks_once_and_the_op_alone_checks(monkeypatch):
+    from kvstream import _ops
+
+    x = op_inputs(82)
+    q, k, v, lens = x["q"], x["k_cache"], x["v_cache"], x["lens"]
+    counts = {"function": 0, "op": 0}
+
+    def counting(where, fn):
+        def check(*a, **kw):
+            counts[where] += 1
+            return fn(*a, **kw)
+        return check
+
+    monkeypatch.setattr(kvstream, "_check_decode", counting("function", kvstream._check_decode))
+    monkeypatch.setattr(_ops, "_check_decode", counting("op", _ops._check_decode))
+    want = kvstream.decode(q, k, v, cache_seqlens=lens)
+    assert counts == {"function": 1, "op": 0}  # the op took the function's check
+    got, _ = torch.ops.kvstream.decode(q, k, v, lens)
+    assert counts == {"function": 1, "op": 1}
+    torch.cuda.synchronize()
+    assert torch.equal(want, got)
+    # the op called directly checks its arguments as the function does
+    with pytest.raises(ValueError, match="kvstream.decode: cache_seqlens has shape"):
+        torch.ops.kvstream.decode(q, k, v, lens[:3])
