@@ -21,36 +21,7 @@ from kvstream.compat import flash_attn_with_kvcache
 FN = flash_attn_with_kvcache
 
 
-class FakeDevice:
-    def __init__(self, type_="cuda", index=0):
-        self.type = type_
-        self.index = index
-
-    def __str__(self):
-        return self.type if self.index is None else f"{self.type}:{self.index}"
-
-
-class FakeDType:
-    def __init__(self, name):
-        self.name = name
-
-    def __str__(self):
-        return f"torch.{self.name}"
-
-
-BF16, F16, F32, I32, I64 = (FakeDType(n) for n in ("bfloat16", "float16", "float32", "int32", "int64"))
-E4M3, E5M2 = FakeDType("float8_e4m3fn"), FakeDType("float8_e5m2")
-
-
-class FakeTensor:
-    def __init__(self, shape, dtype=BF16, device=None):
-        self.shape = tuple(shape)
-        self.dtype = dtype
-        self.device = device or FakeDevice()
-        self.is_cuda = self.device.type == "cuda"
-
-    def dim(self):
-        return len(self.shape)
+from fakes import BF16, E4M3, E5M2, F16, F32, I32, I64, FakeDevice, FakeDType, FakeTensor  # noqa: F401
 
 
 B, S, L, HQ, HKV, D = 2, 1, 256, 16, 2, 128
