@@ -28,6 +28,12 @@ if [ "${KVSTREAM_PY_TORCH:-1}" = 1 ] && ! target/pyvenv/bin/python -c "import to
         torch numpy 2>/dev/null || "${PIP[@]}" torch numpy
     echo "torch $(target/pyvenv/bin/python -c 'import torch; print(torch.__version__)' 2>/dev/null) installed in $((SECONDS - start)) s"
 fi
+# transformers for the CPU tests of its attention backend (tests/test_transformers.py): the
+# registration, tiny random models built with attn_implementation="kvstream", the mapping of
+# windows, softcap and sinks (skipped, like the torch tests, where KVSTREAM_PY_TORCH=0).
+if [ "${KVSTREAM_PY_TORCH:-1}" = 1 ] && ! target/pyvenv/bin/python -c "import transformers" 2>/dev/null; then
+    "${PIP[@]}" "transformers>=5.17,<6"
+fi
 
 # Run from outside the source tree so that the installed package (with _native) is imported,
 # not crates/kvstream-py/python/kvstream.

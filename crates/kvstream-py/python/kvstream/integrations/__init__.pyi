@@ -1,0 +1,1 @@
+# Submodules: kvstream.integrations.transformers (import it explicitly).
