@@ -38,32 +38,12 @@ def _summary():
 
 def reference(q, k, v, lens, scale):
     """fp32 out (q's shape) and lse ([b, q_len, hq] for q [b, q_len, hq, d], [b, hq] for q
-    [b, hq, d]) over contiguous caches [b, L, hkv, d].
-
-    Token i of request r sees cache positions 0 .. lens[r] - q_len + i (masked past that); a
+    [b, hq, d]) over contiguous caches [b, L, hkv, d]: plain causal decode, ``reference_mods``
+    without modifiers. Token i of request r sees cache positions 0 .. lens[r] - q_len + i; a
     token that sees nothing gives 0 and -inf.
     """
-    three = q.dim() == 3
-    q4 = q.unsqueeze(1) if three else q
-    b, s, hq, d = q4.shape
-    L, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    dev = q.device
-    # query head h = kvh * g + j uses KV head kvh: rows (j, token) of KV head kvh
-    qf = q4.float().reshape(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * s, d)
-    kf = k.float().transpose(1, 2)                                  # [b, hkv, L, d]
-    vf = v.float().transpose(1, 2)
-    scores = (qf @ kf.transpose(-1, -2)) * scale                    # [b, hkv, g * s, L]
-    last = lens.long()[:, None] - s + torch.arange(s, device=dev)[None, :]      # [b, s]
-    mask = torch.arange(L, device=dev)[None, None, :] <= last[:, :, None]      # [b, s, L]
-    mask = mask[:, None].expand(b, g, s, L).reshape(b, 1, g * s, L)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                           # [b, hkv, g * s]
-    shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    out = torch.exp(scores - shift[..., None]) @ vf                 # [b, hkv, g * s, d]
-    out = out.reshape(b, hkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d)
-    lse = lse.reshape(b, hkv, g, s).permute(0, 3, 1, 2).reshape(b, s, hq)
-    return (out[:, 0], lse[:, 0]) if three else (out, lse)
+    out, lse, _ = reference_mods(q, k, v, lens, scale)
+    return out.float(), lse.float()
 
 
 def live_rows(q, lens):
