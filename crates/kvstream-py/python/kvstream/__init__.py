@@ -536,6 +536,19 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"kvstream.decode: {name} is {value!r}, allowed: {allowed_text}")
 
 
+def _device_vector(name: str, x: Any, dtype: str, n: int, meaning: str, dev: Any, ref: Any) -> None:
+    """A contiguous CUDA vector of ``n`` ``dtype`` values on ``ref``'s device (``meaning`` says
+    what its values are, in the shape error)."""
+    shape = _tensor(name, x)
+    _dtype(name, x, (dtype,))
+    if shape != (n,):
+        raise ValueError(
+            f"kvstream.decode: {name} has shape {list(shape)}, allowed: [{n}] ({meaning})"
+        )
+    _same_device(name, x, dev, ref)
+    _contiguous(name, x, shape)
+
+
 _WINDOW_ALLOWED = (
     f"a pair (left, right) of ints, each -1 (unbounded) or a number of positions 0..{_MAX_WINDOW}"
 )
@@ -883,15 +896,7 @@ def _check_decode(
             )
         paging = (page_size, num_pages, max_pages)
     if cache_seqlens is not None:
-        ss = _tensor("cache_seqlens", cache_seqlens)
-        _dtype("cache_seqlens", cache_seqlens, (_INT32,))
-        if ss != (b,):
-            raise ValueError(
-                f"kvstream.decode: cache_seqlens has shape {list(ss)}, allowed: [{b}] (one "
-                f"length per request)"
-            )
-        _same_device("cache_seqlens", cache_seqlens, dev, q)
-        _contiguous("cache_seqlens", cache_seqlens, ss)
+        _device_vector("cache_seqlens", cache_seqlens, _INT32, b, "one length per request", dev, q)
     if out is not None:
         os_ = _tensor("out", out)
         if str(out.dtype) != qd:
@@ -958,15 +963,8 @@ def _check_decode(
     window = _window_size(window_size)
     softcap = _softcap(softcap)
     if sinks is not None:
-        sks = _tensor("sinks", sinks)
-        _dtype("sinks", sinks, ("torch.float32",))
-        if sks != (hq,):
-            raise ValueError(
-                f"kvstream.decode: sinks has shape {list(sks)}, allowed: [{hq}] (one float32 "
-                f"logit per query head of q)"
-            )
-        _same_device("sinks", sinks, dev, q)
-        _contiguous("sinks", sinks, sks)
+        _device_vector("sinks", sinks, "torch.float32", hq,
+                       "one float32 logit per query head of q", dev, q)
     # A window that bounds nothing is the default's (the same decoder and plan): a left side
     # reaching position 0 from the last position of the capacity; a right side reaching the
     # last new token from the first (with one new token, any right side).

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple, Union
 
-from . import (
+from . import (  # (_F32_MAX, _MAX_WINDOW: the largest softcap and bounded window side)
+    _F32_MAX,
+    _MAX_WINDOW,
     FP8_KV_DTYPES,
     MAX_GROUP,
     MAX_Q_LEN,
@@ -35,9 +37,6 @@ __all__ = ["flash_attn_with_kvcache"]
 
 _FN = "kvstream.compat.flash_attn_with_kvcache"
 _INT32 = "torch.int32"
-# Largest bounded window side kvstream takes, and float32's largest finite value (softcap).
-_MAX_WINDOW = 2**31 - 2
-_F32_MAX = 3.4028234663852886e38
 _FLOAT32 = "torch.float32"
 
 # FA3 arguments with no kvstream counterpart: refused when given (not None), with the reason.
