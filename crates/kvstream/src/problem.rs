@@ -270,11 +270,6 @@ impl Window {
         let int = |v: Option<usize>| v.map_or(-1, |v| v as i64);
         (int(self.left), int(self.right))
     }
-
-    /// Whether every query sees every earlier position (no left bound).
-    pub fn is_unbounded_left(self) -> bool {
-        self.left.is_none()
-    }
 }
 
 /// One decode call: a single new query token per request attending to a cached K/V.
