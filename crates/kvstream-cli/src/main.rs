@@ -352,7 +352,8 @@ fn kernels(
                     kvstream::kernels::AnyVariant::Combine(_)
                     | kvstream::kernels::AnyVariant::StreamRead(_)
                     | kvstream::kernels::AnyVariant::PlanWork(_)
-                    | kvstream::kernels::AnyVariant::StoreKv(_) => 0,
+                    | kvstream::kernels::AnyVariant::StoreKv(_)
+                    | kvstream::kernels::AnyVariant::MergeStates(_) => 0,
                 };
                 println!(
                     "{:<36} {:>6} {:>6} {:>8} {:>8} {:>9}  {:?} {:.1}s",

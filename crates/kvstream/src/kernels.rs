@@ -53,6 +53,7 @@ const COMBINE_SRC: &str = include_str!("../../../kernels/sm90/combine.cu");
 const STREAM_READ_SRC: &str = include_str!("../../../kernels/sm90/stream_read.cu");
 const PLAN_WORK_SRC: &str = include_str!("../../../kernels/sm90/plan_work.cu");
 const STORE_KV_SRC: &str = include_str!("../../../kernels/sm90/store_kv.cu");
+const MERGE_STATES_SRC: &str = include_str!("../../../kernels/sm90/merge_states.cu");
 
 /// Threads per combine CTA: eight warps on one output row (combine.cu).
 pub const COMBINE_THREADS: u32 = 256;
@@ -740,6 +741,39 @@ impl Variant for StoreKvVariant {
     }
 }
 
+/// One specialisation of `merge_states.cu`: the merge of partial attention states by their
+/// log-sum-exps ([`crate::merge`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MergeStatesVariant {
+    /// Element type of the partial and merged outputs.
+    pub dtype: DType,
+}
+
+impl MergeStatesVariant {
+    /// Threads per CTA (one per 8 elements of an output row).
+    pub const THREADS: u32 = 256;
+    /// Elements of a row one thread merges.
+    pub const CHUNK: usize = 8;
+}
+
+impl Variant for MergeStatesVariant {
+    fn name(&self) -> String {
+        format!("merge_states.{}", self.dtype.name())
+    }
+    fn source(&self) -> &'static str {
+        MERGE_STATES_SRC
+    }
+    fn entry(&self) -> &'static str {
+        "kvs_merge_states"
+    }
+    fn defines(&self) -> Vec<(String, String)> {
+        vec![(
+            "KVS_IS_F16".into(),
+            u8::from(self.dtype == DType::F16).to_string(),
+        )]
+    }
+}
+
 /// Launch parameters of the streaming-read kernel, mirrored field for field from
 /// `StreamReadParams` in `stream_read.cu` (both sides assert the size).
 #[repr(C)]
@@ -777,6 +811,8 @@ pub enum AnyVariant {
     PlanWork(PlanWorkVariant),
     /// The cache write.
     StoreKv(StoreKvVariant),
+    /// The state merge.
+    MergeStates(MergeStatesVariant),
 }
 
 impl AnyVariant {
@@ -790,6 +826,7 @@ impl AnyVariant {
             AnyVariant::StreamRead(v) => v,
             AnyVariant::PlanWork(v) => v,
             AnyVariant::StoreKv(v) => v,
+            AnyVariant::MergeStates(v) => v,
         }
     }
 }
@@ -875,6 +912,9 @@ pub fn all_variants() -> Vec<AnyVariant> {
                 }
             }
         }
+    }
+    for dtype in [DType::Bf16, DType::F16] {
+        out.push(AnyVariant::MergeStates(MergeStatesVariant { dtype }));
     }
     out.push(AnyVariant::StreamRead(StreamReadVariant));
     out.push(AnyVariant::PlanWork(PlanWorkVariant));

@@ -19,6 +19,7 @@
 //! - [`kernels`] and [`jit`]: the embedded sources, their variants, NVRTC and the disk cache;
 //! - [`launch`] and [`runtime`]: `cuLaunchKernelEx` with PDL / cluster attributes, loaded modules;
 //! - [`decode`]: the public operation, [`Decoder`]; [`mla`]: MLA decode, [`mla::MlaDecoder`];
+//!   [`merge`]: partial states merged by their LSEs ([`merge::StateMerger`], context parallelism);
 //! - [`reference`](mod@reference): the f64 CPU reference and the split/combine model the tests check against.
 //!
 //! ```no_run
@@ -38,6 +39,7 @@ pub mod fp8;
 pub mod jit;
 pub mod kernels;
 pub mod launch;
+pub mod merge;
 pub mod mla;
 pub mod params;
 pub mod plan;

@@ -154,12 +154,35 @@ pub struct StoreKvParams {
 // Same number as the static_assert in store_kv.cu.
 const _: () = assert!(std::mem::size_of::<StoreKvParams>() == 256);
 
+/// Launch parameters of the state merge (`MergeStatesParams` in `kernels/sm90/merge_states.cu`,
+/// documented there field by field).
+#[allow(missing_docs)]
+#[repr(C, align(128))]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MergeStatesParams {
+    pub parts: u64,
+    pub part_lse: u64,
+    pub sinks: u64,
+    pub out: u64,
+    pub lse: u64,
+    pub part_shard_stride: i64,
+    pub part_row_stride: i64,
+    pub lse_shard_stride: i64,
+    pub shards: i32,
+    pub rows: i32,
+    pub head_dim: i32,
+    pub heads: i32,
+}
+
+// Same number as the static_assert in merge_states.cu.
+const _: () = assert!(std::mem::size_of::<MergeStatesParams>() == 128);
+
 /// Pieces one CTA records in the schedule log (`SCHEDULE_LOG_PIECES` in decode_params.cuh).
 pub const SCHEDULE_LOG_PIECES: usize = 63;
 
 #[cfg(test)]
 mod tests {
-    use super::{DecodeParams, PersistentParams, StoreKvParams};
+    use super::{DecodeParams, MergeStatesParams, PersistentParams, StoreKvParams};
     use std::mem::offset_of;
 
     /// Every field of a params struct with its offset, in declaration order.
@@ -286,6 +309,23 @@ mod tests {
             rust.into_iter().map(|(n, o)| (n.to_string(), o)).collect();
         assert_eq!(rust, cuda, "field names and offsets, Rust vs store_kv.cu");
         assert_eq!(std::mem::size_of::<StoreKvParams>(), size);
+    }
+
+    #[test]
+    fn merge_states_mirror_has_the_cuda_layout() {
+        let rust = offsets!(MergeStatesParams:
+            parts, part_lse, sinks, out, lse, part_shard_stride, part_row_stride,
+            lse_shard_stride, shards, rows, head_dim, heads,
+        );
+        let source = include_str!("../../../kernels/sm90/merge_states.cu");
+        let (cuda, size) = cuda_layout(source, "MergeStatesParams");
+        let rust: Vec<(String, usize)> =
+            rust.into_iter().map(|(n, o)| (n.to_string(), o)).collect();
+        assert_eq!(
+            rust, cuda,
+            "field names and offsets, Rust vs merge_states.cu"
+        );
+        assert_eq!(std::mem::size_of::<MergeStatesParams>(), size);
     }
 
     #[test]

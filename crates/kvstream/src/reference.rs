@@ -364,6 +364,54 @@ pub fn combine_partials(partials: &[SplitPartial], d: usize) -> (Vec<f64>, f64) 
     (out, lse)
 }
 
+/// f64 model of [`crate::merge`]: merges the partial states `parts[s]` (`[rows, d]`) with their
+/// natural-log LSEs `lses[s]` (`[rows]`) in shard order; shards with LSE -inf are skipped
+/// without reading their output (a row without keys gives zeros and -inf). `sinks` (`[heads]`,
+/// row r is head `r % heads`) then join each row's denominator once.
+pub fn merge_states(
+    parts: &[Vec<f64>],
+    lses: &[Vec<f64>],
+    d: usize,
+    sinks: Option<&[f64]>,
+) -> RefOutput {
+    assert_eq!(parts.len(), lses.len(), "one LSE vector per shard");
+    let rows = lses.first().map_or(0, |l| l.len());
+    let mut out = vec![0.0f64; rows * d];
+    let mut lse = vec![f64::NEG_INFINITY; rows];
+    for r in 0..rows {
+        let m = lses.iter().map(|l| l[r]).fold(f64::NEG_INFINITY, f64::max);
+        let row = &mut out[r * d..(r + 1) * d];
+        if m > f64::NEG_INFINITY {
+            let mut total = 0.0;
+            for (part, l) in parts.iter().zip(lses) {
+                if l[r] == f64::NEG_INFINITY {
+                    continue;
+                }
+                let w = (l[r] - m).exp();
+                total += w;
+                for (acc, &x) in row.iter_mut().zip(&part[r * d..(r + 1) * d]) {
+                    *acc += w * x;
+                }
+            }
+            row.iter_mut().for_each(|x| *x /= total);
+            lse[r] = m + total.ln();
+        }
+        if let Some(sinks) = sinks {
+            let sink = sinks[r % sinks.len()];
+            if lse[r] == f64::NEG_INFINITY {
+                lse[r] = sink;
+            } else {
+                let top = lse[r].max(sink);
+                let joined = top + ((lse[r] - top).exp() + (sink - top).exp()).ln();
+                let keep = (lse[r] - joined).exp();
+                row.iter_mut().for_each(|x| *x *= keep);
+                lse[r] = joined;
+            }
+        }
+    }
+    RefOutput { out, lse }
+}
+
 /// Relative error `||a - b||_2 / ||b||_2` (returns `||a||_2` when `||b|| == 0`; NaN anywhere
 /// gives `f64::INFINITY` so a NaN never passes a tolerance check).
 ///
@@ -968,5 +1016,214 @@ mod tests {
         assert!(bits.iter().zip(&wide).all(|(b, &w)| b.to_f32() == w));
         assert!(wide.iter().all(|x| (-0.5..=0.5).contains(x)));
         assert!(wide.iter().any(|&x| x != 0.0));
+    }
+
+    /// How a context-parallel cache is spread over ranks: contiguous chunks of positions
+    /// (rank r holds `[r C, (r + 1) C)`) or pages dealt round-robin (page j on rank `j % world`).
+    #[derive(Clone, Copy, Debug)]
+    enum Sharding {
+        Chunks(usize),
+        Pages(usize),
+    }
+
+    /// Global positions (ascending, below `len`) that `rank` holds.
+    fn held(sharding: Sharding, rank: usize, world: usize, len: usize) -> Vec<usize> {
+        (0..len)
+            .filter(|&g| match sharding {
+                Sharding::Chunks(c) => g / c == rank,
+                Sharding::Pages(p) => (g / p) % world == rank,
+            })
+            .collect()
+    }
+
+    /// A rank's share of one request in a context-parallel multi-token decode. Query row i sees
+    /// the held positions up to global `len - q_len + i`: a prefix of the rank's local positions
+    /// (their order is the global one). Held positions before the last `q_len - 1` are seen by
+    /// every row; the held ones among those last positions form one run `[a, e)` (contiguous
+    /// when pages hold at least `q_len - 1` positions). A local decode of length l with the
+    /// window's right side `len - e` shows row i the prefix the rule gives whenever row i sees
+    /// position a - 1 or later; rows before that (`i < a - (len - q_len + 1)`) see exactly the
+    /// positions before the run: an unbounded decode of length `l - (e - a)`.
+    #[derive(Debug, PartialEq)]
+    struct RankShare {
+        /// Length of the unbounded decode (0: none).
+        all_len: usize,
+        /// The run's right side and the first row the run's decode holds.
+        tail: Option<(usize, usize)>,
+        /// Held positions.
+        len: usize,
+    }
+
+    fn rank_share(held: &[usize], len: usize, q_len: usize) -> RankShare {
+        let tail: Vec<usize> = held.iter().copied().filter(|&g| g + q_len > len).collect();
+        let Some(&last) = tail.last() else {
+            return RankShare {
+                all_len: held.len(),
+                tail: None,
+                len: held.len(),
+            };
+        };
+        assert!(
+            tail.windows(2).all(|w| w[1] == w[0] + 1),
+            "tail run {tail:?}"
+        );
+        let (a, e) = (tail[0], last + 1);
+        let first_row = (a + q_len).saturating_sub(len + 1);
+        let before = held.len() - tail.len();
+        RankShare {
+            all_len: if first_row > 0 { before } else { 0 },
+            tail: Some((len - e, first_row)),
+            len: held.len(),
+        }
+    }
+
+    #[test]
+    fn context_parallel_shards_merge_into_the_whole_decode() {
+        let mut cases = 0;
+        for (seed, q_len, world, sharding, lens) in [
+            (1, 1, 2, Sharding::Chunks(24), vec![40, 0, 7, 48]),
+            (2, 1, 4, Sharding::Pages(4), vec![33, 1, 0, 16]),
+            (3, 3, 3, Sharding::Chunks(11), vec![33, 12, 22, 2, 23]),
+            (4, 4, 2, Sharding::Pages(3), vec![30, 13, 14, 15, 3, 0]),
+            (5, 4, 3, Sharding::Pages(8), vec![47, 24, 25, 9, 1]),
+            (6, 2, 1, Sharding::Chunks(64), vec![19, 2]),
+            (7, 8, 4, Sharding::Pages(7), vec![57, 29, 8, 5]),
+        ] {
+            let p = make_problem(seed, q_len, 8, 2, 64, &lens);
+            let s = &p.shape;
+            let sinks: Vec<f64> = (0..s.hq).map(|h| h as f64 * 0.3 - 1.0).collect();
+            let mods = RefScoreMods {
+                softcap: Some(8.0),
+                ..Default::default()
+            };
+            let whole = decode_reference_with(
+                s,
+                &RefScoreMods {
+                    sinks: Some(sinks.clone()),
+                    ..mods.clone()
+                },
+                &p.q,
+                &p.k,
+                &p.v,
+                &p.seqlens,
+            );
+            let (mut parts, mut lses) = (Vec::new(), Vec::new());
+            for rank in 0..world {
+                let held: Vec<Vec<usize>> = lens
+                    .iter()
+                    .map(|&n| held(sharding, rank, world, n))
+                    .collect();
+                let local_len = held.iter().map(Vec::len).max().unwrap() + 2;
+                let local = RefShape {
+                    max_len: local_len,
+                    ..*s
+                };
+                let row = s.hkv * s.d;
+                let (mut k, mut v) = (
+                    vec![f32::NAN; s.batch * local_len * row],
+                    vec![f32::NAN; s.batch * local_len * row],
+                );
+                for (b, positions) in held.iter().enumerate() {
+                    for (j, &g) in positions.iter().enumerate() {
+                        let (from, to) = ((b * s.max_len + g) * row, (b * local_len + j) * row);
+                        k[to..to + row].copy_from_slice(&p.k[from..from + row]);
+                        v[to..to + row].copy_from_slice(&p.v[from..from + row]);
+                    }
+                }
+                for (b, positions) in held.iter().enumerate() {
+                    if positions.is_empty() {
+                        continue;
+                    }
+                    k[b * local_len * row..][..positions.len() * row]
+                        .iter()
+                        .for_each(|x| assert!(!x.is_nan()));
+                }
+                let shares: Vec<RankShare> = held
+                    .iter()
+                    .zip(&lens)
+                    .map(|(h, &n)| rank_share(h, n, q_len))
+                    .collect();
+                // one unbounded decode and one per right side that occurs; the other requests'
+                // lengths 0, the rows another decode holds masked (LSE -inf)
+                let mut rights: Vec<Option<usize>> = vec![None];
+                rights.extend(shares.iter().filter_map(|sh| sh.tail.map(|(r, _)| Some(r))));
+                rights.sort();
+                rights.dedup();
+                for right in rights {
+                    let seqlens: Vec<usize> = shares
+                        .iter()
+                        .map(|sh| match (right, sh.tail) {
+                            (None, _) => sh.all_len,
+                            (Some(r), Some((t, _))) if r == t => sh.len,
+                            _ => 0,
+                        })
+                        .collect();
+                    let window = Window { left: None, right };
+                    let mut part = decode_reference_with(
+                        &local,
+                        &RefScoreMods {
+                            window,
+                            ..mods.clone()
+                        },
+                        &p.q,
+                        &k,
+                        &v,
+                        &seqlens,
+                    );
+                    for (b, sh) in shares.iter().enumerate() {
+                        let Some((_, first_row)) = sh.tail else {
+                            continue;
+                        };
+                        for qi in 0..q_len {
+                            if right.is_none() == (qi >= first_row) {
+                                let row = (b * q_len + qi) * s.hq;
+                                part.lse[row..row + s.hq].fill(f64::NEG_INFINITY);
+                            }
+                        }
+                    }
+                    parts.push(part.out);
+                    lses.push(part.lse);
+                }
+            }
+            let merged = merge_states(&parts, &lses, s.d, Some(&sinks));
+            assert!(
+                relative_error(&merged.out, &whole.out) < 1e-12,
+                "seed {seed}: {}",
+                relative_error(&merged.out, &whole.out)
+            );
+            for (r, (&a, &b)) in merged.lse.iter().zip(&whole.lse).enumerate() {
+                assert!(
+                    a == b || (a - b).abs() < 1e-12,
+                    "seed {seed} row {r}: {a} vs {b}"
+                );
+            }
+            cases += parts.len();
+        }
+        assert!(cases > 30, "{cases} partial states");
+    }
+
+    #[test]
+    fn merge_skips_empty_shards_and_never_gives_nan() {
+        let d = 8;
+        let good: Vec<f64> = (0..2 * d).map(|i| i as f64 * 0.25 - 1.0).collect();
+        let junk = vec![f64::NAN; 2 * d];
+        let merged = merge_states(
+            &[junk.clone(), good.clone(), junk],
+            &[
+                vec![f64::NEG_INFINITY, f64::NEG_INFINITY],
+                vec![0.5, f64::NEG_INFINITY],
+                vec![f64::NEG_INFINITY, f64::NEG_INFINITY],
+            ],
+            d,
+            None,
+        );
+        assert_eq!(&merged.out[..d], &good[..d]);
+        assert_eq!(merged.lse[0], 0.5);
+        assert!(merged.out[d..].iter().all(|&x| x == 0.0));
+        assert_eq!(merged.lse[1], f64::NEG_INFINITY);
+        // a sink alone: zeros and the sink's logit
+        let sunk = merge_states(&[good], &[vec![f64::NEG_INFINITY; 2]], d, Some(&[1.5]));
+        assert!(sunk.out.iter().all(|&x| x == 0.0));
+        assert_eq!(sunk.lse, vec![1.5, 1.5]);
     }
 }

@@ -29,6 +29,8 @@
 //! - `models::*` (tests/gpu/models.rs): head dims 96 and 256, sliding windows, softcap and
 //!   attention sinks, alone and combined with pages, e4m3, ragged and multi-token decode
 //!   (`KVSTREAM_MODEL_CASES`, default 96 or `KVSTREAM_GPU_CASES` if fewer), under graphs too.
+//! - `merge::*` (tests/gpu/merge.rs): the state merge against its f64 model and under a graph,
+//!   and a decode cut into shards of one cache, merged, against the whole decode.
 //!
 //! Every test is ignored, so `cargo test` on a machine without a GPU lists them and moves on. On
 //! an H100/H200 (NVRTC 13 on the library path, see `scripts/test.sh`):
@@ -2828,3 +2830,10 @@ mod mla;
 
 #[path = "gpu/models.rs"]
 mod models;
+
+// ---------------------------------------------------------------------------------------------
+// Merging partial states (context parallelism)
+// ---------------------------------------------------------------------------------------------
+
+#[path = "gpu/merge.rs"]
+mod merge;
