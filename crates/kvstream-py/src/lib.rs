@@ -599,6 +599,90 @@ impl KvWriter {
     }
 }
 
+/// The merge of partial attention states (`kvstream::merge::StateMerger`): `shards` partial
+/// outputs of `batch x q_len x heads` rows of `head_dim` with their LSEs, strides in elements.
+#[pyclass(module = "kvstream._native", frozen)]
+struct StateMerger {
+    inner: kvstream::merge::StateMerger,
+}
+
+#[pymethods]
+impl StateMerger {
+    #[new]
+    #[pyo3(signature = (shards, batch, q_len, heads, head_dim, dtype, device=0, strides=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        shards: i64,
+        batch: i64,
+        q_len: i64,
+        heads: i64,
+        head_dim: i64,
+        dtype: &str,
+        device: i64,
+        strides: Option<(i64, i64, i64)>,
+    ) -> PyResult<Self> {
+        let dtype: DType = dtype.parse().map_err(to_py)?;
+        let mut shape = kvstream::merge::MergeShape::new(
+            size("shards", shards)?,
+            size("batch", batch)?,
+            size("q_len", q_len)?,
+            size("heads", heads)?,
+            size("head_dim", head_dim)?,
+            dtype,
+        )
+        .map_err(to_py)?;
+        if let Some((part_shard, part_row, lse_shard)) = strides {
+            shape = shape
+                .with_strides(
+                    size("part_shard_stride", part_shard)?,
+                    size("part_row_stride", part_row)?,
+                    size("lse_shard_stride", lse_shard)?,
+                )
+                .map_err(to_py)?;
+        }
+        let device = size("device", device)?;
+        let inner = py.detach(|| -> PyResult<kvstream::merge::StateMerger> {
+            let rt = runtime(device)?;
+            catch_unwind(AssertUnwindSafe(|| {
+                kvstream::merge::StateMerger::new(&rt, shape)
+            }))
+            .map_err(|_| PyRuntimeError::new_err("kvstream: creating the merger panicked"))?
+            .map_err(to_py)
+        })?;
+        Ok(StateMerger { inner })
+    }
+
+    /// Enqueues the merge on `stream`.
+    #[pyo3(signature = (parts_ptr, part_lse_ptr, out_ptr, lse_ptr=None, sinks_ptr=None, stream=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        py: Python<'_>,
+        parts_ptr: u64,
+        part_lse_ptr: u64,
+        out_ptr: u64,
+        lse_ptr: Option<u64>,
+        sinks_ptr: Option<u64>,
+        stream: usize,
+    ) -> PyResult<()> {
+        let t = kvstream::merge::MergeTensors {
+            parts: parts_ptr,
+            part_lse: part_lse_ptr,
+            out: out_ptr,
+            lse: lse_ptr,
+            sinks: sinks_ptr,
+        };
+        let merger = &self.inner;
+        py.detach(move || {
+            // SAFETY: the Python layer checks every tensor's shape, dtype and device against
+            // this merge's shape; the library checks the pointers against the driver.
+            unsafe { merger.run(&t, stream as sys::CUstream) }
+        })
+        .map_err(to_py)
+    }
+}
+
 /// An MLA decoder (`kvstream::mla`): one latent cache of 576-wide rows shared by every head.
 #[pyclass(module = "kvstream._native", frozen)]
 struct MlaDecoder {
@@ -733,6 +817,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Decoder>()?;
     m.add_class::<KvWriter>()?;
     m.add_class::<MlaDecoder>()?;
+    m.add_class::<StateMerger>()?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

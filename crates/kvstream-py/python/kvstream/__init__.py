@@ -105,6 +105,7 @@ __all__ = [
     "decode",
     "mla_decode",
     "store_kv",
+    "merge_states",
     "fp8_scales",
     "self_test",
     "clear_cache",
@@ -124,6 +125,7 @@ __all__ = [
     "MLA_DIM",
     "MLA_V_DIM",
     "MLA_MAX_HEADS",
+    "MAX_MERGE_HEAD_DIM",
 ]
 __version__ = _native.__version__
 
@@ -536,17 +538,18 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"kvstream.decode: {name} is {value!r}, allowed: {allowed_text}")
 
 
-def _device_vector(name: str, x: Any, dtype: str, n: int, meaning: str, dev: Any, ref: Any) -> None:
+def _device_vector(name: str, x: Any, dtype: str, n: int, meaning: str, dev: Any, ref: Any,
+                   fn: str = "decode") -> None:
     """A contiguous CUDA vector of ``n`` ``dtype`` values on ``ref``'s device (``meaning`` says
     what its values are, in the shape error)."""
-    shape = _tensor(name, x)
-    _dtype(name, x, (dtype,))
+    shape = _tensor(name, x, fn)
+    _dtype(name, x, (dtype,), fn)
     if shape != (n,):
         raise ValueError(
-            f"kvstream.decode: {name} has shape {list(shape)}, allowed: [{n}] ({meaning})"
+            f"kvstream.{fn}: {name} has shape {list(shape)}, allowed: [{n}] ({meaning})"
         )
-    _same_device(name, x, dev, ref)
-    _contiguous(name, x, shape)
+    _same_device(name, x, dev, ref, fn)
+    _contiguous(name, x, shape, fn)
 
 
 _WINDOW_ALLOWED = (
@@ -1472,3 +1475,199 @@ def fp8_scales(cache: Any, per_head: bool = True) -> Any:
     amax = cache.abs().amax(dim=(0, 1, 3)) if per_head else cache.abs().amax().reshape(1)
     amax = amax.float()
     return (amax / 448.0).where(amax > 0, amax.new_ones(()))
+
+
+# ---- merging partial states (context parallelism) ----
+
+#: Most elements of one row :func:`merge_states` merges.
+MAX_MERGE_HEAD_DIM = 1024
+_mergers: Dict[tuple, Any] = {}
+
+
+def merge_states(
+    outputs: Any,
+    lses: Any,
+    *,
+    sinks: Any = None,
+    out: Any = None,
+    return_lse: bool = True,
+) -> Any:
+    """Merges partial attention outputs over disjoint parts of the keys (the shards of a
+    context-parallel cache, say) into the output over all keys, by their log-sum-exps.
+
+    For each row, with ``m = max_s lses[s]``: ``out = sum_s exp(lses[s] - m) outputs[s] /
+    sum_s exp(lses[s] - m)`` and ``lse = m + log(sum_s exp(lses[s] - m))``, in float32, shards
+    summed in index order (bitwise deterministic). A shard whose LSE is ``-inf`` has no key for
+    the row and its output is not read (it may hold anything); a row no shard has keys for gives
+    zeros and ``-inf``. ``sinks`` join every row's denominator once, after the merge (decode the
+    shards without sinks and give them here): ``lse' = logaddexp(lse, sink)``, ``out' = out *
+    exp(lse - lse')``, as :func:`decode` with ``sinks`` does::
+
+        # two halves of one cache, decoded apart and merged
+        o1, l1 = kvstream.decode(q, k[:, :half], v[:, :half], return_lse=True)
+        o2, l2 = kvstream.decode(q, k[:, half:], v[:, half:], return_lse=True)
+        out, lse = kvstream.merge_states(torch.stack([o1, o2]), torch.stack([l1, l2]))
+
+    Args:
+        outputs: ``[n, ..., heads, d]`` bf16 or fp16 CUDA tensor: n partial outputs of the same
+            rows (``[n, b, q_len, hq, d]`` or ``[n, b, hq, d]`` from :func:`decode`, ``d`` up to
+            1024 and a multiple of 8); the last dimension contiguous and the rows evenly spaced
+            (an all-gathered buffer, a stack or slices of one), 16-byte aligned.
+        lses: float32 ``[n, ..., heads]`` (``outputs``' shape without ``d``), each shard's rows
+            contiguous; natural log, ``-inf`` for a row the shard has no key for.
+        sinks: optional float32 ``[heads]`` logits (gpt-oss's attention sinks).
+        out: optional contiguous ``[..., heads, d]`` tensor of ``outputs``' dtype to write.
+        return_lse: also return the merged LSE ``[..., heads]`` float32.
+
+    Returns ``out`` (and the LSE); asynchronous on the current stream, graph-capturable after
+    one call with the same shapes. With torch tensors it runs as the op
+    ``torch.ops.kvstream.merge_states`` (``merge_states_out`` when ``out`` is given).
+    """
+    args = (outputs, lses, sinks, return_lse, out)
+    ops = _torch_ops(outputs)
+    if ops is not None and ops.tracing(outputs):
+        return ops.merge_states(args, None)
+    spec = _check_merge(*args)
+    if ops is not None:
+        return ops.merge_states(args, spec)
+    if out is None:
+        raise TypeError("kvstream.merge_states: outputs must be a torch.Tensor to allocate out")
+    _launch_merge(spec, outputs, lses, sinks, out, None)
+    return out
+
+
+def _row_stride(name: str, x: Any, shape: Tuple[int, ...], fn: str) -> int:
+    """The one element stride between consecutive rows of ``x[s]`` (its dimensions between the
+    first and the last flattened), checked; the last dimension must be contiguous."""
+    st = [int(s) for s in x.stride()]
+    row, expect = None, None
+    for size, stride in zip(reversed(shape[1:-1]), reversed(st[1:-1])):
+        if size == 1:
+            continue
+        if row is None:
+            row, expect = stride, stride * size
+        elif stride != expect:
+            row = -1
+            break
+        else:
+            expect = stride * size
+    if row is None:
+        row = shape[-1]
+    if st[-1] != 1 and shape[-1] != 1 or row < shape[-1] or row % 8 != 0:
+        raise ValueError(
+            f"kvstream.{fn}: {name} has strides {st} for shape {list(shape)}, allowed: a "
+            f"contiguous last dimension and rows (the dimensions between the first and the last) "
+            f"evenly spaced by a multiple of 8 elements (16 bytes), at least the row's "
+            f"{shape[-1]} elements apart (call .contiguous() first)"
+        )
+    return row
+
+
+def _check_merge(outputs: Any, lses: Any, sinks: Any, return_lse: Any, out: Any,
+                 fake: bool = False) -> _Spec:
+    """:func:`merge_states`' arguments checked in pure Python; the spec's ``make(index)``
+    builds its merger."""
+    fn = "merge_states"
+    args = (outputs, lses, sinks, return_lse, out)
+    os_ = _tensor("outputs", outputs, fn)
+    if len(os_) < 3:
+        raise ValueError(
+            f"kvstream.{fn}: outputs must have at least 3 dimensions [n, ..., heads, d], got "
+            f"shape {list(os_)}"
+        )
+    od = _dtype("outputs", outputs, tuple(SUPPORTED_DTYPES), fn)
+    n, heads, d = os_[0], os_[-2], os_[-1]
+    if n < 1 or d < 8 or d % 8 != 0 or d > MAX_MERGE_HEAD_DIM:
+        raise ValueError(
+            f"kvstream.{fn}: outputs has shape {list(os_)}, allowed: at least one shard and a "
+            f"last dimension that is a multiple of 8 up to {MAX_MERGE_HEAD_DIM}"
+        )
+    dev = _device_key(outputs)
+    ls = _tensor("lses", lses, fn)
+    _same_device("lses", lses, dev, outputs, fn)
+    _dtype("lses", lses, ("torch.float32",), fn)
+    if ls != os_[:-1]:
+        raise ValueError(
+            f"kvstream.{fn}: lses has shape {list(ls)}, allowed: {list(os_[:-1])} (outputs' "
+            f"shape without its last dimension)"
+        )
+    rows = 1
+    for s in os_[1:-1]:
+        rows *= s
+    if rows == 0:
+        raise ValueError(f"kvstream.{fn}: outputs has shape {list(os_)}, allowed: no empty dimension")
+    row_stride = _row_stride("outputs", outputs, os_, fn)
+    lst = [int(s) for s in lses.stride()]
+    inner = tuple(ls[1:])
+    natural = []
+    acc = 1
+    for size in reversed(inner):
+        natural.append(acc)
+        acc *= size
+    natural = list(reversed(natural))
+    if any(size != 1 and s != nat for size, s, nat in zip(inner, lst[1:], natural)):
+        raise ValueError(
+            f"kvstream.{fn}: lses has strides {lst} for shape {list(ls)}, allowed: each shard's "
+            f"rows contiguous (call .contiguous() first)"
+        )
+    shard_stride = int(outputs.stride()[0]) if n > 1 else rows * row_stride
+    lse_shard_stride = lst[0] if n > 1 else rows
+    if shard_stride % 8 != 0 or shard_stride < 0:
+        raise ValueError(
+            f"kvstream.{fn}: outputs has a shard stride of {shard_stride} elements, allowed: a "
+            f"non-negative multiple of 8 (16 bytes)"
+        )
+    _aligned("outputs", outputs, fn, fake=fake)
+    if sinks is not None:
+        _device_vector("sinks", sinks, "torch.float32", heads,
+                       "one float32 logit per head (outputs' dimension -2)", dev, outputs, fn)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"kvstream.{fn}: return_lse must be a bool, got {type(return_lse).__name__}")
+    out_shape = tuple(os_[1:])
+    if out is not None:
+        oss = _tensor("out", out, fn)
+        _same_device("out", out, dev, outputs, fn)
+        if str(out.dtype) != od:
+            raise TypeError(f"kvstream.{fn}: out has dtype {out.dtype}, allowed: {od} (outputs')")
+        if oss != out_shape:
+            raise ValueError(
+                f"kvstream.{fn}: out has shape {list(oss)}, allowed: {list(out_shape)}"
+            )
+        _contiguous("out", out, oss, fn)
+        _aligned("out", out, fn, fake=fake)
+    strides = (shard_stride, row_stride, lse_shard_stride)
+    key = ("merge", n, rows // heads, heads, d, od, strides)
+
+    def make(index: int) -> Any:
+        return _native.StateMerger(n, rows // heads, 1, heads, d, SUPPORTED_DTYPES[od],
+                                   device=index, strides=strides)
+
+    return _Spec(fn, dev, key, make, out_shape, tuple(os_[1:-1]), None, args)
+
+
+def _launch_merge(spec: _Spec, outputs: Any, lses: Any, sinks: Any, out: Any, lse: Any) -> None:
+    """Launches a checked merge on the current stream (``lse`` None: not written)."""
+    import torch
+
+    dev = spec.dev
+    index = dev[1] if dev[1] is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    key = spec.key + (index,)
+    with _lock:
+        m = _mergers.get(key)
+    if m is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "kvstream.merge_states: no merger for these shapes yet and the current stream "
+                "is being captured into a CUDA graph; call merge_states once with the same "
+                "shapes before capturing (warm-up)."
+            )
+        m = spec.make(index)
+        with _lock:
+            m = _mergers.setdefault(key, m)
+    m.run(
+        int(outputs.data_ptr()), int(lses.data_ptr()), int(out.data_ptr()),
+        lse_ptr=None if lse is None else int(lse.data_ptr()),
+        sinks_ptr=None if sinks is None else int(sinks.data_ptr()),
+        stream=int(stream.cuda_stream),
+    )

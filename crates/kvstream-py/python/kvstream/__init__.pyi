@@ -12,6 +12,7 @@ CLUSTER_SPLITS: Tuple[int, ...]
 MAX_Q_LEN: int
 SUPPORTED_PAGE_SIZES: Tuple[int, ...]
 MLA_DIM: int
+MAX_MERGE_HEAD_DIM: int
 MLA_V_DIM: int
 MLA_MAX_HEADS: int
 DEFAULT_DECODER_CACHE_SIZE: int
@@ -75,6 +76,14 @@ def store_kv(
     v_scale: Optional[Any] = ...,
 ) -> None: ...
 def fp8_scales(cache: Any, per_head: bool = ...) -> Any: ...
+def merge_states(
+    outputs: Any,
+    lses: Any,
+    *,
+    sinks: Optional[Any] = ...,
+    out: Optional[Any] = ...,
+    return_lse: bool = ...,
+) -> Any: ...
 @overload
 def mla_decode(
     q: Any,

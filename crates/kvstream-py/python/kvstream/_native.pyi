@@ -138,3 +138,25 @@ class MlaDecoder:
     ) -> None: ...
     @property
     def plan(self) -> str: ...
+
+class StateMerger:
+    def __init__(
+        self,
+        shards: int,
+        batch: int,
+        q_len: int,
+        heads: int,
+        head_dim: int,
+        dtype: str,
+        device: int = 0,
+        strides: Optional[Tuple[int, int, int]] = None,
+    ) -> None: ...
+    def run(
+        self,
+        parts_ptr: int,
+        part_lse_ptr: int,
+        out_ptr: int,
+        lse_ptr: Optional[int] = None,
+        sinks_ptr: Optional[int] = None,
+        stream: int = 0,
+    ) -> None: ...

@@ -1,5 +1,5 @@
 """kvstream's PyTorch custom operators, behind :func:`kvstream.decode`, :func:`kvstream.mla_decode`
-and :func:`kvstream.store_kv`.
+and :func:`kvstream.store_kv` and :func:`kvstream.merge_states`.
 
 Importing this module imports torch and registers, in the ``kvstream`` namespace of
 ``torch.ops`` (:data:`SCHEMAS` has the exact schemas)::
@@ -19,6 +19,10 @@ Importing this module imports torch and registers, in the ``kvstream`` namespace
                    -> ()
     store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping,
              Tensor? k_scale=None, Tensor? v_scale=None) -> ()
+    merge_states(Tensor outputs, Tensor lses, Tensor? sinks=None, bool return_lse=True)
+                 -> (Tensor out, Tensor lse)
+    merge_states_out(Tensor outputs, Tensor lses, Tensor(a!) out, Tensor(b!)? lse=None,
+                     Tensor? sinks=None) -> ()
 
 (Custom ops take no keyword-only tensors: every argument may be given by position or name.)
 The functional ops return ``lse`` as an empty float32 tensor (shape ``[0]``) unless
@@ -43,9 +47,11 @@ import kvstream as _kv
 
 from . import (
     _check_decode,
+    _check_merge,
     _check_mla,
     _check_store,
     _launch_decode,
+    _launch_merge,
     _launch_mla,
     _launch_store,
     _softcap,
@@ -85,6 +91,14 @@ SCHEMAS = {
         "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
     ),
+    "merge_states": (
+        "(Tensor outputs, Tensor lses, Tensor? sinks=None, bool return_lse=True) "
+        "-> (Tensor, Tensor)"
+    ),
+    "merge_states_out": (
+        "(Tensor outputs, Tensor lses, Tensor(a!) out, Tensor(b!)? lse=None, "
+        "Tensor? sinks=None) -> ()"
+    ),
 }
 _MUTATES = {
     "decode": (),
@@ -92,6 +106,8 @@ _MUTATES = {
     "mla_decode": (),
     "mla_decode_out": ("out", "lse"),
     "store_kv": ("k_cache", "v_cache"),
+    "merge_states": (),
+    "merge_states_out": ("out", "lse"),
 }
 # torch.library.register_fake: torch >= 2.4. Older torch runs the launches directly (no op:
 # nothing for torch.compile to trace).
@@ -375,6 +391,57 @@ def store_kv(args: tuple, spec: Optional[_Spec]) -> None:
     return None
 
 
+# ---- merge_states ----
+
+def _merge_impl(outputs, lses, sinks=None, return_lse=True):
+    spec, _ = _spec(_check_merge, (outputs, lses, sinks, return_lse, None))
+    out = torch.empty(spec.out_shape, dtype=outputs.dtype, device=outputs.device)
+    lse = torch.empty(spec.lse_shape if return_lse else (0,), dtype=torch.float32,
+                      device=outputs.device)
+    _launch_merge(spec, outputs, lses, sinks, out, lse if return_lse else None)
+    return out, lse
+
+
+def _merge_fake(outputs, lses, sinks=None, return_lse=True):
+    _fake_check(_check_merge, (outputs, lses, sinks, return_lse, None))
+    out = outputs.new_empty(outputs.shape[1:])
+    lse = outputs.new_empty(outputs.shape[1:-1] if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+def _merge_out_impl(outputs, lses, out, lse=None, sinks=None):
+    spec, handed = _spec(_check_merge, (outputs, lses, sinks, lse is not None, out))
+    if lse is not None and not handed:
+        _check_lse("merge_states", spec, lse, outputs)
+    _launch_merge(spec, outputs, lses, sinks, out, lse)
+
+
+def _merge_out_fake(outputs, lses, out, lse=None, sinks=None):
+    spec = _fake_check(_check_merge, (outputs, lses, sinks, lse is not None, out))
+    if spec is not None and lse is not None:
+        _check_lse("merge_states", spec, lse, outputs, fake=True)
+
+
+def merge_states(args: tuple, spec: Optional[_Spec]) -> Any:
+    """kvstream.merge_states with torch tensors (see :func:`decode`)."""
+    outputs, lses, sinks, return_lse, out = args
+    if not _HAVE_OPS:
+        if spec is None:
+            spec = _check_merge(*args)
+        if out is None:
+            out = torch.empty(spec.out_shape, dtype=outputs.dtype, device=outputs.device)
+        lse = outputs.new_empty(spec.lse_shape, dtype=torch.float32) if return_lse else None
+        _launch_merge(spec, outputs, lses, sinks, out, lse)
+        return (out, lse) if return_lse else out
+    if out is None:
+        res, lse = _call(torch.ops.kvstream.merge_states.default, spec, outputs, lses, sinks,
+                         return_lse)
+        return (res, lse) if return_lse else res
+    lse = outputs.new_empty(outputs.shape[1:-1], dtype=torch.float32) if return_lse else None
+    _call(torch.ops.kvstream.merge_states_out.default, spec, outputs, lses, out, lse, sinks)
+    return (out, lse) if return_lse else out
+
+
 # ---- registration ----
 
 _IMPLS = {
@@ -383,6 +450,8 @@ _IMPLS = {
     "mla_decode": (_mla_impl, _mla_fake),
     "mla_decode_out": (_mla_out_impl, _mla_out_fake),
     "store_kv": (_store_impl, _store_fake),
+    "merge_states": (_merge_impl, _merge_fake),
+    "merge_states_out": (_merge_out_impl, _merge_out_fake),
 }
 def _register() -> None:
     # The Library holding the ops lives on the package: dropping it would remove them, and a

@@ -23,7 +23,8 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 import kvstream  # noqa: E402
 from kvstream import _ops  # noqa: E402  (registers the ops)
 
-OPS = ("decode", "decode_out", "mla_decode", "mla_decode_out", "store_kv")
+OPS = ("decode", "decode_out", "mla_decode", "mla_decode_out", "store_kv", "merge_states",
+       "merge_states_out")
 B, L, HQ, HKV, D = 2, 256, 16, 2, 128
 BF16 = torch.bfloat16
 
@@ -51,7 +52,7 @@ def test_registered_at_first_call_with_torch_tensors():
     assert out.splitlines() == [
         "False False",
         "kvstream.decode: q must be on a CUDA device, got a tensor on cpu",
-        "True True True True True",
+        " ".join(["True"] * len(OPS)),
     ], out
 
 
@@ -85,6 +86,10 @@ EXPECTED_SCHEMAS = {
     "Tensor(a!) out, Tensor(b!)? lse=None, " + MLA_OPT + ") -> ()",
     "store_kv": "kvstream::store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
+    "merge_states": "kvstream::merge_states(Tensor outputs, Tensor lses, Tensor? sinks=None, "
+    "bool return_lse=True) -> (Tensor, Tensor)",
+    "merge_states_out": "kvstream::merge_states_out(Tensor outputs, Tensor lses, Tensor(a!) out, "
+    "Tensor(b!)? lse=None, Tensor? sinks=None) -> ()",
 }
 
 
@@ -95,7 +100,8 @@ def test_schema(name):
     written = {a.name for a in op._schema.arguments
                if a.alias_info is not None and a.alias_info.is_write}
     assert written == {"decode": set(), "decode_out": {"out", "lse"}, "mla_decode": set(),
-                       "mla_decode_out": {"out", "lse"}, "store_kv": {"k_cache", "v_cache"}}[name]
+                       "mla_decode_out": {"out", "lse"}, "store_kv": {"k_cache", "v_cache"},
+                       "merge_states": set(), "merge_states_out": {"out", "lse"}}[name]
     # the Python functions keep their own signatures (test_api checks them); the ops' argument
     # names are theirs
     fn = getattr(kvstream, name.replace("_out", ""))
@@ -190,6 +196,58 @@ def test_fake_store_kv(fake):
     k = cuda(5, HKV, D)
     cache = cuda(B, L, HKV, D)
     assert kvstream.store_kv(k, k, cache, cache, cuda(5, dtype=torch.int64)) is None
+
+
+@pytest.mark.parametrize("rows", [(B, 1, HQ), (B, HQ), (3, 2, 4, 8)])
+def test_fake_merge_states_shapes(fake, rows):
+    n, d = 4, 512
+    outputs, lses = cuda(n, *rows, d), cuda(n, *rows, dtype=torch.float32)
+    out, lse = kvstream.merge_states(outputs, lses, sinks=cuda(rows[-1], dtype=torch.float32))
+    assert out.shape == (*rows, d) and out.dtype == BF16 and lse.shape == rows
+    assert lse.dtype == torch.float32
+    given = cuda(*rows, d)
+    assert kvstream.merge_states(outputs, lses, out=given, return_lse=False) is given
+    o, l2 = torch.ops.kvstream.merge_states(outputs, lses, return_lse=False)
+    assert o.shape == (*rows, d) and l2.shape == (0,)
+    # an all-gathered buffer with padding between the shards, and a strided row dimension
+    gathered = cuda(n, B * HQ * 128 + 64)[:, : B * HQ * 128].view(n, B, HQ, 128)
+    assert kvstream.merge_states(gathered, cuda(n, B, HQ, dtype=torch.float32))[0].shape == (
+        B, HQ, 128)
+    spaced = cuda(n, B, HQ, 2 * 128)[..., :128]
+    assert kvstream.merge_states(spaced, cuda(n, B, HQ, dtype=torch.float32))[0].shape == (
+        B, HQ, 128)
+
+
+def test_fake_merge_states_errors(fake):
+    n = 3
+    outputs, lses = cuda(n, B, HQ, D), cuda(n, B, HQ, dtype=torch.float32)
+    cases = [
+        (ValueError, "kvstream.merge_states: lses has shape [3, 2, 8], allowed: [3, 2, 16]",
+         lambda: kvstream.merge_states(outputs, cuda(n, B, 8, dtype=torch.float32))),
+        (TypeError, "kvstream.merge_states: lses has dtype torch.bfloat16",
+         lambda: kvstream.merge_states(outputs, cuda(n, B, HQ))),
+        (TypeError, "kvstream.merge_states: outputs has dtype torch.float32",
+         lambda: kvstream.merge_states(cuda(n, B, HQ, D, dtype=torch.float32), lses)),
+        (ValueError, "a last dimension that is a multiple of 8",
+         lambda: kvstream.merge_states(cuda(n, B, HQ, 100), lses)),
+        (ValueError, "at least 3 dimensions",
+         lambda: kvstream.merge_states(cuda(n, D), cuda(n, dtype=torch.float32))),
+        (ValueError, "kvstream.merge_states: outputs has strides",
+         lambda: kvstream.merge_states(cuda(n, HQ, B, D).transpose(1, 2), lses)),
+        (ValueError, "kvstream.merge_states: lses has strides",
+         lambda: kvstream.merge_states(outputs, cuda(n, HQ, B, dtype=torch.float32)
+                                       .transpose(1, 2))),
+        (ValueError, "kvstream.merge_states: sinks has shape [2], allowed: [16]",
+         lambda: kvstream.merge_states(outputs, lses, sinks=cuda(2, dtype=torch.float32))),
+        (ValueError, "kvstream.merge_states: out has shape [2, 16, 64], allowed: [2, 16, 128]",
+         lambda: kvstream.merge_states(outputs, lses, out=cuda(B, HQ, 64))),
+        (ValueError, "kvstream.merge_states: lse has shape [2, 8], allowed: [2, 16]",
+         lambda: torch.ops.kvstream.merge_states_out(outputs, lses, cuda(B, HQ, D),
+                                                     cuda(B, 8, dtype=torch.float32))),
+    ]
+    for exc, text, call in cases:
+        with pytest.raises(exc, match=text.replace("[", r"\[").replace("]", r"\]")):
+            call()
 
 
 def test_fake_errors_are_the_eager_ones(fake):
