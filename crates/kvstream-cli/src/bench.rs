@@ -1100,6 +1100,7 @@ fn measure_shape(
         k_scale: scale_at(0),
         v_scale: scale_at(1),
         sinks: None,
+        view_len: None,
     };
 
     // ---- check every implementation on set 0, capture the ones that pass ----

@@ -326,6 +326,7 @@ fn gpu_demo<T: Element + Copy + Default, K: cudarc::driver::DeviceRepr + Copy + 
         k_scale: k_scale_t,
         v_scale: v_scale_t,
         sinks: sinks_ptr,
+        view_len: None,
     };
 
     // ---- check set 0 against the f64 reference ----

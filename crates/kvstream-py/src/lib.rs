@@ -380,7 +380,9 @@ impl Decoder {
     /// Unsafe in spirit: the caller (the `kvstream` package) guarantees that the pointers
     /// reference tensors of the decoder's shapes on its device that stay alive until the work
     /// completes.
-    #[pyo3(signature = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr=None, seqlens_ptr=None, stream=0, block_table_ptr=None, k_scale=None, v_scale=None, sinks_ptr=None))]
+    /// `view_len`: the caches are a view of their first `view_len` positions (the decoder was
+    /// made for their capacity).
+    #[pyo3(signature = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr=None, seqlens_ptr=None, stream=0, block_table_ptr=None, k_scale=None, v_scale=None, sinks_ptr=None, view_len=None))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -396,6 +398,7 @@ impl Decoder {
         k_scale: Option<(u64, usize)>,
         v_scale: Option<(u64, usize)>,
         sinks_ptr: Option<u64>,
+        view_len: Option<usize>,
     ) -> PyResult<()> {
         let p = self.inner.problem();
         let tensors = DecodeTensors {
@@ -409,6 +412,7 @@ impl Decoder {
             seqlens: seqlens_ptr,
             block_table: block_table_ptr,
             sinks: sinks_ptr,
+            view_len,
         };
         let decoder = &self.inner;
         py.detach(move || {

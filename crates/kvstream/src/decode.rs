@@ -50,6 +50,11 @@ pub struct DecodeTensors {
     /// Attention sinks, f32 `[hq]` (required exactly when the problem has
     /// [`DecodeProblem::sinks`]); read at every call.
     pub sinks: Option<u64>,
+    /// A contiguous cache read as a view of its first `view_len` positions (1..=max_len): the
+    /// problem describes the cache's capacity, this call's requests have at most `view_len`
+    /// positions (`seqlens` are clamped to it, as to max_len). One decoder then serves every
+    /// view of a growing cache. `None`: max_len.
+    pub view_len: Option<usize>,
 }
 
 /// The FP32 dequantisation scales of an fp8 cache on the device, read at every call (a graph
@@ -340,6 +345,22 @@ impl Decoder {
             }
             (false, None) => {}
         }
+        if let Some(n) = t.view_len {
+            if self.problem.paged.is_some() {
+                return Err(Error::invalid(
+                    "view_len",
+                    n,
+                    "none for a paged cache (its lengths bound what is read)",
+                ));
+            }
+            if n == 0 || n > self.problem.max_len {
+                return Err(Error::invalid(
+                    "view_len",
+                    n,
+                    format!("1..={} (the problem's max_len)", self.problem.max_len),
+                ));
+            }
+        }
         rt.bind()?;
         match &self.engine {
             Engine::Persistent(e) => e.run(&self.problem, t, stream),
@@ -546,6 +567,7 @@ impl Decoder {
             k_scale,
             v_scale,
             sinks: sinks_ptr.as_ref().map(|(p, _)| *p),
+            view_len: None,
         };
         // SAFETY: lengths checked above; the slices outlive the enqueue and cudarc's guards
         // record the stream use.
@@ -673,7 +695,7 @@ impl SplitEngine {
             hq: p.hq as i32,
             hkv: p.hkv as i32,
             group: p.group() as i32,
-            max_len: p.max_len as i32,
+            max_len: t.view_len.unwrap_or(p.max_len) as i32,
             num_splits: self.plan.num_splits as i32,
             scale_log2: p.scale() * std::f32::consts::LOG2_E,
             cluster_splits: if self.cluster() {
@@ -920,7 +942,7 @@ impl PersistentEngine {
             q_len: p.q_len as i32,
             cols: kp.columns() as i32,
             col_blocks: pp.col_blocks as i32,
-            max_len: p.max_len as i32,
+            max_len: t.view_len.unwrap_or(p.max_len) as i32,
             scale_log2: p.scale() * std::f32::consts::LOG2_E,
             page_size: p.paged.map_or(0, |pg| pg.page_size as i32),
             table_stride: p.paged.map_or(0, |pg| pg.table_stride as i32),

@@ -29,6 +29,8 @@
 //! - `models::*` (tests/gpu/models.rs): head dims 96 and 256, sliding windows, softcap and
 //!   attention sinks, alone and combined with pages, e4m3, ragged and multi-token decode
 //!   (`KVSTREAM_MODEL_CASES`, default 96 or `KVSTREAM_GPU_CASES` if fewer), under graphs too.
+//! - `views_of_a_growing_cache_share_one_decoder`: a decoder made for a cache's capacity reads
+//!   views of its first positions (`DecodeTensors::view_len`), on both engines.
 //! - `merge::*` (tests/gpu/merge.rs): the state merge against its f64 model and under a graph,
 //!   and a decode cut into shards of one cache, merged, against the whole decode.
 //!
@@ -379,6 +381,7 @@ fn raw_tensors<T: Half>(
         k_scale: None,
         v_scale: None,
         sinks: x.sinks.as_ref().map(|s| s.device_ptr(stream).0),
+        view_len: None,
     }
 }
 
@@ -2086,6 +2089,7 @@ fn stale_hints_before_the_pdl_wait_are_not_used() {
                 k_scale: None,
                 v_scale: None,
                 sinks: None,
+                view_len: None,
             };
             // SAFETY: every pointer is live device memory of the sizes the problem implies.
             unsafe { dec.run(&tensors, stream.cu_stream()) }
@@ -2308,6 +2312,7 @@ impl<T: Half> Fp8Device<T> {
             k_scale: Some(scale(&self.k_scale)),
             v_scale: Some(scale(&self.v_scale)),
             sinks: self.sinks.as_ref().map(|s| s.device_ptr(stream).0),
+            view_len: None,
         }
     }
 }
@@ -2815,6 +2820,80 @@ fn store_kv_writes_exactly_the_slots_given() {
         }
     }
     println!("store_kv: {cases} cases written byte-exact, eager and replayed");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Views of a growing cache
+// ---------------------------------------------------------------------------------------------
+
+/// One decoder made for a cache's capacity serves views of its first n positions
+/// (`DecodeTensors::view_len`): with and without lengths (none: every request n long), on both
+/// engines, equal to the reference of the view; positions past the view hold NaN (never read).
+/// Bad view lengths are refused by name.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn views_of_a_growing_cache_share_one_decoder() {
+    let (rt, stream) = open_gpu();
+    let mut rng = SplitMix64::new(31);
+    let capacity = 4096;
+    for (batch, hq, hkv, d, engine) in [
+        (2, 32, 8, 128, kvstream::Engine::Split),
+        (16, 32, 8, 128, kvstream::Engine::Persistent),
+        (3, 8, 1, 64, kvstream::Engine::Persistent),
+    ] {
+        let p = DecodeProblem::new(batch, hq, hkv, d, capacity, DType::Bf16).unwrap();
+        let opts = PlanOptions {
+            engine: Some(engine),
+            ..Default::default()
+        };
+        let dec = make_decoder(&rt, &p, opts);
+        for (view, with_lens) in [
+            (1, false),
+            (300, true),
+            (300, false),
+            (2049, true),
+            (4096, false),
+        ] {
+            // the cache's positions past the view hold NaN: a read past it reaches the output
+            let lens: Vec<usize> = (0..batch)
+                .map(|b| {
+                    if with_lens {
+                        rng.below(view + 1).max(b % 2)
+                    } else {
+                        view
+                    }
+                })
+                .collect();
+            let x: Inputs<bf16> = make_inputs(&mut rng, &p, &vec![view; batch]);
+            let want = reference(&p, &x, &lens);
+            let dev = DeviceInputs::upload(&stream, &x, with_lens.then_some(&lens[..]));
+            let mut o = Outputs::new(&stream, &p, true);
+            o.poison(&stream);
+            let t = DecodeTensors {
+                view_len: Some(view),
+                ..raw_tensors(&stream, &dev, &mut o)
+            };
+            // SAFETY: the buffers hold the problem's sizes and outlive the sync below.
+            unsafe { dec.run(&t, stream.cu_stream()) }.unwrap();
+            stream.synchronize().unwrap();
+            let label =
+                format!("{batch}x{hq}/{hkv} d{d} {engine:?}, view {view}, lens {with_lens}");
+            check_output(&p, &o.read(&stream), &want).unwrap_or_else(|e| panic!("{label}: {e}"));
+        }
+        let x: Inputs<bf16> = make_inputs(&mut rng, &p, &vec![capacity; batch]);
+        let dev = DeviceInputs::upload(&stream, &x, None);
+        let mut o = Outputs::new(&stream, &p, false);
+        for bad in [0, capacity + 1] {
+            let t = DecodeTensors {
+                view_len: Some(bad),
+                ..raw_tensors(&stream, &dev, &mut o)
+            };
+            // SAFETY: refused before any launch.
+            let r = unsafe { dec.run(&t, stream.cu_stream()) };
+            assert_eq!(rejected_arg(r, "view_len"), "view_len");
+        }
+    }
+    println!("views: one decoder per capacity matches the reference of every view");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -256,6 +256,33 @@ def _cache_strides(
     return (st[0], st[1], st[2])
 
 
+#: The smallest capacity a view of a longer cache is read with (see :func:`_view_capacity`).
+_VIEW_MIN_CAPACITY = 256
+
+
+def _view_capacity(x: Any, shape: Tuple[int, ...]) -> int:
+    """Positions a contiguous cache view ``[b, L, hkv, d]`` may be read with: L rounded up to a
+    power of two (at least :data:`_VIEW_MIN_CAPACITY`), as far as the memory behind the view
+    reaches with its strides; L itself where that is not known (no torch storage). The views
+    ``cache[:, :n]`` of a growing cache then share the decoder of each power of two, whose
+    plan is within a factor 2 of their length (the lengths themselves are read on the GPU)."""
+    b, L, hkv, d = shape
+    storage = getattr(x, "untyped_storage", None)
+    if storage is None or L < 1:
+        return L
+    try:
+        avail = storage().nbytes() // x.element_size() - x.storage_offset()
+        st = [int(s) for s in x.stride()]
+    except (RuntimeError, TypeError, AttributeError):
+        return L
+    if st[1] <= 0:
+        return L
+    bucket = max(_VIEW_MIN_CAPACITY, 1 << (L - 1).bit_length())
+    fixed = (b - 1) * st[0] + (hkv - 1) * st[2] + d
+    reach = (avail - fixed) // st[1] + 1 if avail >= fixed else L
+    return max(L, min(bucket, reach))
+
+
 def _scale(name: str, sc: Any, shapes: Dict[tuple, str], dev: Any, ref: Any,
            fn: str = "decode", fake: bool = False) -> Tuple[int, int]:
     """(pointer, element count) of a float32 scale tensor of one of ``shapes`` (shape ->
@@ -347,11 +374,12 @@ class _Spec:
     the arguments it was made from (the torch ops reuse a spec only for the very same ones).
     """
 
-    __slots__ = ("fn", "dev", "key", "make", "out_shape", "lse_shape", "scales", "args")
+    __slots__ = ("fn", "dev", "key", "make", "out_shape", "lse_shape", "scales", "args",
+                 "view_len")
 
     def __init__(self, fn: str, dev: Tuple[str, Optional[int]], key: tuple, make: Any,
                  out_shape: Tuple[int, ...], lse_shape: Tuple[int, ...], scales: Any,
-                 args: tuple) -> None:
+                 args: tuple, view_len: Optional[int] = None) -> None:
         self.fn = fn
         self.dev = dev
         self.key = key
@@ -360,6 +388,8 @@ class _Spec:
         self.lse_shape = lse_shape
         self.scales = scales
         self.args = args
+        # the caches are a view of the first view_len positions of a decoder's capacity
+        self.view_len = view_len
 
 
 def _prepare(spec: _Spec) -> Tuple[Any, Any]:
@@ -876,6 +906,17 @@ def _check_decode(
         align = 16 if fp8 else 8
         k_strides = _cache_strides("k_cache", k_cache, ks, align)
         v_strides = _cache_strides("v_cache", v_cache, vs, align)
+    view_len = None
+    if not paged and not fake:
+        capacity = min(_view_capacity(k_cache, ks), _view_capacity(v_cache, vs))
+        if capacity > L:
+            # a view of a longer cache: the decoder of the capacity's bucket reads its first L
+            # positions, so the views of a growing cache share one decoder (one request's batch
+            # stride means nothing: the capacity's, so that it stays the same as L grows)
+            natural = ((capacity if b == 1 else L) * hkv * d, hkv * d, d)
+            k_strides, v_strides = (natural if st is None else (natural[0], *st[1:]) if b == 1
+                                    else st for st in (k_strides, v_strides))
+            view_len, L = L, capacity
     _aligned("k_cache", k_cache, fake=fake)
     _aligned("v_cache", v_cache, fake=fake)
     paging: Optional[Tuple[int, int, int]] = None
@@ -1045,7 +1086,7 @@ def _check_decode(
         )
 
     lse_shape = (b, q_len, hq) if len(qs) == 4 else (b, hq)
-    return _Spec("decode", dev, key, make, qs, lse_shape, scale_args, args)
+    return _Spec("decode", dev, key, make, qs, lse_shape, scale_args, args, view_len)
 
 
 def _launch_decode(spec: _Spec, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any,
@@ -1064,6 +1105,7 @@ def _launch_decode(spec: _Spec, q: Any, k_cache: Any, v_cache: Any, cache_seqlen
         k_scale=spec.scales[0],
         v_scale=spec.scales[1],
         sinks_ptr=None if sinks is None else int(sinks.data_ptr()),
+        view_len=spec.view_len,
     )
 
 

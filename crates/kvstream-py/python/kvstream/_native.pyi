@@ -65,6 +65,7 @@ class Decoder:
         k_scale: Optional[Tuple[int, int]] = None,
         v_scale: Optional[Tuple[int, int]] = None,
         sinks_ptr: Optional[int] = None,
+        view_len: Optional[int] = None,
     ) -> None: ...
     @property
     def num_splits(self) -> int: ...

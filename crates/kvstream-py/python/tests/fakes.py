@@ -24,8 +24,24 @@ BF16, F16, F32, I32, I64 = (FakeDType(n) for n in ("bfloat16", "float16", "float
 E4M3, E5M2 = FakeDType("float8_e4m3fn"), FakeDType("float8_e5m2")
 
 
+_ITEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8,
+               "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+class _FakeStorage:
+    def __init__(self, nbytes):
+        self._nbytes = nbytes
+
+    def nbytes(self):
+        return self._nbytes
+
+
 class FakeTensor:
-    def __init__(self, shape, dtype=BF16, device=None, strides=None, ptr=1 << 20):
+    """``storage_elems``: the elements of the storage from this view's first one (a view of a
+    larger buffer); by default exactly what the view spans."""
+
+    def __init__(self, shape, dtype=BF16, device=None, strides=None, ptr=1 << 20,
+                 storage_elems=None):
         self.shape = tuple(shape)
         self.dtype = dtype
         self.device = device or FakeDevice()
@@ -37,6 +53,18 @@ class FakeTensor:
         self._natural = tuple(natural)
         self._strides = tuple(strides) if strides is not None else self._natural
         self._ptr = ptr
+        span = 1 + sum((n - 1) * st for n, st in zip(self.shape, self._strides)) if all(
+            self.shape) else 0
+        self._storage_elems = span if storage_elems is None else storage_elems
+
+    def element_size(self):
+        return _ITEM_BYTES[self.dtype.name]
+
+    def untyped_storage(self):
+        return _FakeStorage(self._storage_elems * self.element_size())
+
+    def storage_offset(self):
+        return 0
 
     def stride(self):
         return self._strides

@@ -1009,3 +1009,35 @@ def test_self_test_says_what_is_missing():
     # here (no GPU, usually no torch) it must say which of the two it lacks, not crash
     with pytest.raises(RuntimeError, match="PyTorch is not importable|torch sees no CUDA device"):
         kvstream.self_test()
+
+
+def test_views_of_a_growing_cache_share_one_decoder():
+    # cache[:, :n] of a [b, Lmax, hkv, d] cache: one decoder for each power of two of n (at
+    # least 256), capped by the memory behind the view, which then reads the first n positions
+    b, Lmax, hkv, d, hq = 3, 1000, 2, 128, 16
+
+    def spec(n, batch=b, lmax=Lmax, contiguous_storage=True):
+        row = hkv * d
+        q = FakeTensor((batch, 1, hq, d))
+        strides = (lmax * row, row, d, 1) if batch > 1 else None
+        k = FakeTensor((batch, n, hkv, d), strides=strides, storage_elems=batch * lmax * row)
+        return kvstream._check_decode(q, k, k, None, None, None, (-1, 0), 0.0, None, None,
+                                      None, False, None, None, None, False, None)
+
+    first = spec(300)
+    assert first.view_len == 300 and first.key[4] == 512
+    for n in (257, 400, 511, 512):
+        s = spec(n)
+        assert s.key == first.key and s.view_len == (n if n < 512 else None), n
+    assert spec(513).key[4] == 1000 and spec(513).view_len == 513  # the buffer ends at 1000
+    assert spec(1000).view_len is None and spec(1000).key[4] == 1000
+    assert spec(10).key[4] == 256 and spec(10).view_len == 10
+    # one request: the view is contiguous, its batch stride meaningless
+    ones = {spec(n, batch=1).key for n in (300, 301, 480)}
+    assert len(ones) == 1
+    # a cache whose storage ends with the view: read as it is
+    exact = FakeTensor((b, 300, hkv, d))
+    s = kvstream._check_decode(FakeTensor((b, 1, hq, d)), exact, exact, None, None, None,
+                               (-1, 0), 0.0, None, None, None, False, None, None, None, False,
+                               None)
+    assert s.view_len is None and s.key[4] == 300

@@ -129,6 +129,25 @@ def test_strided_cache_slice():
     check(q, k.contiguous(), v.contiguous(), lens, out, lse, 1 / 8, "strided cache")
 
 
+@pytest.mark.parametrize("b", [1, 4])
+def test_growing_views_share_one_decoder(b):
+    # cache[:, :n] for a growing n: one decoder per power of two, reading the first n positions
+    # (the rest of the buffer NaN: never read)
+    q, kb, vb = make(b, 32, 8, 128, 4096, torch.bfloat16, seed=12)
+    kb[:, 700:] = float("nan")
+    vb[:, 700:] = float("nan")
+    kvstream.clear_cache()
+    sizes = []
+    for n in (300, 301, 450, 512, 513, 700):
+        k, v = kb[:, :n], vb[:, :n]
+        out, lse = kvstream.decode(q, k, v, return_lse=True)
+        lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
+        check(q, k.contiguous(), v.contiguous(), lens, out, lse, 128 ** -0.5, f"view {n}")
+        sizes.append(kvstream.decoder_cache_info()["size"])
+    assert sizes == [1, 1, 1, 1, 2, 2], sizes
+    SUMMARY["checks"][f"growing views b{b}"] = {"decoders": sizes[-1]}
+
+
 def test_graph_capture_replay_with_new_lengths():
     b, hq, hkv, d, L = 4, 32, 8, 128, 8192
     q, k, v = make(b, hq, hkv, d, L, torch.bfloat16, seed=11)

@@ -308,6 +308,7 @@ fn sharded_decode_equals_whole() {
                     k_scale: None,
                     v_scale: None,
                     sinks: None,
+                    view_len: None,
                 };
                 // SAFETY: every pointer lies inside the buffers above, which outlive the sync.
                 unsafe { decoder.run(&t, stream.cu_stream()) }.unwrap();
