@@ -911,11 +911,16 @@ def _check_decode(
         capacity = min(_view_capacity(k_cache, ks), _view_capacity(v_cache, vs))
         if capacity > L:
             # a view of a longer cache: the decoder of the capacity's bucket reads its first L
-            # positions, so the views of a growing cache share one decoder (one request's batch
-            # stride means nothing: the capacity's, so that it stays the same as L grows)
-            natural = ((capacity if b == 1 else L) * hkv * d, hkv * d, d)
-            k_strides, v_strides = (natural if st is None else (natural[0], *st[1:]) if b == 1
-                                    else st for st in (k_strides, v_strides))
+            # positions, so the views of a growing cache share one decoder. One request's
+            # batch stride means nothing: the capacity's (None where the rest is contiguous),
+            # the same for every view and for the whole bucket read as it is.
+            if b == 1:
+                k_strides, v_strides = (None if st is None else (capacity * hkv * d, *st[1:])
+                                        for st in (k_strides, v_strides))
+            else:
+                natural = (L * hkv * d, hkv * d, d)
+                k_strides, v_strides = (natural if st is None else st
+                                        for st in (k_strides, v_strides))
             view_len, L = L, capacity
     _aligned("k_cache", k_cache, fake=fake)
     _aligned("v_cache", v_cache, fake=fake)
