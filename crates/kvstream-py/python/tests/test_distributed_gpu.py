@@ -97,24 +97,28 @@ def test_merge_states_padded_gather_and_graph():
     note("merge_states graph replay", ok=True)
 
 
-def shard_gpu(cache, lens, sharding, unit, rank, world):
+def shard_gpu(cache, lens, sharding, unit, rank, world, table=None):
     """This rank's shard (as test_distributed.shard_cache) with NaN in every row it does not
-    hold: a kernel that read one would put NaN in the output."""
+    hold: a kernel that read one would put NaN in the output. Pages in a shuffled pool (its
+    block table made here, or the one given: K's for V)."""
     b, L = cache.shape[:2]
     rest = cache.shape[2:]
     if sharding == "chunks":
         local = torch.full((b, unit, *rest), float("nan"), dtype=cache.dtype, device="cuda")
         for r in range(b):
-            pos = held_positions(sharding, unit, rank, world, lens[r])
+            pos = torch.tensor(held_positions(sharding, unit, rank, world, lens[r]),
+                               dtype=torch.long, device="cuda")
             local[r, :len(pos)] = cache[r, pos]
         return local, None
     pages = -(-L // unit) // world + 2
     pool = torch.full((b * pages, unit, *rest), float("nan"), dtype=cache.dtype, device="cuda")
-    table = torch.randperm(b * pages, device="cuda").to(torch.int32).reshape(b, pages)
+    if table is None:
+        table = torch.randperm(b * pages, device="cuda").to(torch.int32).reshape(b, pages)
     for r in range(b):
-        pos = held_positions(sharding, unit, rank, world, lens[r])
-        for i, g in enumerate(pos):
-            pool[table[r, i // unit], i % unit] = cache[r, g]
+        pos = torch.tensor(held_positions(sharding, unit, rank, world, lens[r]),
+                           dtype=torch.long, device="cuda")
+        local = torch.arange(len(pos), device="cuda")
+        pool[table[r].long()[local // unit], local % unit] = cache[r, pos]
     return pool, table.contiguous()
 
 
@@ -150,7 +154,7 @@ def test_sharded_decode_equals_whole(case):
     outs, lses = [], []
     for rank in range(world):
         kl, table = shard_gpu(k, lens, sharding, unit, rank, world)
-        vl, _ = shard_gpu(v, lens, sharding, unit, rank, world)
+        vl, _ = shard_gpu(v, lens, sharding, unit, rank, world, table)
         share = kcp._Share(seqlens, rank, world, sharding, unit, q_len)
         o, l_ = kcp._gqa_states(q, kl, vl, share, q_len, dict(block_table=table, softcap=20.0))
         local, local_lse = kvstream.merge_states(o, l_)
