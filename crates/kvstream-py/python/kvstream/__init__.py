@@ -59,7 +59,14 @@ The decode entry point is :func:`decode`. It launches on PyTorch's current strea
 synchronises with the host. The first call for a shape creates a decoder (plans, compiles or
 loads the kernels, allocates the split workspace; this may take seconds on a cold kernel cache
 and synchronises the device once); later calls with the same shape reuse it and allocate
-nothing when ``out`` is given (and ``return_lse`` is False).
+nothing when ``out`` is given (and ``return_lse`` is False). A contiguous cache passed as a view
+``cache[:, :n]`` of a longer buffer is read by the decoder of the buffer's capacity rounded to
+the power of two above ``n``, so the views of a growing cache share one decoder per power of
+two. Decoders live in an LRU (:func:`set_decoder_cache_size`, :func:`clear_cache`).
+
+Partial outputs over disjoint parts of the keys (the shards of a context-parallel cache) merge
+by their LSEs with :func:`merge_states`; :mod:`kvstream.distributed` runs a whole
+context-parallel decode over ``torch.distributed``.
 
 CUDA graphs: call :func:`decode` once with the same shapes, dtype, ``softmax_scale``,
 ``window_size``, ``softcap``, ``sinks`` given or not, ``num_splits``, ``reduction`` and
