@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
+# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp abdemo serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -92,7 +92,7 @@ if want gputests; then
 fi
 if want pytests; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
-  KVSTREAM_PY_GPU_SUMMARY=$O/py-gpu-summary.json PYTHONPATH=/tmp/kvs-site timeout 300 \
+  KVSTREAM_PY_GPU_SUMMARY=$O/py-gpu-summary.json KVSTREAM_PY_CP_SUMMARY=$O/py-cp-summary.json PYTHONPATH=/tmp/kvs-site timeout 300 \
     python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests 2>&1 | tail -8
 fi
 if want bench; then
@@ -144,6 +144,23 @@ if want fp8splits; then
       timeout 60 $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 --splits $s | grep RESULT | tee -a $O/fp8-splits.txt
     done
   done
+fi
+if want cp; then
+  # context parallelism on one GPU (bench/cp_bench.py): merge_states cost, a rank's share of a
+  # 1M-token decode, the torch.distributed path at world size 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site timeout 200 \
+    python3 bench/cp_bench.py --commit "${COMMIT:-unknown}" --out $O/h200-cp-latest.json 2>&1 | tail -40
+fi
+if want abdemo; then
+  # A/Bs of options off by default until measured: column lanes on large multi-token groups,
+  # paired d 96 heads (ring h2) on Phi-3-like MHA rows
+  for a in "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" "--batch 1 --hq 32 --hkv 2 --q-len 8 --len 32768"; do
+    for o in "" --column-lanes; do echo "== $a $o"; timeout 60 $B demo $a $o --rounds 9 | tail -3; done
+  done
+  for a in "--batch 16 --hq 32 --hkv 32 --head-dim 96 --len 32768" "--batch 1 --hq 32 --hkv 32 --head-dim 96 --len 32768"; do
+    for o in "" "--ring h2"; do echo "== $a $o"; timeout 60 $B demo $a $o --rounds 9 | tail -3; done
+  done 2>&1 | tee $O/abdemo.txt
 fi
 if want storekv; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl

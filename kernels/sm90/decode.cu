@@ -48,9 +48,9 @@
 //   KVS_IS_F16           0: bf16, 1: f16 (Q and out; K and V too unless KVS_KV_FP8)
 //   KVS_KV_FP8           1: K and V are float8 e4m3 with FP32 scales (kv_format.cuh)
 //   KVS_HEAD_DIM         64, 96, 128 or 256: the head dim of K and V (a tile row of 96 is padded
-//                        to 128 in shared memory, kv_format.cuh)
-//   KVS_HEADS_PER_ROW    1, or 2: two adjacent d 64 KV heads side by side in one d 128 row (see
-//                        "Paired heads")
+//                        to 128 in shared memory, kv_format.cuh); 128 or 192: a row of paired heads
+//   KVS_HEADS_PER_ROW    1, or 2: two adjacent d 64 (d 96) KV heads side by side in one d 128
+//                        (d 192) row (see "Paired heads")
 //   KVS_N_TILES          n8 tiles of query rows per column block (1..4)
 //   KVS_TILE_TOKENS      KV positions per ring stage (multiple of 64)
 //   KVS_STAGES           ring depth
@@ -70,15 +70,16 @@
 //
 // Paired heads (KVS_HEADS_PER_ROW 2): a cache of d 64 heads stored next to each other
 // ([.., hkv, 64] with head stride 64) is the same memory as [.., hkv / 2, 128], so the engine
-// streams it as d 128 rows and a unit owns KV heads 2u and 2u + 1. Their query rows are the
-// unit's columns (p.group = 2 x the real group: the first half of a block's heads belong to
-// head 2u, the second half to 2u + 1), each row holding its q in its own head's 64 dims and
-// zeros in the other's, so S^T = K Q^T scores each column against its own head only; O^T
-// rows of the other head's dims are computed and dropped. Where the real group fills less
-// than half of an n8 tile (MHA, groups up to 4) this halves the softmax, rescale and
-// epilogue work per KV position, which is what sets the d 64 rate. The zero halves are
-// written once: every column slot of a buffer belongs to the same head of its pair on every
-// piece (the host pairs only where a column block starts on a multiple of p.group).
+// streams it as d 128 rows and a unit owns KV heads 2u and 2u + 1 (d 96 likewise, as d 192
+// rows: three whole, aligned 128-byte boxes a position). Their query rows are the unit's
+// columns (p.group = 2 x the real group: the first half of a block's heads belong to head 2u,
+// the second half to 2u + 1), each row holding its q in its own head's Q_DIM dims and zeros
+// in the other's, so S^T = K Q^T scores each column against its own head only; O^T rows of
+// the other head's dims are computed and dropped. Where the real group fills less than half
+// of an n8 tile (MHA, groups up to 4) this halves the softmax, rescale and epilogue work per
+// KV position, which is what sets the d 64 rate. The zero halves are written once: every
+// column slot of a buffer belongs to the same head of its pair on every piece (the host pairs
+// only where a column block starts on a multiple of p.group).
 #include "ptx.cuh"
 #include "decode_params.cuh"
 #include "kv_format.cuh"
@@ -110,7 +111,8 @@ constexpr bool KV_FP8 = KVS_KV_FP8;
 constexpr int HEAD_DIM = KVS_HEAD_DIM;
 constexpr int HEADS_PER_ROW = KVS_HEADS_PER_ROW;
 constexpr int Q_DIM = HEAD_DIM / HEADS_PER_ROW;  // head dim of q, out and of one KV head
-static_assert(HEADS_PER_ROW == 1 || (HEADS_PER_ROW == 2 && HEAD_DIM == 128), "paired heads: two d 64 heads");
+static_assert(HEADS_PER_ROW == 1 || (HEADS_PER_ROW == 2 && (HEAD_DIM == 128 || HEAD_DIM == 192)),
+              "paired heads: two d 64 or two d 96 heads");
 constexpr int N_TILES = KVS_N_TILES;
 constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
 constexpr int STAGES = KVS_STAGES;
@@ -185,7 +187,9 @@ struct SharedPlan {
 static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
 static_assert(TILE_TOKENS % 32 == 0, "producer lanes take whole rounds of page runs");
 static_assert(STAGES % CONSUMER_GROUPS == 0, "a stage must always feed the same group");
-static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dim");
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256 ||
+                  (HEAD_DIM == 192 && HEADS_PER_ROW == 2),
+              "head dim");
 static_assert(N_TILES >= 1 && N_TILES <= (HEAD_DIM > 128 ? 2 : 4),
               "column blocks of up to 32 rows (16 at d 256: the O^T accumulators fill the registers)");
 static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
@@ -421,8 +425,9 @@ constexpr int GATHER_WARP_POSITIONS = TILE_TOKENS / PRODUCER_WARPS;
 constexpr int GATHER_ROWS = 32 / Kv::ROW_CHUNKS;                   // positions per warp-wide copy
 constexpr int GATHER_COPIES = GATHER_WARP_POSITIONS / GATHER_ROWS;  // per lane per tile, K or V
 constexpr int GATHER_PARTS = Kv::SWIZZLE_ROWS / GATHER_ROWS;        // a lane's swizzled row offsets
-static_assert(32 % Kv::ROW_CHUNKS == 0 && Kv::SWIZZLE_ROWS % GATHER_ROWS == 0, "gather lanes");
-static_assert(GATHER_WARP_POSITIONS % Kv::SWIZZLE_ROWS == 0, "a warp's share starts a swizzle period");
+// (rows of 24 chunks, paired d 96 heads, are not gathered: their page runs are whole boxes)
+static_assert(!GATHER || (32 % Kv::ROW_CHUNKS == 0 && Kv::SWIZZLE_ROWS % GATHER_ROWS == 0), "gather lanes");
+static_assert(!GATHER || GATHER_WARP_POSITIONS % Kv::SWIZZLE_ROWS == 0, "a warp's share starts a swizzle period");
 
 __device__ __forceinline__ void produce_gathered(const PersistentParams& p, const Ring& r,
                                                  const StartShared& start, u64 policy, int w, int* page_ids,

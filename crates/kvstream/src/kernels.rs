@@ -312,6 +312,13 @@ pub fn kv_tile_row_bytes(head_dim: usize, kv_elem_bytes: usize) -> usize {
     (head_dim * kv_elem_bytes).div_ceil(row) * row
 }
 
+/// Whether the persistent decode's gathering producer can copy rows of `head_dim` elements of
+/// `kv_elem_bytes`: a warp copies whole rows of 16-byte chunks, so a row's chunks must divide
+/// 32 (not so for the 24 or 12 chunks of paired d 96 heads, whose page runs go by boxes).
+pub fn gathers_rows(head_dim: usize, kv_elem_bytes: usize) -> bool {
+    32 % (kv_tile_row_bytes(head_dim, kv_elem_bytes) / 16) == 0
+}
+
 /// Most n8 column tiles of the persistent decode at `head_dim`: [`MAX_N_TILES`], two at d 256
 /// (its O^T accumulators take 64 registers per n8 tile).
 pub fn max_n_tiles(head_dim: usize) -> usize {
@@ -332,10 +339,11 @@ pub struct PersistentVariant {
     pub dtype: DType,
     /// Element type of K and V.
     pub kv_dtype: KvDType,
-    /// 64, 96, 128 or 256: the width of one K / V row the kernel streams.
+    /// 64, 96, 128 or 256 (192 for paired d 96 heads): the width of one K / V row the kernel
+    /// streams.
     pub head_dim: usize,
     /// KV heads side by side in one row (`KVS_HEADS_PER_ROW`): 1, or 2 where two adjacent
-    /// d 64 heads are streamed as one d 128 row ([`crate::plan::pairs_heads`]).
+    /// d 64 (d 96) heads are streamed as one d 128 (d 192) row ([`crate::plan::can_pair_heads`]).
     pub heads_per_row: usize,
     /// n8 tiles of query rows per column block (1..=[`MAX_N_TILES`]).
     pub n_tiles: usize,
@@ -843,9 +851,14 @@ pub fn all_variants() -> Vec<AnyVariant> {
                         out.push(AnyVariant::Persistent(plan::persistent_variant(
                             dtype, kv_dtype, head_dim, n_tiles, source,
                         )));
-                        if head_dim == 64 {
+                        let row = 2 * head_dim;
+                        if plan::PAIRED_HEAD_DIMS.contains(&head_dim)
+                            && n_tiles <= max_n_tiles(row)
+                            && (source != KvSource::PagedGather
+                                || gathers_rows(row, kv_dtype.size(dtype)))
+                        {
                             out.push(AnyVariant::Persistent(plan::persistent_paired_variant(
-                                dtype, kv_dtype, n_tiles, source,
+                                dtype, kv_dtype, head_dim, n_tiles, source,
                             )));
                         }
                     }

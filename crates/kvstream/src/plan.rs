@@ -90,37 +90,50 @@ pub fn persistent_variant(
     with_deepest_ring(v, max_stages)
 }
 
-/// The persistent variant that streams pairs of adjacent d 64 KV heads as d 128 rows
-/// ([`pairs_heads`]): [`persistent_variant`] of d 128 (its ring, tile and sources, measured for
-/// rows of that width) with two heads per row.
+/// The persistent variant that streams pairs of adjacent KV heads of `head_dim` (64 or 96) as
+/// rows of twice that ([`can_pair_heads`]): [`persistent_variant`] of the row's width (its ring,
+/// tile and sources) with two heads per row.
 pub fn persistent_paired_variant(
     dtype: DType,
     kv_dtype: KvDType,
+    head_dim: usize,
     n_tiles: usize,
     kv_source: KvSource,
 ) -> PersistentVariant {
     PersistentVariant {
         heads_per_row: 2,
-        ..persistent_variant(dtype, kv_dtype, 128, n_tiles, kv_source)
+        ..persistent_variant(dtype, kv_dtype, 2 * head_dim, n_tiles, kv_source)
     }
 }
 
-/// Whether the persistent engine can stream `problem`'s KV heads in adjacent pairs, as d 128 rows
-/// (decode.cu, "Paired heads"): d 64, an even number of KV heads, each cache's heads next to each
-/// other (head stride 64: always so in a page pool), and the pair's query rows fitting one
-/// column block of at most [`MAX_N_TILES`] n8 tiles. It pays where a KV head's rows leave more
-/// than half of their last n8 tile empty (`columns % 8` in 1..=4: MHA, groups up to 4, small
-/// multi-token groups): the pair then computes the softmax of one tile where two heads alone
-/// compute two. (A K element of +-Inf or NaN in one head then reaches its pair's scores too, as
-/// 0 x Inf; finite caches, and every cache `store_kv` writes, are unaffected.)
-pub fn pairs_heads(problem: &DecodeProblem) -> bool {
-    let c = problem.columns();
-    let adjacent = |s: crate::problem::KvStrides| s.head == 64;
-    problem.head_dim == 64
+/// Head dims whose KV heads the persistent engine can stream in adjacent pairs: d 64 as d 128
+/// rows; d 96 as d 192 rows, three whole 128-byte boxes a position where a d 96 row alone
+/// takes a box and a half (its second box half out of bounds, and every odd head's row starting
+/// mid-line).
+pub const PAIRED_HEAD_DIMS: [usize; 2] = [64, 96];
+
+/// Whether the persistent engine can stream `problem`'s KV heads in adjacent pairs
+/// (decode.cu, "Paired heads"): a head dim of [`PAIRED_HEAD_DIMS`], an even number of KV heads,
+/// each cache's heads next to each other (head stride = head dim: always so in a page pool),
+/// and the pair's query rows fitting one column block (of at most [`MAX_N_TILES`] n8 tiles, two
+/// at d 96 pairs' width). (A K element of +-Inf or NaN in one head then reaches its pair's
+/// scores too, as 0 x Inf; finite caches, and every cache `store_kv` writes, are unaffected.)
+pub fn can_pair_heads(problem: &DecodeProblem) -> bool {
+    let d = problem.head_dim;
+    let adjacent = |s: crate::problem::KvStrides| s.head == d as i64;
+    PAIRED_HEAD_DIMS.contains(&d)
         && problem.hkv % 2 == 0
         && (problem.paged.is_some() || (adjacent(problem.k_strides) && adjacent(problem.v_strides)))
-        && 2 * c <= 8 * MAX_N_TILES
-        && (1..=4).contains(&(c % 8))
+        && 2 * problem.columns() <= 8 * crate::kernels::max_n_tiles(2 * d)
+}
+
+/// Whether the plan pairs `problem`'s KV heads by default: d 64 heads that [`can_pair_heads`],
+/// where a KV head's rows leave more than half of their last n8 tile empty (`columns % 8` in
+/// 1..=4: MHA, groups up to 4, small multi-token groups): the pair then computes the softmax of
+/// one tile where two heads alone compute two. d 96 pairs are built and tested but taken only
+/// when asked for ([`PlanOptions::persistent_pair_heads`]) until they are measured.
+pub fn pairs_heads(problem: &DecodeProblem) -> bool {
+    problem.head_dim == 64 && can_pair_heads(problem) && (1..=4).contains(&(problem.columns() % 8))
 }
 
 /// `problem` as the paired-heads kernel sees its caches: half the KV heads, rows of 128 dims
@@ -133,7 +146,7 @@ fn paired_view(problem: &DecodeProblem) -> DecodeProblem {
     };
     DecodeProblem {
         hkv: problem.hkv / 2,
-        head_dim: 128,
+        head_dim: 2 * problem.head_dim,
         softmax_scale: Some(problem.scale()),
         k_strides: pair(problem.k_strides),
         v_strides: pair(problem.v_strides),
@@ -186,13 +199,15 @@ pub const PERSISTENT_GATHER_BELOW_PAGE_D128: usize = 16;
 /// "Gathered pages").
 pub const PERSISTENT_GATHER_WARPS: usize = 4;
 
-/// Where the persistent producer reads `problem`'s K and V from by default.
+/// Where the persistent producer reads `problem`'s K and V from by default (page runs by boxes
+/// where the gathering warps cannot copy its rows, [`crate::kernels::gathers_rows`]).
 pub fn persistent_kv_source(problem: &DecodeProblem) -> KvSource {
+    let elem = problem.kv_elem_bytes();
     match problem.paged {
         None => KvSource::Contiguous,
         Some(pg)
-            if pg.page_size
-                < persistent_gather_below_page(problem.head_dim * problem.kv_elem_bytes()) =>
+            if pg.page_size < persistent_gather_below_page(problem.head_dim * elem)
+                && crate::kernels::gathers_rows(problem.head_dim, elem) =>
         {
             KvSource::PagedGather
         }
@@ -219,6 +234,18 @@ pub fn persistent_variant_forced(
     o: &PlanOptions,
 ) -> Result<PersistentVariant> {
     if let (true, Some(gather)) = (v.kv_source.paged(), o.persistent_paged_gather) {
+        let elem = v.kv_dtype.size(v.dtype);
+        if gather && !crate::kernels::gathers_rows(v.head_dim, elem) {
+            return Err(Error::invalid(
+                "persistent_paged_gather",
+                true,
+                format!(
+                    "false or none for rows of {} elements (paired heads): a gathering warp \
+                     copies whole rows of 16-byte chunks, at most 32 and dividing 32",
+                    v.head_dim
+                ),
+            ));
+        }
         v.kv_source = if gather {
             KvSource::PagedGather
         } else {
@@ -462,14 +489,14 @@ pub fn plan_persistent(
     problem.validate()?;
     let paired = match options.persistent_pair_heads {
         None => pairs_heads(problem),
-        Some(true) if !pairs_heads(problem) => {
+        Some(true) if !can_pair_heads(problem) => {
             return Err(Error::invalid(
                 "persistent_pair_heads",
                 true,
                 format!(
                     "false or none for this problem (d {}, {} KV heads, {} query rows per KV \
-                     head): pairs need d 64, an even head count, adjacent heads and 1-4 rows \
-                     past a multiple of 8, at most 16",
+                     head): pairs need d 64 or 96, an even head count, adjacent heads and the \
+                     pair's rows in one column block (at most 16; 8 at d 96)",
                     problem.head_dim,
                     problem.hkv,
                     problem.columns()
@@ -490,7 +517,7 @@ pub fn plan_persistent(
     let source = persistent_kv_source(&view);
     let variant = persistent_variant_forced(
         if paired {
-            persistent_paired_variant(view.dtype, view.kv_dtype, n_tiles, source)
+            persistent_paired_variant(view.dtype, view.kv_dtype, problem.head_dim, n_tiles, source)
         } else {
             persistent_variant(view.dtype, view.kv_dtype, view.head_dim, n_tiles, source)
         },
@@ -1936,8 +1963,38 @@ mod tests {
             persistent_pair_heads: Some(true),
             ..Default::default()
         };
-        let msg = persistent(&d64(32, 4, 1), on).unwrap_err().to_string();
+        let msg = persistent(&d64(30, 15, 1), on).unwrap_err().to_string();
         assert!(msg.contains("persistent_pair_heads"), "{msg}");
+        // forced on where the default does not pair (8 rows a KV head: a pair fills two tiles)
+        assert_eq!(
+            persistent(&d64(32, 4, 1), on)
+                .unwrap()
+                .variant
+                .heads_per_row,
+            2
+        );
+        // d 96: pairs (d 192 rows, three whole boxes) only when asked for; page runs by boxes
+        let phi = DecodeProblem::new(16, 32, 32, 96, 4096, DType::Bf16).unwrap();
+        assert!(can_pair_heads(&phi) && !pairs_heads(&phi));
+        assert_eq!(persistent(&phi, PlanOptions::default()).unwrap().variant.heads_per_row, 1);
+        let pp = persistent(&phi, on).unwrap();
+        assert_eq!((pp.variant.heads_per_row, pp.variant.head_dim), (2, 192));
+        let k = pp.kernel_problem(&phi);
+        assert_eq!((k.hkv, k.head_dim, k.k_strides.head, k.columns()), (16, 192, 192, 2));
+        assert!(crate::kernels::Variant::name(&pp.variant).contains(".d96x2."));
+        assert_eq!(pp.kv_promotion, crate::launch::TmaPromotion::B128, "384-byte rows");
+        let paged = phi.clone().with_paged(1, 16 * 4096, None).unwrap();
+        let pp = persistent(&paged, on).unwrap();
+        assert_eq!(pp.variant.kv_source, KvSource::PagedBoxes);
+        let gather = PlanOptions {
+            persistent_paged_gather: Some(true),
+            ..on
+        };
+        let msg = persistent(&paged, gather).unwrap_err().to_string();
+        assert!(msg.contains("persistent_paged_gather"), "{msg}");
+        // 12 query rows a KV head: a pair's 24 do not fit the two n8 tiles of a d 192 block
+        let wide = DecodeProblem::new(2, 48, 4, 96, 512, DType::Bf16).unwrap();
+        assert!(!can_pair_heads(&wide));
         // batch 1, e4m3: the persistent engine once the capacity gives each SM 64 tiles
         let b1 = |len, kv| {
             DecodeProblem::new(1, 16, 16, 64, len, DType::Bf16)

@@ -1535,12 +1535,13 @@ fn paged_cache_equals_contiguous() {
     }
 }
 
-/// Paired d 64 heads (`plan::pairs_heads`: two adjacent KV heads streamed as one d 128 row) match
-/// the f64 reference wherever the plan pairs: MHA and groups up to 4, an odd group (its pair's
-/// columns are not a power of two), multi-token groups over two and three column tiles, ragged
+/// Paired heads (`plan::can_pair_heads`: two adjacent KV heads streamed as one row of twice the
+/// head dim) match the f64 reference: d 64 wherever the plan pairs (`plan::pairs_heads`), d 96
+/// pairs asked for (d 192 rows): MHA and groups up to 4, an odd group (its pair's columns are
+/// not a power of two), multi-token groups over two and three column tiles (d 64), ragged
 /// lengths with an empty request, a long batch-1 cache whose units are cut and merged, every
-/// persistent KV source, bf16 and e4m3 caches with each scale layout (the two heads of a pair
-/// have their own scales); bitwise equal run to run, and forcing them off agrees too.
+/// persistent KV source a pair can take, bf16 and e4m3 caches with each scale layout (the two
+/// heads of a pair have their own scales); bitwise equal run to run, and unpaired agrees too.
 /// Expected run time: under a minute.
 #[test]
 #[ignore = "needs an H100/H200 GPU: run with --ignored"]
@@ -1571,11 +1572,22 @@ fn paired_heads_match_reference() {
     };
     let mut cases = 0;
     let mut worst = Errors::default();
-    for &(batch, hq, hkv, len, q_len) in shapes.iter().take(keep) {
-        let base = DecodeProblem::new(batch, hq, hkv, 64, len, DType::Bf16)
+    let runs = [64, 96]
+        .into_iter()
+        .flat_map(|d| shapes.iter().take(keep).map(move |&s| (d, s)));
+    for (head_dim, (batch, hq, hkv, len, q_len)) in runs {
+        let base = DecodeProblem::new(batch, hq, hkv, head_dim, len, DType::Bf16)
             .and_then(|p| p.with_q_len(q_len))
             .expect("a valid problem");
-        assert!(kvstream::plan::pairs_heads(&base), "{base:?} should pair");
+        if head_dim == 64 {
+            assert!(kvstream::plan::pairs_heads(&base), "{base:?} should pair");
+        } else if !kvstream::plan::can_pair_heads(&base) {
+            continue; // 12 query rows a KV head: a d 192 pair's block holds 8
+        }
+        let persistent = PlanOptions {
+            persistent_pair_heads: (head_dim == 96).then_some(true),
+            ..persistent
+        };
         let mut lens: Vec<usize> = (0..batch).map(|_| rng.below(len + 1)).collect();
         lens[0] = len;
         if batch > 2 {
@@ -1590,10 +1602,11 @@ fn paired_heads_match_reference() {
             );
         }
         for p in problems {
-            // both producers of a pool (a 128-dim row fills a box at any page size)
+            // both producers of a pool (a 128-dim row fills a box at any page size; d 192 rows
+            // go by boxes only)
             let gathers: &[Option<bool>] = match p.paged {
-                None => &[None],
-                Some(_) => &[Some(true), Some(false)],
+                Some(_) if head_dim == 64 => &[Some(true), Some(false)],
+                _ => &[None],
             };
             for &gather in gathers {
                 let opts = PlanOptions {
@@ -1657,8 +1670,8 @@ fn paired_heads_match_reference() {
         }
     }
     println!(
-        "paired heads: {cases} cases pass (bf16, unpaired and fp8 each); max rel err {:.3e}, \
-         max lse err {:.3e}",
+        "paired heads (d 64 and d 96): {cases} cases pass (bf16, unpaired and fp8 each); max rel \
+         err {:.3e}, max lse err {:.3e}",
         worst.rel, worst.lse
     );
 }
