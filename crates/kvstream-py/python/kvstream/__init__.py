@@ -419,6 +419,30 @@ def _prepare(spec: _Spec) -> Tuple[Any, Any]:
     return cached.decoder, stream
 
 
+def _stateless_launcher(table: Dict[tuple, Any], spec: _Spec, what: str) -> Tuple[Any, Any]:
+    """The ``what`` (a writer, a merger: no workspace, so any stream may use one) of ``spec``
+    from ``table``, made at the first call, and the current stream."""
+    import torch
+
+    dev = spec.dev
+    index = dev[1] if dev[1] is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    key = spec.key + (index,)
+    with _lock:
+        made = table.get(key)
+    if made is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"kvstream.{spec.fn}: no {what} for these shapes yet and the current stream is "
+                f"being captured into a CUDA graph; call {spec.fn} once with the same shapes "
+                f"before capturing (warm-up)."
+            )
+        made = spec.make(index)
+        with _lock:
+            made = table.setdefault(key, made)
+    return made, stream
+
+
 def _torch_ops(x: Any) -> Any:
     """kvstream._ops (the torch custom ops) if ``x`` is a torch tensor, else None (torch not
     imported, or a tensor-like object of another kind). The first such call imports it, which
@@ -1494,24 +1518,7 @@ def _check_store(k: Any, v: Any, k_cache: Any, v_cache: Any, slot_mapping: Any, 
 def _launch_store(spec: _Spec, k: Any, v: Any, k_cache: Any, v_cache: Any,
                   slot_mapping: Any) -> None:
     """Launches a checked store_kv on the current stream."""
-    import torch
-
-    dev = spec.dev
-    index = dev[1] if dev[1] is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index)
-    key = spec.key + (index,)
-    with _lock:
-        w = _writers.get(key)
-    if w is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "kvstream.store_kv: no writer for this cache shape yet and the current stream "
-                "is being captured into a CUDA graph; call store_kv once with the same cache "
-                "shapes before capturing (warm-up)."
-            )
-        w = spec.make(index)
-        with _lock:
-            w = _writers.setdefault(key, w)
+    w, stream = _stateless_launcher(_writers, spec, "writer")
     w.run(
         int(k.shape[0]), int(k.data_ptr()), int(v.data_ptr()), int(slot_mapping.data_ptr()),
         int(k_cache.data_ptr()), int(v_cache.data_ptr()), int(stream.cuda_stream),
@@ -1701,24 +1708,7 @@ def _check_merge(outputs: Any, lses: Any, sinks: Any, return_lse: Any, out: Any,
 
 def _launch_merge(spec: _Spec, outputs: Any, lses: Any, sinks: Any, out: Any, lse: Any) -> None:
     """Launches a checked merge on the current stream (``lse`` None: not written)."""
-    import torch
-
-    dev = spec.dev
-    index = dev[1] if dev[1] is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index)
-    key = spec.key + (index,)
-    with _lock:
-        m = _mergers.get(key)
-    if m is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "kvstream.merge_states: no merger for these shapes yet and the current stream "
-                "is being captured into a CUDA graph; call merge_states once with the same "
-                "shapes before capturing (warm-up)."
-            )
-        m = spec.make(index)
-        with _lock:
-            m = _mergers.setdefault(key, m)
+    m, stream = _stateless_launcher(_mergers, spec, "merger")
     m.run(
         int(outputs.data_ptr()), int(lses.data_ptr()), int(out.data_ptr()),
         lse_ptr=None if lse is None else int(lse.data_ptr()),
