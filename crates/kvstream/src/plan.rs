@@ -1976,13 +1976,26 @@ mod tests {
         // d 96: pairs (d 192 rows, three whole boxes) only when asked for; page runs by boxes
         let phi = DecodeProblem::new(16, 32, 32, 96, 4096, DType::Bf16).unwrap();
         assert!(can_pair_heads(&phi) && !pairs_heads(&phi));
-        assert_eq!(persistent(&phi, PlanOptions::default()).unwrap().variant.heads_per_row, 1);
+        assert_eq!(
+            persistent(&phi, PlanOptions::default())
+                .unwrap()
+                .variant
+                .heads_per_row,
+            1
+        );
         let pp = persistent(&phi, on).unwrap();
         assert_eq!((pp.variant.heads_per_row, pp.variant.head_dim), (2, 192));
         let k = pp.kernel_problem(&phi);
-        assert_eq!((k.hkv, k.head_dim, k.k_strides.head, k.columns()), (16, 192, 192, 2));
+        assert_eq!(
+            (k.hkv, k.head_dim, k.k_strides.head, k.columns()),
+            (16, 192, 192, 2)
+        );
         assert!(crate::kernels::Variant::name(&pp.variant).contains(".d96x2."));
-        assert_eq!(pp.kv_promotion, crate::launch::TmaPromotion::B128, "384-byte rows");
+        assert_eq!(
+            pp.kv_promotion,
+            crate::launch::TmaPromotion::B128,
+            "384-byte rows"
+        );
         let paged = phi.clone().with_paged(1, 16 * 4096, None).unwrap();
         let pp = persistent(&paged, on).unwrap();
         assert_eq!(pp.variant.kv_source, KvSource::PagedBoxes);
