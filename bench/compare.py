@@ -554,6 +554,8 @@ def markdown(doc, prefix=None):
     lines += [f"- {ln}" for ln in summary_lines(doc.get("summary") or summarize(doc["rows"]))]
     for note in doc.get("notes", []):
         lines.append(f"- note: {note}")
+    if fp8:
+        lines += accuracy_lines(doc["rows"])
     for group in ordered_groups(doc["rows"]):
         rows = [r for r in doc["rows"] if group_of(r) == group]
         lines += ["", group_heading(group, rows), ""]
@@ -586,6 +588,30 @@ def markdown(doc, prefix=None):
         if errors:
             lines += ["", "Errors:", ""] + [f"- {e}" for e in errors]
     return "\n".join(lines) + "\n"
+
+
+def accuracy_lines(rows):
+    """The FP8 report's accuracy section: each fp8 implementation's relative error against the
+    reference on the dequantised cache (what it was given) and against the original bf16 cache
+    (what the quantisation itself costs), median and largest over the rows it ran right."""
+    lines = ["", "## Accuracy (fp8 rows)", "",
+             "Relative error of the output (`||out - ref|| / ||ref||`, fp32 reference) against the "
+             "dequantised cache the kernel was given and against the original bf16 cache (the "
+             "quantisation's own cost; FA3's fp8 path quantises q as well).", "",
+             "| implementation | rows | vs dequantised: median / max | vs bf16 cache: median / "
+             "max |", "|---|---|---|---|"]
+    for impl in ("kvstream", "fa3"):
+        got = [(e["rel_err"], e["rel_err_vs_bf16_cache"]) for r in rows
+               for e in [r["results"].get(impl) or {}]
+               if "rel_err" in e and "rel_err_vs_bf16_cache" in e and "error" not in e]
+        if not got:
+            continue
+        deq = sorted(g[0] for g in got)
+        orig = sorted(g[1] for g in got)
+        mid = len(got) // 2
+        lines.append(f"| {impl} | {len(got)} | {deq[mid]:.2e} / {deq[-1]:.2e} | "
+                     f"{orig[mid]:.2e} / {orig[-1]:.2e} |")
+    return lines
 
 
 def ordered_groups(rows):
