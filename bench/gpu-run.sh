@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp abdemo serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
+# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -151,6 +151,20 @@ if want cp; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
   KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site timeout 200 \
     python3 bench/cp_bench.py --commit "${COMMIT:-unknown}" --out $O/h200-cp-latest.json 2>&1 | tail -40
+fi
+if want cpmulti; then
+  # context parallelism over this host's GPUs (2+): the multi-GPU tests, then N = 1, 2, 4, 8
+  # ranks of examples/context_parallel.py on the rows, one JSON line a run
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
+  export PYTHONPATH=/tmp/kvs-site KVSTREAM_CACHE_DIR=$PWD/.carry/cache
+  timeout 400 python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests/test_distributed_multi_gpu.py 2>&1 | tail -5
+  gpus=$(nvidia-smi -L | wc -l)
+  for n in 1 2 4 8; do
+    [ "$n" -le "$gpus" ] || break
+    for a in "--len 1048576" "--mla --hq 16 --len 1048576" "--batch 16 --ragged --len 131072 --sharding pages"; do
+      timeout 120 torchrun --nproc-per-node $n examples/context_parallel.py $a --json $O/cp-multi.jsonl 2>&1 | tail -2
+    done
+  done
 fi
 if want abdemo; then
   # A/Bs of options off by default until measured: column lanes on large multi-token groups,

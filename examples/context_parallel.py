@@ -13,6 +13,7 @@ exchange and the merges cost. Run it with --nproc-per-node 1 for the one-GPU bas
 """
 
 import argparse
+import json
 import os
 import statistics
 
@@ -55,6 +56,7 @@ def main():
     ap.add_argument("--ragged", action="store_true", help="random lengths up to --len")
     ap.add_argument("--mla", action="store_true", help="MLA decode (576-wide latent rows)")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--json", help="append rank 0's numbers to this file as one JSON line")
     args = ap.parse_args()
 
     dist.init_process_group("nccl")
@@ -104,6 +106,13 @@ def main():
         print(f"{kind} b{b} L{L} q_len {s} {args.sharding} x{world}: context-parallel "
               f"{t_cp:.1f} us, local decode alone {t_local:.1f} us, exchange and merge "
               f"{t_cp - t_local:.1f} us")
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(dict(
+                    kind="mla" if args.mla else "gqa", hq=args.hq, hkv=heads,
+                    head_dim=width, batch=b, length=L, ragged=args.ragged, q_len=s,
+                    sharding=args.sharding, ranks=world, cp_us=round(t_cp, 1),
+                    local_us=round(t_local, 1), device=torch.cuda.get_device_name())) + "\n")
     dist.destroy_process_group()
 
 
