@@ -815,6 +815,52 @@ fn scale_arg(
     Ok(Some(KvScale { ptr, layout }))
 }
 
+/// `(held, all_len, right or -1, first_row, run)` of one request ([`rank_shares`]).
+type ShareTuple = (usize, usize, i64, usize, usize);
+
+/// The context-parallel rule (`kvstream::context`) for each length in `lens`: `(held, all_len,
+/// right, first_row, run)` of `rank` of `world`, `right` -1 where the rank holds none of the
+/// request's last `q_len - 1` positions. `sharding` is "chunks" or "pages", `unit` the chunk
+/// length or page size. (kvstream.distributed runs the rule on the GPU; its tests compare.)
+#[pyfunction]
+fn rank_shares(
+    lens: Vec<i64>,
+    rank: i64,
+    world: i64,
+    sharding: &str,
+    unit: i64,
+    q_len: i64,
+) -> PyResult<Vec<ShareTuple>> {
+    let unit = size("unit", unit)?;
+    let rule = match sharding {
+        "chunks" => kvstream::context::Sharding::Chunks(unit),
+        "pages" => kvstream::context::Sharding::Pages(unit),
+        other => {
+            return Err(to_py(Error::invalid(
+                "sharding",
+                format!("{other:?}"),
+                "\"chunks\" or \"pages\"",
+            )))
+        }
+    };
+    let (rank, world, q_len) = (
+        size("rank", rank)?,
+        size("world", world)?,
+        size("q_len", q_len)?,
+    );
+    lens.into_iter()
+        .map(|n| {
+            let s = rule
+                .share(rank, world, size("lens", n)?, q_len)
+                .map_err(to_py)?;
+            Ok(match s.tail {
+                None => (s.held, s.all_len, -1, 0, 0),
+                Some(t) => (s.held, s.all_len, t.right as i64, t.first_row, t.run),
+            })
+        })
+        .collect()
+}
+
 /// Native layer of kvstream; use the `kvstream` package instead.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -823,6 +869,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MlaDecoder>()?;
     m.add_class::<StateMerger>()?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
+    m.add_function(wrap_pyfunction!(rank_shares, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

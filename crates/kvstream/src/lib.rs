@@ -19,7 +19,8 @@
 //! - [`kernels`] and [`jit`]: the embedded sources, their variants, NVRTC and the disk cache;
 //! - [`launch`] and [`runtime`]: `cuLaunchKernelEx` with PDL / cluster attributes, loaded modules;
 //! - [`decode`]: the public operation, [`Decoder`]; [`mla`]: MLA decode, [`mla::MlaDecoder`];
-//!   [`merge`]: partial states merged by their LSEs ([`merge::StateMerger`], context parallelism);
+//!   [`merge`]: partial states merged by their LSEs ([`merge::StateMerger`]); [`context`]: what
+//!   each rank of a context-parallel decode holds and decodes;
 //! - [`reference`](mod@reference): the f64 CPU reference and the split/combine model the tests check against.
 //!
 //! ```no_run
@@ -33,6 +34,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod context;
 pub mod decode;
 pub mod error;
 pub mod fp8;

@@ -1018,67 +1018,21 @@ mod tests {
         assert!(wide.iter().any(|&x| x != 0.0));
     }
 
-    /// How a context-parallel cache is spread over ranks: contiguous chunks of positions
-    /// (rank r holds `[r C, (r + 1) C)`) or pages dealt round-robin (page j on rank `j % world`).
-    #[derive(Clone, Copy, Debug)]
-    enum Sharding {
-        Chunks(usize),
-        Pages(usize),
-    }
-
     /// Global positions (ascending, below `len`) that `rank` holds.
-    fn held(sharding: Sharding, rank: usize, world: usize, len: usize) -> Vec<usize> {
-        (0..len)
-            .filter(|&g| match sharding {
-                Sharding::Chunks(c) => g / c == rank,
-                Sharding::Pages(p) => (g / p) % world == rank,
-            })
-            .collect()
-    }
-
-    /// A rank's share of one request in a context-parallel multi-token decode. Query row i sees
-    /// the held positions up to global `len - q_len + i`: a prefix of the rank's local positions
-    /// (their order is the global one). Held positions before the last `q_len - 1` are seen by
-    /// every row; the held ones among those last positions form one run `[a, e)` (contiguous
-    /// when pages hold at least `q_len - 1` positions). A local decode of length l with the
-    /// window's right side `len - e` shows row i the prefix the rule gives whenever row i sees
-    /// position a - 1 or later; rows before that (`i < a - (len - q_len + 1)`) see exactly the
-    /// positions before the run: an unbounded decode of length `l - (e - a)`.
-    #[derive(Debug, PartialEq)]
-    struct RankShare {
-        /// Length of the unbounded decode (0: none).
-        all_len: usize,
-        /// The run's right side and the first row the run's decode holds.
-        tail: Option<(usize, usize)>,
-        /// Held positions.
+    fn held(
+        sharding: crate::context::Sharding,
+        rank: usize,
+        world: usize,
         len: usize,
-    }
-
-    fn rank_share(held: &[usize], len: usize, q_len: usize) -> RankShare {
-        let tail: Vec<usize> = held.iter().copied().filter(|&g| g + q_len > len).collect();
-        let Some(&last) = tail.last() else {
-            return RankShare {
-                all_len: held.len(),
-                tail: None,
-                len: held.len(),
-            };
-        };
-        assert!(
-            tail.windows(2).all(|w| w[1] == w[0] + 1),
-            "tail run {tail:?}"
-        );
-        let (a, e) = (tail[0], last + 1);
-        let first_row = (a + q_len).saturating_sub(len + 1);
-        let before = held.len() - tail.len();
-        RankShare {
-            all_len: if first_row > 0 { before } else { 0 },
-            tail: Some((len - e, first_row)),
-            len: held.len(),
-        }
+    ) -> Vec<usize> {
+        (0..len)
+            .filter(|&g| sharding.holds(rank, world, g))
+            .collect()
     }
 
     #[test]
     fn context_parallel_shards_merge_into_the_whole_decode() {
+        use crate::context::{RankShare, Sharding, TailShare};
         let mut cases = 0;
         for (seed, q_len, world, sharding, lens) in [
             (1, 1, 2, Sharding::Chunks(24), vec![40, 0, 7, 48]),
@@ -1138,15 +1092,18 @@ mod tests {
                         .iter()
                         .for_each(|x| assert!(!x.is_nan()));
                 }
-                let shares: Vec<RankShare> = held
+                let shares: Vec<RankShare> = lens
                     .iter()
-                    .zip(&lens)
-                    .map(|(h, &n)| rank_share(h, n, q_len))
+                    .map(|&n| sharding.share(rank, world, n, q_len).unwrap())
                     .collect();
                 // one unbounded decode and one per right side that occurs; the other requests'
                 // lengths 0, the rows another decode holds masked (LSE -inf)
                 let mut rights: Vec<Option<usize>> = vec![None];
-                rights.extend(shares.iter().filter_map(|sh| sh.tail.map(|(r, _)| Some(r))));
+                rights.extend(
+                    shares
+                        .iter()
+                        .filter_map(|sh| sh.tail.map(|t| Some(t.right))),
+                );
                 rights.sort();
                 rights.dedup();
                 for right in rights {
@@ -1154,7 +1111,7 @@ mod tests {
                         .iter()
                         .map(|sh| match (right, sh.tail) {
                             (None, _) => sh.all_len,
-                            (Some(r), Some((t, _))) if r == t => sh.len,
+                            (Some(r), Some(t)) if r == t.right => sh.held,
                             _ => 0,
                         })
                         .collect();
@@ -1171,7 +1128,7 @@ mod tests {
                         &seqlens,
                     );
                     for (b, sh) in shares.iter().enumerate() {
-                        let Some((_, first_row)) = sh.tail else {
+                        let Some(TailShare { first_row, .. }) = sh.tail else {
                             continue;
                         };
                         for qi in 0..q_len {

@@ -1,4 +1,4 @@
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 __version__: str
 
@@ -161,3 +161,7 @@ class StateMerger:
         sinks_ptr: Optional[int] = None,
         stream: int = 0,
     ) -> None: ...
+
+def rank_shares(
+    lens: List[int], rank: int, world: int, sharding: str, unit: int, q_len: int
+) -> List[Tuple[int, int, int, int, int]]: ...

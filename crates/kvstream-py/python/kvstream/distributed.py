@@ -95,7 +95,8 @@ def _unit(fn: str, sharding: str, k_cache: Any, block_table: Any, chunk_len: Opt
 
 
 class _Share:
-    """One rank's share of every request (int64 device tensors ``[b]``): ``held`` positions;
+    """One rank's share of every request (int64 device tensors ``[b]``), the rule of the Rust
+    library's ``kvstream::context`` (the tests compare the two): ``held`` positions;
     whether it holds some of the request's last ``q_len - 1`` positions (the run ``[a, e)``),
     the window's right side ``len - e`` that its decode of the request then takes, the first
     query row that decode serves and the length of the unbounded decode that serves the rows

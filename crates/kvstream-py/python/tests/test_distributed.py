@@ -136,7 +136,11 @@ def test_each_token_sees_its_own_prefix(case):
             assert share.visible(i, q_len).tolist() == want, (rank, i)
 
 
-def test_random_shares_follow_the_rule():
+def test_random_shares_follow_the_rule_and_rust_agrees():
+    # the rule as kvstream.distributed runs it (torch, on the device) against the positions and
+    # against the Rust library's closed form (kvstream::context, through the binding)
+    from kvstream import _native
+
     rng = random.Random(7)
     for _ in range(300):
         world = rng.randint(1, 8)
@@ -154,6 +158,12 @@ def test_random_shares_follow_the_rule():
             want = [sum(1 for g in held_positions(sharding, unit, rank, world, n)
                         if g <= n - q_len + i) for n in lens]
             assert share.visible(i, q_len).tolist() == want
+        rust = _native.rank_shares(lens, rank, world, sharding, unit, q_len)
+        ours = [(h, a, r if t else -1, f if t else 0)
+                for h, a, t, r, f in zip(share.held.tolist(), share.all_len.tolist(),
+                                         share.has_tail.tolist(), share.right.tolist(),
+                                         share.first_row.tolist())]
+        assert ours == [x[:4] for x in rust], (sharding, unit, rank, world, q_len, lens)
 
 
 @pytest.fixture
