@@ -202,7 +202,7 @@ pub fn kv_tensor_map(
 /// Encodes the tensor map of a page pool `[num_pages, page_size, hkv, 128]` whose boxes hold both
 /// 64-dim halves of one page run: the 5-D tensor `{64 dims, page_size positions, 2 halves, hkv,
 /// num_pages}` (the halves' stride, 128 bytes, is smaller than the positions'), boxes `{64,
-/// page_size, 2, 1, 1}`, so the box lands in shared memory as [half][position][128 bytes]. For
+/// page_size, 2, 1, 1}`, so the box lands in shared memory as `[half][position][128 bytes]`. For
 /// pages of 8-32 positions at d128 (`DecodeVariant::joins_halves`): half the boxes per tile.
 pub fn joined_page_map(
     arg: &'static str,

@@ -47,7 +47,7 @@ pub enum KvDType {
     #[default]
     AsQuery,
     /// float8 e4m3 (`torch.float8_e4m3fn`: no infinities, largest 448) with FP32
-    /// dequantisation scales ([`KvScale`]): position t's K is `k_scale * k[t]`.
+    /// dequantisation scales ([`crate::KvScale`]): position t's K is `k_scale * k[t]`.
     Fp8E4m3,
 }
 
