@@ -181,14 +181,30 @@ def _finish(outs: Any, lses: Any, group: Any, world: int, sinks: Any, return_lse
     return kvstream.merge_states(outs_all, lses_all, sinks=sinks, out=out, return_lse=return_lse)
 
 
-def _q_len(fn: str, q: Any) -> Tuple[int, bool]:
+def _q_len(fn: str, q: Any) -> int:
     if q.dim() == 4:
-        return int(q.shape[1]), True
+        return int(q.shape[1])
     if q.dim() == 3:
-        return 1, False
+        return 1
     raise ValueError(
         f"kvstream.distributed.{fn}: q must have 3 or 4 dimensions, got shape {list(q.shape)}"
     )
+
+
+def _this_rank(fn: str, q: Any, cache: Any, cache_seqlens: Any, group: Any, sharding: str,
+               chunk_len: Optional[int], block_table: Any) -> Tuple[int, int, _Share]:
+    """The group's size, the new tokens per request and this rank's share of every request,
+    every argument of the sharding checked."""
+    rank, world = _group_rank_world(group)
+    unit = _unit(fn, sharding, cache, block_table, chunk_len)
+    q_len = _q_len(fn, q)
+    if sharding == "pages" and world > 1 and q_len > 1 and unit < q_len - 1:
+        raise ValueError(
+            f"kvstream.distributed.{fn}: pages of {unit} positions with q_len {q_len}, allowed: "
+            f"pages of at least q_len - 1 = {q_len - 1} (the new tokens' mask spans at most two "
+            f"pages)"
+        )
+    return world, q_len, _Share(cache_seqlens, rank, world, sharding, unit, q_len)
 
 
 def decode(
@@ -217,17 +233,8 @@ def decode(
     int32 ``[b]``: the global lengths. ``sinks`` join the merged softmax once. Returns the
     whole decode's output (and LSE) on every rank.
     """
-    fn = "decode"
-    rank, world = _group_rank_world(group)
-    unit = _unit(fn, sharding, k_cache, block_table, chunk_len)
-    q_len, _ = _q_len(fn, q)
-    if sharding == "pages" and world > 1 and q_len > 1 and unit < q_len - 1:
-        raise ValueError(
-            f"kvstream.distributed.{fn}: pages of {unit} positions with q_len {q_len}, allowed: "
-            f"pages of at least q_len - 1 = {q_len - 1} (the new tokens' mask spans at most two "
-            f"pages)"
-        )
-    share = _Share(cache_seqlens, rank, world, sharding, unit, q_len)
+    world, q_len, share = _this_rank("decode", q, k_cache, cache_seqlens, group, sharding,
+                                     chunk_len, block_table)
     local = dict(block_table=block_table, softmax_scale=softmax_scale, softcap=softcap,
                  k_scale=k_scale, v_scale=v_scale)
     outs, lses = _gqa_states(q, k_cache, v_cache, share, q_len, local)
@@ -278,16 +285,8 @@ def mla_decode(
     """Context-parallel :func:`kvstream.mla_decode` over ``group``: ``kv_cache`` this rank's
     shard, ``cache_seqlens`` the global lengths, the rest as there. Multi-token decode runs one
     local decode per new token (each sees its own prefix of the shard)."""
-    fn = "mla_decode"
-    rank, world = _group_rank_world(group)
-    unit = _unit(fn, sharding, kv_cache, block_table, chunk_len)
-    q_len, _ = _q_len(fn, q)
-    if sharding == "pages" and world > 1 and q_len > 1 and unit < q_len - 1:
-        raise ValueError(
-            f"kvstream.distributed.{fn}: pages of {unit} positions with q_len {q_len}, allowed: "
-            f"pages of at least q_len - 1 = {q_len - 1}"
-        )
-    share = _Share(cache_seqlens, rank, world, sharding, unit, q_len)
+    world, q_len, share = _this_rank("mla_decode", q, kv_cache, cache_seqlens, group, sharding,
+                                     chunk_len, block_table)
     local = dict(softmax_scale=softmax_scale, block_table=block_table, kv_scale=kv_scale)
     outs, lses = _mla_states(q, kv_cache, share, q_len, local)
     return _finish(outs, lses, group, world, None, return_lse, out)
