@@ -31,6 +31,9 @@ positions decodes it with the window's right side that maps its local prefix ont
 them), so a multi-token call runs ``q_len`` local decodes, each position read once (at most
 twice for the share that straddles the tail). Sinks join the merge once, never the shards.
 
+``scatter_heads=True`` leaves each rank its slice of the query heads instead (one all-to-all
+in place of the all-gather: the layout a tensor-parallel output projection takes).
+
 Everything runs on the device without a host synchronisation, so a call can be captured in a
 CUDA graph (NCCL collectives are capturable) after one warm-up call with the same shapes.
 Windows other than causal are not supported here (they bound positions relative to the
@@ -170,15 +173,48 @@ def _exchange(states: Tuple[Any, Any], group: Any, world: int) -> Tuple[Any, Any
     return gathered[0], gathered[1]
 
 
+def _scatter_heads(states: Tuple[Any, Any], group: Any, world: int) -> Tuple[Any, Any]:
+    """Every rank's (out, lse) of this rank's heads (the heads dealt in ``world`` contiguous
+    slices, slice r to rank r), stacked ``[world, ..., heads / world(, d)]``: one all-to-all
+    of each."""
+    out, lse = states
+    per = lse.shape[-1] // world
+    o = out.unflatten(-2, (world, per)).movedim(-3, 0).contiguous()
+    ls = lse.unflatten(-1, (world, per)).movedim(-2, 0).contiguous()
+    got_o, got_l = torch.empty_like(o), torch.empty_like(ls)
+    dist.all_to_all_single(got_o, o, group=group)
+    dist.all_to_all_single(got_l, ls, group=group)
+    return got_o, got_l
+
+
 def _finish(outs: Any, lses: Any, group: Any, world: int, sinks: Any, return_lse: bool,
-            out: Any) -> Any:
-    """Merges this rank's partial states, exchanges them, merges every rank's (with sinks)."""
+            out: Any, scatter_heads: bool = False) -> Any:
+    """Merges this rank's partial states, exchanges them (all of them, or this rank's heads of
+    every rank's), merges every rank's (with sinks)."""
     if outs.shape[0] > 1:
         local, local_lse = kvstream.merge_states(outs, lses)
     else:
         local, local_lse = outs[0], lses[0]
-    outs_all, lses_all = _exchange((local, local_lse), group, world)
+    if scatter_heads:
+        per = local_lse.shape[-1] // world
+        rank = dist.get_rank(group)
+        outs_all, lses_all = _scatter_heads((local, local_lse), group, world)
+        sinks = None if sinks is None else sinks[rank * per:(rank + 1) * per].contiguous()
+    else:
+        outs_all, lses_all = _exchange((local, local_lse), group, world)
     return kvstream.merge_states(outs_all, lses_all, sinks=sinks, out=out, return_lse=return_lse)
+
+
+def _check_scatter(fn: str, scatter_heads: Any, heads: int, world: int) -> None:
+    if not isinstance(scatter_heads, bool):
+        raise TypeError(
+            f"kvstream.distributed.{fn}: scatter_heads must be a bool, got {scatter_heads!r}"
+        )
+    if scatter_heads and heads % world != 0:
+        raise ValueError(
+            f"kvstream.distributed.{fn}: scatter_heads with {heads} query heads over {world} "
+            f"ranks, allowed: a head count that is a multiple of the ranks"
+        )
 
 
 def _q_len(fn: str, q: Any) -> int:
@@ -224,6 +260,7 @@ def decode(
     v_scale: Any = None,
     return_lse: bool = False,
     out: Any = None,
+    scatter_heads: bool = False,
 ) -> Any:
     """Context-parallel :func:`kvstream.decode` over ``group`` (default: the world).
 
@@ -231,14 +268,18 @@ def decode(
     ``[b, C, hkv, d]`` cache or a page pool with ``block_table``), ``softmax_scale``,
     ``softcap``, ``k_scale`` / ``v_scale`` as for :func:`kvstream.decode`; ``cache_seqlens``
     int32 ``[b]``: the global lengths. ``sinks`` join the merged softmax once. Returns the
-    whole decode's output (and LSE) on every rank.
+    whole decode's output (and LSE) on every rank; with ``scatter_heads``, this rank's slice
+    of the query heads only (``[..., hq / world, d]``, heads ``[rank hq / world, (rank + 1) hq
+    / world)``: what a tensor-parallel output projection takes), exchanged by one all-to-all
+    of each rank's states instead of an all-gather of all of them.
     """
     world, q_len, share = _this_rank("decode", q, k_cache, cache_seqlens, group, sharding,
                                      chunk_len, block_table)
+    _check_scatter("decode", scatter_heads, int(q.shape[-2]), world)
     local = dict(block_table=block_table, softmax_scale=softmax_scale, softcap=softcap,
                  k_scale=k_scale, v_scale=v_scale)
     outs, lses = _gqa_states(q, k_cache, v_cache, share, q_len, local)
-    return _finish(outs, lses, group, world, sinks, return_lse, out)
+    return _finish(outs, lses, group, world, sinks, return_lse, out, scatter_heads)
 
 
 def _gqa_states(q: Any, k_cache: Any, v_cache: Any, share: _Share, q_len: int,
@@ -281,15 +322,18 @@ def mla_decode(
     kv_scale: Any = None,
     return_lse: bool = False,
     out: Any = None,
+    scatter_heads: bool = False,
 ) -> Any:
     """Context-parallel :func:`kvstream.mla_decode` over ``group``: ``kv_cache`` this rank's
-    shard, ``cache_seqlens`` the global lengths, the rest as there. Multi-token decode runs one
-    local decode per new token (each sees its own prefix of the shard)."""
+    shard, ``cache_seqlens`` the global lengths, ``scatter_heads`` as for :func:`decode`, the
+    rest as for :func:`kvstream.mla_decode`. Multi-token decode runs one local decode per new
+    token (each sees its own prefix of the shard)."""
     world, q_len, share = _this_rank("mla_decode", q, kv_cache, cache_seqlens, group, sharding,
                                      chunk_len, block_table)
+    _check_scatter("mla_decode", scatter_heads, int(q.shape[-2]), world)
     local = dict(softmax_scale=softmax_scale, block_table=block_table, kv_scale=kv_scale)
     outs, lses = _mla_states(q, kv_cache, share, q_len, local)
-    return _finish(outs, lses, group, world, None, return_lse, out)
+    return _finish(outs, lses, group, world, None, return_lse, out, scatter_heads)
 
 
 def _mla_states(q: Any, kv_cache: Any, share: _Share, q_len: int, local: dict) -> Tuple[Any, Any]:

@@ -5,7 +5,8 @@ documented semantics (test_compat's decode), so these tests check the sharding l
 every rank's share of every request (chunks and round-robin pages, ragged lengths, ranks that
 hold nothing, multi-token decode with the new tokens' mask across shard boundaries), the local
 decodes and masks, and the merges, against the whole decode; then the real code path through
-torch.distributed (gloo, world size 1). test_distributed_gpu.py runs the kernels.
+torch.distributed (gloo on the CPU: one rank, and 2-4 spawned ranks with the all-gather and with
+the heads scattered). test_distributed_gpu.py runs the kernels.
 """
 
 import random
@@ -236,3 +237,78 @@ def test_needs_an_initialised_group():
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         kcp.decode(torch.zeros(1, 4, 16), torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16),
                    torch.tensor([3], dtype=torch.int32))
+
+
+def _cpu_rank(rank, world, port, sharding, unit, q_len, scatter, results):
+    """One rank of a gloo group on the CPU: the real kvstream.distributed code path (all-gather
+    or all-to-all, the merges) with the float64 torch decode and merge standing in for the
+    kernels."""
+    import os
+
+    import torch.distributed as dist_
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist_.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        kvstream.decode = _kvstream_decode_on_torch([])
+        kvstream.merge_states = merge_on_torch
+        gen = torch.Generator().manual_seed(11)  # the same global cache on every rank
+        lens = [world * unit if sharding == "chunks" else 61, 0, 1, unit + 1, 2 * unit - 1]
+        b, hq, hkv, d = len(lens), 8, 2, 16
+        L = world * unit if sharding == "chunks" else max(lens) + 1
+        q = torch.randn(b, q_len, hq, d, generator=gen, dtype=torch.float64)
+        k = torch.randn(b, L, hkv, d, generator=gen, dtype=torch.float64)
+        v = torch.randn(b, L, hkv, d, generator=gen, dtype=torch.float64)
+        sinks = torch.randn(hq, generator=gen, dtype=torch.float64).float()
+        seqlens = torch.tensor(lens, dtype=torch.int32)
+        o, l_ = kvstream.decode(q, k, v, cache_seqlens=seqlens, return_lse=True)
+        want, want_lse = merge_on_torch(o.unsqueeze(0), l_.unsqueeze(0), sinks=sinks)
+        kl, table = shard_cache(k, lens, sharding, unit, rank, world)
+        vl, _ = shard_cache(v, lens, sharding, unit, rank, world)
+        got, lse = kcp.decode(q, kl, vl, seqlens, sharding=sharding, block_table=table,
+                              chunk_len=unit if table is not None and sharding == "chunks"
+                              else None, sinks=sinks, return_lse=True, scatter_heads=scatter)
+        if scatter:
+            per = hq // world
+            want = want[..., rank * per:(rank + 1) * per, :]
+            want_lse = want_lse[..., rank * per:(rank + 1) * per]
+        results[rank] = (float((got - want).abs().max()), float((lse - want_lse).abs().max()),
+                         tuple(got.shape) == tuple(want.shape))
+    finally:
+        dist_.destroy_process_group()
+
+
+@pytest.mark.parametrize("sharding,unit,world,q_len,scatter", [
+    ("chunks", 16, 2, 1, False),
+    ("pages", 4, 4, 3, False),
+    ("pages", 8, 2, 4, True),
+    ("chunks", 12, 4, 2, True),
+])
+def test_ranks_on_the_cpu_equal_the_whole_decode(sharding, unit, world, q_len, scatter,
+                                                 monkeypatch):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_cpu_rank, args=(world, port, sharding, unit, q_len, scatter, results),
+                 nprocs=world, join=True)
+        got = dict(results)
+    assert sorted(got) == list(range(world))
+    for rank, (err, lse_err, same_shape) in got.items():
+        assert same_shape, rank
+        assert err < 2e-6 and lse_err < 1e-5, (rank, err, lse_err)
+
+
+def test_scatter_heads_needs_heads_divisible_by_ranks(monkeypatch, on_torch):
+    monkeypatch.setattr(kcp, "_group_rank_world", lambda group: (0, 3))
+    q = torch.zeros(2, 1, 4, 16, dtype=torch.float64)
+    k = torch.zeros(2, 8, 2, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="scatter_heads with 4 query heads over 3 ranks"):
+        kcp.decode(q, k, k, torch.tensor([5, 6], dtype=torch.int32), scatter_heads=True)
+    with pytest.raises(TypeError, match="scatter_heads must be a bool"):
+        kcp.decode(q, k, k, torch.tensor([5, 6], dtype=torch.int32), scatter_heads=1)
