@@ -4,8 +4,8 @@ For N = 2, 4 and 8 ranks (as many as there are GPUs): every rank builds the same
 from one seed, keeps its shard (chunks, and pages dealt round-robin), and runs the
 context-parallel decode; each rank's output must equal the whole decode run on its own GPU
 (bf16 tolerance), for one and for four new tokens, ragged lengths with requests some ranks hold
-nothing of, sinks, and MLA; then a CUDA graph of the call, captured once, replayed with new
-lengths, equal to eager calls.
+nothing of, sinks, the heads scattered (each rank its slice), and MLA; then a CUDA graph of the
+call, captured once, replayed with new lengths, equal to eager calls.
 """
 
 import os
@@ -89,6 +89,14 @@ def worker(rank, world, port, errors):
                 err = row_err(got, want)
                 if not err < 2e-2:
                     errors.append(f"rank {rank}/{world} {sharding} q_len {q_len}: {err:.3e}")
+                # this rank's heads only, by one all-to-all
+                mine = kcp.decode(q, kl, vl, lens, sharding=sharding, block_table=table,
+                                  chunk_len=unit if table is not None and sharding == "chunks"
+                                  else None, sinks=sinks, scatter_heads=True)
+                per = hq // world
+                err = row_err(mine, want[..., rank * per:(rank + 1) * per, :])
+                if not err < 2e-2:
+                    errors.append(f"rank {rank}/{world} {sharding} q_len {q_len} heads: {err:.3e}")
         # MLA, pages of 64, 2 new tokens
         torch.manual_seed(8)
         kv = torch.randn(3, 5000, 576, device=dev, dtype=torch.bfloat16)
