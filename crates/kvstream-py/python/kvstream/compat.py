@@ -50,8 +50,6 @@ _UNSUPPORTED_TENSORS = (
     ("rotary_seqlens", "rotary positions other than cache_seqlens are not supported"),
     ("q_descale", "kvstream keeps q in bf16 / fp16 (an fp8 q is refused); fp8 caches take "
                   "k_descale / v_descale"),
-    ("cache_leftpad", "caches that start past position 0 are not supported: store each "
-                      "request's rows from position 0, or map them with page_table"),
     ("scheduler_metadata", "FA3's precomputed schedule (get_scheduler_metadata) has no kvstream "
                            "counterpart; kvstream plans its own partition: drop the argument"),
 )
@@ -152,6 +150,11 @@ def flash_attn_with_kvcache(
         cache_batch_idx: optional int32 ``[batch]``: the cache row of each batch entry
             (contiguous caches only). A contiguous cache is read in place through a block
             table over its rows (no copy); a strided one is gathered (a copy of those rows).
+        cache_leftpad: optional int32 ``[batch]``: where each request's keys start (the
+            positions before are not attended; the mask counts from there, the rotary
+            positions stay the cache's). Read in place through a table of one-position pages
+            (a strided contiguous cache is copied first); the new tokens still go at
+            ``cache_seqlens``.
         page_table: optional int32 ``[batch, max_num_blocks_per_seq]`` (kvstream's
             ``block_table``).
         k_descale, v_descale: fp8 caches only: float32 ``[batch, nheads_k]`` (FA3's; or
@@ -168,7 +171,7 @@ def flash_attn_with_kvcache(
 
     Refused with ``NotImplementedError`` (the argument named): ``qv``, ``cu_seqlens_q``,
     ``cu_seqlens_k_new``, ``max_seqlen_q``, ``rotary_seqlens``, ``q_descale``,
-    ``cache_leftpad``, ``scheduler_metadata`` (any of them given), ``attention_chunk`` and
+    ``scheduler_metadata`` (any of them given), ``attention_chunk`` and
     ``sm_margin`` other than 0, ``cache_batch_idx`` with ``page_table`` (index the table's
     rows instead), an fp8 ``q``, and the shapes above kvstream does not serve.
 
@@ -180,7 +183,7 @@ def flash_attn_with_kvcache(
     # ---- what kvstream cannot honour: refused before anything else ----
     given = dict(qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
                  max_seqlen_q=max_seqlen_q, rotary_seqlens=rotary_seqlens, q_descale=q_descale,
-                 cache_leftpad=cache_leftpad, scheduler_metadata=scheduler_metadata)
+                 scheduler_metadata=scheduler_metadata)
     for name, why in _UNSUPPORTED_TENSORS:
         if given[name] is not None:
             raise _unsupported(name, why)
@@ -289,6 +292,8 @@ def flash_attn_with_kvcache(
         _index_vector("cache_seqlens", cache_seqlens, b)
     if cache_batch_idx is not None:
         _index_vector("cache_batch_idx", cache_batch_idx, b)
+    if cache_leftpad is not None:
+        _index_vector("cache_leftpad", cache_leftpad, b)
     rotary_dim = 0
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError(f"{_FN}: rotary_cos and rotary_sin go together: "
@@ -406,7 +411,27 @@ def flash_attn_with_kvcache(
         lens = (lens0 + s_new).clamp_max(capacity)
 
     kc, vc, table = k_cache, v_cache, page_table
-    if paged:
+    if cache_leftpad is not None:
+        # Request r's keys start at position cache_leftpad[r]: its positions from there, one
+        # page of one position each, through a table over the cache (a pool, or the rows of a
+        # contiguous cache; a strided one is copied first). FA3 masks and rotates alike: the
+        # mask in the shifted positions, the rotary at the cache's own.
+        pad = cache_leftpad.long()
+        pos = (pad[:, None] + torch.arange(capacity, device=dev)).clamp_max(capacity - 1)
+        if paged:
+            table = page_table.long().gather(1, torch.div(pos, block_size, rounding_mode="floor"))
+            table = table * block_size + pos.remainder(block_size)
+        else:
+            if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+            rows = idx if idx is not None else torch.arange(b, device=dev)
+            table = rows[:, None] * block_size + pos
+        kc = k_cache.view(blocks * block_size, 1, hkv, d)
+        vc = v_cache.view(blocks * block_size, 1, hkv, d)
+        table = table.to(torch.int32)
+        lens = ((lens if lens is not None else torch.full((b,), capacity, device=dev))
+                - pad).clamp_min(0).to(torch.int32)
+    elif paged:
         table = page_table.contiguous()
     elif idx is not None:
         if k_cache.is_contiguous() and v_cache.is_contiguous():
