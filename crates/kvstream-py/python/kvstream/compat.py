@@ -47,7 +47,6 @@ _UNSUPPORTED_TENSORS = (
     ("cu_seqlens_k_new", "variable-length k / v are not supported: pass them as [batch, "
                          "seqlen_new, nheads_k, headdim]"),
     ("max_seqlen_q", "it goes with cu_seqlens_q (variable-length q), which is not supported"),
-    ("rotary_seqlens", "rotary positions other than cache_seqlens are not supported"),
     ("q_descale", "kvstream keeps q in bf16 / fp16 (an fp8 q is refused); fp8 caches take "
                   "k_descale / v_descale"),
     ("scheduler_metadata", "FA3's precomputed schedule (get_scheduler_metadata) has no kvstream "
@@ -145,6 +144,8 @@ def flash_attn_with_kvcache(
             local (a ``window_size`` bounding something), else all at ``cache_seqlens[b]``.
             ``rotary_interleaved``: pairs (0, 1), (2, 3), ... (True) or (j, j + rotary_dim / 2)
             (False, GPT-NeoX). Positions past ``seqlen_ro`` read its last row.
+        rotary_seqlens: optional int32 ``[batch]``: the rotary positions count from these
+            instead of ``cache_seqlens`` (the keys still go at ``cache_seqlens``).
         cache_seqlens: int, or int32 ``[batch]`` CUDA tensor: each request's cached length
             before the append. None: the whole capacity (not allowed with ``k`` / ``v``).
         cache_batch_idx: optional int32 ``[batch]``: the cache row of each batch entry
@@ -170,7 +171,7 @@ def flash_attn_with_kvcache(
             seqlen_q]``.
 
     Refused with ``NotImplementedError`` (the argument named): ``qv``, ``cu_seqlens_q``,
-    ``cu_seqlens_k_new``, ``max_seqlen_q``, ``rotary_seqlens``, ``q_descale``,
+    ``cu_seqlens_k_new``, ``max_seqlen_q``, ``q_descale``,
     ``scheduler_metadata`` (any of them given), ``attention_chunk`` and
     ``sm_margin`` other than 0, ``cache_batch_idx`` with ``page_table`` (index the table's
     rows instead), an fp8 ``q``, and the shapes above kvstream does not serve.
@@ -182,7 +183,7 @@ def flash_attn_with_kvcache(
     """
     # ---- what kvstream cannot honour: refused before anything else ----
     given = dict(qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
-                 max_seqlen_q=max_seqlen_q, rotary_seqlens=rotary_seqlens, q_descale=q_descale,
+                 max_seqlen_q=max_seqlen_q, q_descale=q_descale,
                  scheduler_metadata=scheduler_metadata)
     for name, why in _UNSUPPORTED_TENSORS:
         if given[name] is not None:
@@ -312,6 +313,10 @@ def flash_attn_with_kvcache(
                 raise TypeError(f"{_FN}: {name} has dtype {t.dtype}, allowed: {qd} (q's) or "
                                 f"{_FLOAT32}")
         rotary_dim = 2 * cs[1]
+    if rotary_seqlens is not None:
+        if rotary_cos is None:
+            raise ValueError(f"{_FN}: rotary_seqlens is given without rotary_cos / rotary_sin")
+        _index_vector("rotary_seqlens", rotary_seqlens, b)
     for name, sc in (("k_descale", k_descale), ("v_descale", v_descale)):
         if sc is not None and not fp8:
             raise ValueError(
@@ -375,7 +380,8 @@ def flash_attn_with_kvcache(
 
     if rotary_dim:
         assert lens0 is not None  # rotary needs k, which needs cache_seqlens
-        start = lens0.long()[:, None]
+        # the rotary positions count from rotary_seqlens where given (else the cached length)
+        start = (rotary_seqlens if rotary_seqlens is not None else lens0).long()[:, None]
         q = _rotate(q, rotary_cos, rotary_sin,
                     start + (torch.arange(s_q, device=dev) if queries_at_own_positions
                              else torch.zeros(s_q, dtype=torch.long, device=dev)),

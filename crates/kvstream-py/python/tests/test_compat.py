@@ -103,7 +103,6 @@ UNSUPPORTED = [
     ("cu_seqlens_q", FakeTensor((B + 1,), I32), ["cu_seqlens_q"]),
     ("cu_seqlens_k_new", FakeTensor((B + 1,), I32), ["cu_seqlens_k_new"]),
     ("max_seqlen_q", 4, ["max_seqlen_q"]),
-    ("rotary_seqlens", FakeTensor((B,), I32), ["rotary_seqlens"]),
     ("q_descale", FakeTensor((B, HKV), F32), ["q_descale"]),
     ("scheduler_metadata", FakeTensor((64,), I32), ["scheduler_metadata"]),
     ("attention_chunk", 128, ["attention_chunk=128"]),
@@ -131,7 +130,7 @@ def test_unsupported_arguments_raise_without_torch():
     )
     code = block + (
         "from kvstream.compat import flash_attn_with_kvcache as f\n"
-        "names = ['qv', 'cu_seqlens_q', 'cu_seqlens_k_new', 'max_seqlen_q', 'rotary_seqlens',\n"
+        "names = ['qv', 'cu_seqlens_q', 'cu_seqlens_k_new', 'max_seqlen_q',\n"
         "         'q_descale', 'scheduler_metadata']\n"
         "kw = {n: object() for n in names}\n"
         "kw.update(attention_chunk=64, sm_margin=2)\n"
@@ -145,7 +144,7 @@ def test_unsupported_arguments_raise_without_torch():
         "print(len(seen), 'torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "9 False", out
+    assert out.returncode == 0 and out.stdout.strip() == "8 False", out
 
 
 def test_unsupported_shapes_and_combinations():
@@ -278,11 +277,13 @@ def _quantise(x, scale):
 def fa3_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                   cache_seqlens=None, cache_batch_idx=None, page_table=None, k_descale=None,
                   v_descale=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                  softcap=0.0, rotary_interleaved=True, cache_leftpad=None):
+                  softcap=0.0, rotary_interleaved=True, cache_leftpad=None,
+                  rotary_seqlens=None):
     """FlashAttention-3's flash_attn_with_kvcache, written from its documentation and its
     flash_api.cpp, in float64 over the caches it appends to (copies). ``cache_leftpad``: keys
     before it are not attended and the window counts from there (FA3's test reference shifts
     the key positions by it and counts the keys left); the rotary positions stay the cache's.
+    ``rotary_seqlens``: the rotary positions count from these instead of cache_seqlens.
 
     Returns (out [b, s_q, h, d] float64, lse [b, h, s_q] float64 (-inf where a row sees
     nothing), live [b, s_q] bool, k_cache, v_cache after the append).
@@ -313,7 +314,7 @@ def fa3_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_s
         right = 0
     own_positions = left >= 0 or right >= 0
     if rotary_cos is not None:
-        start = lens0[:, None]
+        start = (lens0 if rotary_seqlens is None else rotary_seqlens.long())[:, None]
         steps = torch.arange(s_q, device=dev)
         qpos = start + (steps if own_positions else 0 * steps)
         q = _rope_reference(q, rotary_cos, rotary_sin, qpos, rotary_interleaved)
@@ -539,7 +540,8 @@ def _cpu_case(rng, torch):
                 softcap=rng.choice([0.0, 0.0, 5.0]), int_lens=rng.random() < 0.2,
                 page_size=rng.choice([4, 16]), L=rng.choice([48, 64, 67]),
                 scale=rng.choice([None, 0.3]), seed=rng.randrange(1 << 30),
-                lse=rng.random() < 0.7, leftpad=rng.random() < 0.3)
+                lse=rng.random() < 0.7, leftpad=rng.random() < 0.3,
+                rotary_lens=rng.random() < 0.4)
 
 
 def build_case(c, torch, device):
@@ -615,13 +617,18 @@ def build_case(c, torch, device):
             (b,), cached, device=device)
         frac = torch.rand(b, generator=gen, device=device)
         kw["cache_leftpad"] = (frac * (cached + 1)).long().clamp_max(cached).to(torch.int32)
+    if c.get("rotary_lens") and c["rotary"]:  # FA3's test: rotary positions from half the length
+        cached = kw["cache_seqlens"]
+        cached = cached.long() if not isinstance(cached, int) else torch.full(
+            (b,), cached, device=device)
+        kw["rotary_seqlens"] = (cached // 2).to(torch.int32)
     label = " ".join(f"{key}={val}" for key, val in c.items() if key != "seed")
     return kw, label
 
 
 REF_KEYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
             "cache_batch_idx", "page_table", "k_descale", "v_descale", "softmax_scale", "causal",
-            "window_size", "softcap", "rotary_interleaved", "cache_leftpad")
+            "window_size", "softcap", "rotary_interleaved", "cache_leftpad", "rotary_seqlens")
 
 
 def run_case(kw, label, tol=1e-2):
