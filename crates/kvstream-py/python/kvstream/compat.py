@@ -42,11 +42,8 @@ _FLOAT32 = "torch.float32"
 # FA3 arguments with no kvstream counterpart: refused when given (not None), with the reason.
 _UNSUPPORTED_TENSORS = (
     ("qv", "FA3's extra query-value operand (qv) has no kvstream counterpart"),
-    ("cu_seqlens_q", "variable-length q is not supported: pass q as [batch, seqlen_q, nheads, "
-                     "headdim]"),
     ("cu_seqlens_k_new", "variable-length k / v are not supported: pass them as [batch, "
                          "seqlen_new, nheads_k, headdim]"),
-    ("max_seqlen_q", "it goes with cu_seqlens_q (variable-length q), which is not supported"),
     ("q_descale", "kvstream keeps q in bf16 / fp16 (an fp8 q is refused); fp8 caches take "
                   "k_descale / v_descale"),
     ("scheduler_metadata", "FA3's precomputed schedule (get_scheduler_metadata) has no kvstream "
@@ -128,7 +125,11 @@ def flash_attn_with_kvcache(
     Args:
         q: ``[batch, seqlen_q, nheads, headdim]`` bf16 or fp16 CUDA tensor; ``seqlen_q`` 1..8,
             ``headdim`` 64, 96, 128 or 256, at most 32 query heads per KV head (else
-            ``NotImplementedError``).
+            ``NotImplementedError``). With ``cu_seqlens_q`` (int32 ``[batch + 1]``) and
+            ``max_seqlen_q`` (1..8): ``[total_q, nheads, headdim]``, request r's queries rows
+            ``cu_seqlens_q[r] ..< cu_seqlens_q[r + 1]``, each request's last query at its last
+            position; ``out`` is then ``[total_q, nheads, headdim]`` and the LSE ``[nheads,
+            total_q]`` (FA3's varlen shapes).
         k_cache, v_cache: ``[batch_size_cache, seqlen_cache, nheads_k, headdim]``, or page
             pools ``[num_blocks, page_block_size, nheads_k, headdim]`` with ``page_table``
             (page sizes 1, 2, 4, ..., 512); q's dtype, or both ``torch.float8_e4m3fn`` (then
@@ -170,8 +171,8 @@ def flash_attn_with_kvcache(
         return_softmax_lse: also return the natural-log LSE, float32 ``[batch, nheads,
             seqlen_q]``.
 
-    Refused with ``NotImplementedError`` (the argument named): ``qv``, ``cu_seqlens_q``,
-    ``cu_seqlens_k_new``, ``max_seqlen_q``, ``q_descale``,
+    Refused with ``NotImplementedError`` (the argument named): ``qv``, ``cu_seqlens_k_new``
+    with ``k`` (variable-length new tokens), ``q_descale``,
     ``scheduler_metadata`` (any of them given), ``attention_chunk`` and
     ``sm_margin`` other than 0, ``cache_batch_idx`` with ``page_table`` (index the table's
     rows instead), an fp8 ``q``, and the shapes above kvstream does not serve.
@@ -182,9 +183,8 @@ def flash_attn_with_kvcache(
         of ``-inf`` (FA3 gives ``+inf`` there when it does not split).
     """
     # ---- what kvstream cannot honour: refused before anything else ----
-    given = dict(qv=qv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
-                 max_seqlen_q=max_seqlen_q, q_descale=q_descale,
-                 scheduler_metadata=scheduler_metadata)
+    given = dict(qv=qv, cu_seqlens_k_new=cu_seqlens_k_new if k is not None else None,
+                 q_descale=q_descale, scheduler_metadata=scheduler_metadata)
     for name, why in _UNSUPPORTED_TENSORS:
         if given[name] is not None:
             raise _unsupported(name, why)
@@ -205,6 +205,24 @@ def flash_attn_with_kvcache(
 
     # ---- the rest of the arguments, checked without torch ----
     qs = _shape("q", q)
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        # variable-length queries [total_q, nheads, headdim]: decoded right-aligned in
+        # [batch, max_seqlen_q, ...] rows (query j of a request of n sits in row
+        # max_seqlen_q - n + j, where the causal rule gives it FA3's positions)
+        cs = _shape("cu_seqlens_q", cu_seqlens_q)
+        if len(cs) != 1 or cs[0] < 2 or str(cu_seqlens_q.dtype) != _INT32:
+            raise ValueError(f"{_FN}: cu_seqlens_q has shape {list(cs)} and dtype "
+                             f"{cu_seqlens_q.dtype}, allowed: int32 [batch + 1], batch >= 1")
+        if not _is_int(max_seqlen_q) or not 1 <= max_seqlen_q <= MAX_Q_LEN:
+            raise ValueError(f"{_FN}: max_seqlen_q is {max_seqlen_q!r} with cu_seqlens_q, "
+                             f"allowed: an int 1..{MAX_Q_LEN} (the longest request's queries)")
+        if len(qs) != 3:
+            raise ValueError(f"{_FN}: q has shape {list(qs)} with cu_seqlens_q, allowed: "
+                             f"[total_q, nheads, headdim]")
+        qs = (cs[0] - 1, max_seqlen_q, qs[1], qs[2])
+    elif max_seqlen_q is not None:
+        raise ValueError(f"{_FN}: max_seqlen_q is given without cu_seqlens_q, allowed: None")
     if len(qs) != 4:
         raise ValueError(
             f"{_FN}: q has shape {list(qs)}, allowed: [batch, seqlen_q, nheads, headdim]")
@@ -375,6 +393,18 @@ def flash_attn_with_kvcache(
     elif cache_seqlens is not None:
         lens0 = cache_seqlens.contiguous()
     idx = None if cache_batch_idx is None else cache_batch_idx.contiguous().long()
+    q_rows = None  # varlen: each query's (request, row) in the right-aligned [b, s_q] rows
+    if varlen:
+        cu = cu_seqlens_q.long()
+        total = q.shape[0]
+        t = torch.arange(total, device=dev)
+        req = torch.searchsorted(cu[1:], t, right=True).clamp_max(b - 1)
+        n_q = cu[1:] - cu[:-1]
+        row = (s_q - n_q[req] + t - cu[req]).clamp(0, s_q - 1)
+        q_rows = (req, row)
+        padded = q.new_zeros(b, s_q, hq, d)
+        padded[req, row] = q
+        q = padded
     k_scale = None if k_descale is None else k_descale.contiguous()
     v_scale = None if v_descale is None else v_descale.contiguous()
 
@@ -382,9 +412,12 @@ def flash_attn_with_kvcache(
         assert lens0 is not None  # rotary needs k, which needs cache_seqlens
         # the rotary positions count from rotary_seqlens where given (else the cached length)
         start = (rotary_seqlens if rotary_seqlens is not None else lens0).long()[:, None]
+        steps = torch.arange(s_q, device=dev)[None, :]
+        if q_rows is not None:  # a right-aligned row's query index: row - (s_q - n)
+            n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+            steps = (steps - (s_q - n_q[:, None])).clamp_min(0)
         q = _rotate(q, rotary_cos, rotary_sin,
-                    start + (torch.arange(s_q, device=dev) if queries_at_own_positions
-                             else torch.zeros(s_q, dtype=torch.long, device=dev)),
+                    start + (steps if queries_at_own_positions else 0 * steps),
                     rotary_interleaved)
         k = _rotate(k, rotary_cos, rotary_sin, start + torch.arange(s_new, device=dev),
                     rotary_interleaved)
@@ -456,10 +489,13 @@ def flash_attn_with_kvcache(
         softmax_scale=softmax_scale, window_size=(left, right), softcap=cap,
         k_scale=k_scale, v_scale=v_scale, return_lse=return_softmax_lse,
     )
-    if return_softmax_lse:
-        out, lse = res
-        return out, lse.transpose(1, 2).contiguous()  # [b, s_q, h] -> FA3's [b, h, s_q]
-    return res
+    out, lse = res if return_softmax_lse else (res, None)
+    if q_rows is not None:  # back to [total_q, ...]; FA3's varlen LSE is [nheads, total_q]
+        out = out[q_rows]
+        lse = None if lse is None else lse[q_rows].transpose(0, 1).contiguous()
+    elif lse is not None:
+        lse = lse.transpose(1, 2).contiguous()  # [b, s_q, h] -> FA3's [b, h, s_q]
+    return (out, lse) if return_softmax_lse else out
 
 
 def _rotate(x: Any, cos: Any, sin: Any, pos: Any, interleaved: bool) -> Any:

@@ -100,9 +100,6 @@ def test_import_needs_no_torch():
 # Each argument kvstream cannot honour, a value FA3 would take, and the words of the error.
 UNSUPPORTED = [
     ("qv", FakeTensor((B, S, HQ, D)), ["qv"]),
-    ("cu_seqlens_q", FakeTensor((B + 1,), I32), ["cu_seqlens_q"]),
-    ("cu_seqlens_k_new", FakeTensor((B + 1,), I32), ["cu_seqlens_k_new"]),
-    ("max_seqlen_q", 4, ["max_seqlen_q"]),
     ("q_descale", FakeTensor((B, HKV), F32), ["q_descale"]),
     ("scheduler_metadata", FakeTensor((64,), I32), ["scheduler_metadata"]),
     ("attention_chunk", 128, ["attention_chunk=128"]),
@@ -118,6 +115,15 @@ def test_unsupported_argument_raises_naming_it(name, value, words):
         FN(None, None, None, **{name: value})
 
 
+def test_variable_length_new_tokens_are_refused():
+    # cu_seqlens_k_new goes with k / v (FA3 ignores it without them, and so does kvstream)
+    new = FakeTensor((B, 2, HKV, D))
+    fails(NotImplementedError, "cu_seqlens_k_new", "not supported",
+          cu_seqlens_k_new=FakeTensor((B + 1,), I32), k=new, v=new, cache_seqlens=3)
+    with pytest.raises(NotImplementedError, match="cu_seqlens_k_new"):
+        FN(None, None, None, cu_seqlens_k_new=object(), k=object())
+
+
 def test_unsupported_arguments_raise_without_torch():
     # where torch cannot be imported (CI may have it): the same refusals, torch never imported
     block = (
@@ -130,8 +136,7 @@ def test_unsupported_arguments_raise_without_torch():
     )
     code = block + (
         "from kvstream.compat import flash_attn_with_kvcache as f\n"
-        "names = ['qv', 'cu_seqlens_q', 'cu_seqlens_k_new', 'max_seqlen_q',\n"
-        "         'q_descale', 'scheduler_metadata']\n"
+        "names = ['qv', 'q_descale', 'scheduler_metadata']\n"
         "kw = {n: object() for n in names}\n"
         "kw.update(attention_chunk=64, sm_margin=2)\n"
         "seen = []\n"
@@ -144,7 +149,7 @@ def test_unsupported_arguments_raise_without_torch():
         "print(len(seen), 'torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "8 False", out
+    assert out.returncode == 0 and out.stdout.strip() == "5 False", out
 
 
 def test_unsupported_shapes_and_combinations():
@@ -541,7 +546,7 @@ def _cpu_case(rng, torch):
                 page_size=rng.choice([4, 16]), L=rng.choice([48, 64, 67]),
                 scale=rng.choice([None, 0.3]), seed=rng.randrange(1 << 30),
                 lse=rng.random() < 0.7, leftpad=rng.random() < 0.3,
-                rotary_lens=rng.random() < 0.4)
+                rotary_lens=rng.random() < 0.4, varlen=rng.random() < 0.3)
 
 
 def build_case(c, torch, device):
@@ -622,8 +627,51 @@ def build_case(c, torch, device):
         cached = cached.long() if not isinstance(cached, int) else torch.full(
             (b,), cached, device=device)
         kw["rotary_seqlens"] = (cached // 2).to(torch.int32)
+    if c.get("varlen") and s_q > 1:  # FA3's varlen q: 1..s_q queries a request, packed
+        n_q = torch.randint(1, s_q + 1, (b,), generator=gen, device=device)
+        n_q[0] = s_q
+        cu = torch.zeros(b + 1, dtype=torch.int32, device=device)
+        cu[1:] = n_q.cumsum(0)
+        kw["q"] = torch.cat([q[r, :int(n_q[r])] for r in range(b)])
+        kw.update(cu_seqlens_q=cu, max_seqlen_q=s_q)
     label = " ".join(f"{key}={val}" for key, val in c.items() if key != "seed")
     return kw, label
+
+
+def varlen_reference(kw):
+    """fa3_reference of a varlen-q call: each request alone with its own queries (FA3's
+    semantics), rows concatenated as one request of total_q queries; the caches after the
+    append from a call of all requests at once."""
+    import torch
+
+    cu = kw["cu_seqlens_q"].tolist()
+    b = len(cu) - 1
+    args = {key: kw[key] for key in REF_KEYS if key in kw and key != "q"}
+    hq, d = kw["q"].shape[1:]
+    s_q = kw["max_seqlen_q"]
+    dense_q = kw["q"].new_zeros(b, s_q, hq, d)
+    outs, lses, lives = [], [], []
+    for r in range(b):
+        one = dict(args)
+        one["q"] = kw["q"][cu[r]:cu[r + 1]][None]
+        for key in ("k", "v", "page_table", "cache_leftpad", "rotary_seqlens"):
+            if key in one:
+                one[key] = one[key][r:r + 1]
+        if not isinstance(one.get("cache_seqlens"), int) and "cache_seqlens" in one:
+            one["cache_seqlens"] = one["cache_seqlens"][r:r + 1]
+        for key in ("k_descale", "v_descale"):
+            if key in one and one[key].dim() == 2:
+                one[key] = one[key][r:r + 1]
+        if "page_table" not in one:
+            row = int(kw["cache_batch_idx"][r]) if "cache_batch_idx" in kw else r
+            one["cache_batch_idx"] = torch.tensor([row], dtype=torch.int32,
+                                                  device=kw["q"].device)
+        o, lse, live, _, _ = fa3_reference(**one)
+        outs.append(o[0])
+        lses.append(lse[0])
+        lives.append(live[0].expand(cu[r + 1] - cu[r]))  # ([1] where no row is masked)
+    _, _, _, kc, vc = fa3_reference(q=dense_q, **args)
+    return (torch.cat(outs)[None], torch.cat(lses, dim=1)[None], torch.cat(lives)[None], kc, vc)
 
 
 REF_KEYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
@@ -633,10 +681,16 @@ REF_KEYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "ca
 
 def run_case(kw, label, tol=1e-2):
     """flash_attn_with_kvcache on a case against fa3_reference (on copies of its caches)."""
-    ref = fa3_reference(**{key: kw[key] for key in REF_KEYS if key in kw})
+    varlen = "cu_seqlens_q" in kw
+    ref = (varlen_reference(kw) if varlen
+           else fa3_reference(**{key: kw[key] for key in REF_KEYS if key in kw}))
     res = FN(**kw)
     out, lse = res if kw.get("return_softmax_lse") else (res, None)
-    err = check_against_reference(out, lse, ref, kw["q"], label, tol)
+    q = kw["q"]
+    if varlen:  # one request of total_q queries, as the reference concatenates them
+        q, out = q[None], out[None]
+        lse = None if lse is None else lse[None]
+    err = check_against_reference(out, lse, ref, q, label, tol)
     rotary = kw.get("rotary_cos") is not None
     check_caches(kw["k_cache"], ref[3], rotary, f"{label} k_cache")
     check_caches(kw["v_cache"], ref[4], rotary, f"{label} v_cache")
