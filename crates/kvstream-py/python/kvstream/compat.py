@@ -42,8 +42,6 @@ _FLOAT32 = "torch.float32"
 # FA3 arguments with no kvstream counterpart: refused when given (not None), with the reason.
 _UNSUPPORTED_TENSORS = (
     ("qv", "FA3's extra query-value operand (qv) has no kvstream counterpart"),
-    ("cu_seqlens_k_new", "variable-length k / v are not supported: pass them as [batch, "
-                         "seqlen_new, nheads_k, headdim]"),
     ("q_descale", "kvstream keeps q in bf16 / fp16 (an fp8 q is refused); fp8 caches take "
                   "k_descale / v_descale"),
     ("scheduler_metadata", "FA3's precomputed schedule (get_scheduler_metadata) has no kvstream "
@@ -136,7 +134,9 @@ def flash_attn_with_kvcache(
             ``k_descale`` / ``v_descale`` are their dequantisation scales). V's head dim must
             be K's.
         k, v: optional new tokens ``[batch, seqlen_new, nheads_k, headdim]`` of q's dtype
-            (quantised with the descales for an fp8 cache); need ``cache_seqlens``. Slots past
+            (quantised with the descales for an fp8 cache); need ``cache_seqlens``. With
+            ``cu_seqlens_k_new`` (int32 ``[batch + 1]``): ``[total_new, nheads_k, headdim]``,
+            request r's rows ``cu_seqlens_k_new[r] ..< cu_seqlens_k_new[r + 1]``. Slots past
             a request's capacity are skipped and the lengths attended cut to the capacity (FA3
             leaves such calls undefined).
         rotary_cos, rotary_sin: optional ``[seqlen_ro, rotary_dim / 2]`` tables (q's dtype or
@@ -171,8 +171,7 @@ def flash_attn_with_kvcache(
         return_softmax_lse: also return the natural-log LSE, float32 ``[batch, nheads,
             seqlen_q]``.
 
-    Refused with ``NotImplementedError`` (the argument named): ``qv``, ``cu_seqlens_k_new``
-    with ``k`` (variable-length new tokens), ``q_descale``,
+    Refused with ``NotImplementedError`` (the argument named): ``qv``, ``q_descale``,
     ``scheduler_metadata`` (any of them given), ``attention_chunk`` and
     ``sm_margin`` other than 0, ``cache_batch_idx`` with ``page_table`` (index the table's
     rows instead), an fp8 ``q``, and the shapes above kvstream does not serve.
@@ -183,8 +182,7 @@ def flash_attn_with_kvcache(
         of ``-inf`` (FA3 gives ``+inf`` there when it does not split).
     """
     # ---- what kvstream cannot honour: refused before anything else ----
-    given = dict(qv=qv, cu_seqlens_k_new=cu_seqlens_k_new if k is not None else None,
-                 q_descale=q_descale, scheduler_metadata=scheduler_metadata)
+    given = dict(qv=qv, q_descale=q_descale, scheduler_metadata=scheduler_metadata)
     for name, why in _UNSUPPORTED_TENSORS:
         if given[name] is not None:
             raise _unsupported(name, why)
@@ -289,20 +287,31 @@ def flash_attn_with_kvcache(
     if (k is None) != (v is None):
         raise ValueError(f"{_FN}: k and v go together: {'k' if k is None else 'v'} is None")
     s_new = 0
+    varlen_k = k is not None and cu_seqlens_k_new is not None
     if k is not None:
         kn, vn = _shape("k", k), _shape("v", v)
-        want = (b, kn[1] if len(kn) == 4 else -1, hkv, d)
+        if varlen_k:
+            # variable-length new tokens [total_new, nheads_k, headdim]: request r's rows
+            # cu_seqlens_k_new[r] ..< cu_seqlens_k_new[r + 1]
+            cks = _shape("cu_seqlens_k_new", cu_seqlens_k_new)
+            if cks != (b + 1,) or str(cu_seqlens_k_new.dtype) != _INT32:
+                raise ValueError(f"{_FN}: cu_seqlens_k_new has shape {list(cks)} and dtype "
+                                 f"{cu_seqlens_k_new.dtype}, allowed: int32 [{b + 1}]")
+            want = (kn[0] if len(kn) == 3 else -1, hkv, d)
+            layout = f"[total_new, {hkv}, {d}] (with cu_seqlens_k_new)"
+        else:
+            want = (b, kn[1] if len(kn) == 4 else -1, hkv, d)
+            layout = f"[{b}, seqlen_new, {hkv}, {d}] (q's batch, k_cache's heads and head dim)"
         if kn != want or vn != want:
             raise ValueError(
-                f"{_FN}: k / v have shapes {list(kn)} / {list(vn)}, allowed: both [{b}, "
-                f"seqlen_new, {hkv}, {d}] (q's batch, k_cache's heads and head dim)")
+                f"{_FN}: k / v have shapes {list(kn)} / {list(vn)}, allowed: both {layout}")
         for name, t in (("k", k), ("v", v)):
             if str(t.dtype) != qd:
                 raise TypeError(f"{_FN}: {name} has dtype {t.dtype}, allowed: {qd} (q's)")
         if cache_seqlens is None:
             raise ValueError(f"{_FN}: k / v are given without cache_seqlens, allowed: an int or "
                              f"an int32 [{b}] tensor (where the new tokens go)")
-        s_new = kn[1]
+        s_new = kn[0] if varlen_k else kn[1]  # (varlen: every request's together)
     if _is_int(cache_seqlens):
         if not 0 <= cache_seqlens <= capacity:
             raise ValueError(f"{_FN}: cache_seqlens is {cache_seqlens}, allowed: 0..{capacity} "
@@ -419,35 +428,47 @@ def flash_attn_with_kvcache(
         q = _rotate(q, rotary_cos, rotary_sin,
                     start + (steps if queries_at_own_positions else 0 * steps),
                     rotary_interleaved)
-        k = _rotate(k, rotary_cos, rotary_sin, start + torch.arange(s_new, device=dev),
-                    rotary_interleaved)
 
     lens = lens0
     if k is not None and s_new > 0:
         assert lens0 is not None
-        pos = lens0.long()[:, None] + torch.arange(s_new, device=dev)  # [b, s_new]
+        # the new tokens as one list [tokens, hkv, d]: each one's request and index in it
+        if varlen_k:
+            cu_k = cu_seqlens_k_new.long()
+            t = torch.arange(s_new, device=dev)
+            kreq = torch.searchsorted(cu_k[1:], t, right=True).clamp_max(b - 1)
+            kj = t - cu_k[kreq]
+            n_new = cu_k[1:] - cu_k[:-1]
+            k_rows, v_rows = k.contiguous(), v.contiguous()
+        else:
+            kreq = torch.arange(b, device=dev).repeat_interleave(s_new)
+            kj = torch.arange(s_new, device=dev).repeat(b)
+            n_new = s_new
+            k_rows, v_rows = (x.reshape(b * s_new, hkv, d).contiguous() for x in (k, v))
+        if rotary_dim:
+            k_rows = _rotate(k_rows[None], rotary_cos, rotary_sin, (start[kreq, 0] + kj)[None],
+                             rotary_interleaved)[0]
+        pos = lens0.long()[kreq] + kj
         if paged:
             table = page_table.long()
             col = torch.div(pos, block_size, rounding_mode="floor")
             valid = (pos >= 0) & (col < table.shape[1])
-            page = table.gather(1, col.clamp(0, table.shape[1] - 1))
+            page = table[kreq, col.clamp(0, table.shape[1] - 1)]
             slots = page * block_size + pos.remainder(block_size)
         else:
             rows = idx if idx is not None else torch.arange(b, device=dev)
             valid = (pos >= 0) & (pos < block_size)
-            slots = rows[:, None] * block_size + pos
+            slots = rows[kreq] * block_size + pos
         slots = torch.where(valid, slots, torch.full_like(slots, -1))
         store_kv(
-            k.reshape(b * s_new, hkv, d).contiguous(),
-            v.reshape(b * s_new, hkv, d).contiguous(),
-            k_cache, v_cache, slots.reshape(-1),
-            k_scale=_block_scale(k_scale, slots, valid, blocks, block_size, b, hkv,
+            k_rows, v_rows, k_cache, v_cache, slots,
+            k_scale=_block_scale(k_scale, slots, valid, kreq, blocks, block_size, b, hkv,
                                  per_request_blocks=not paged and idx is None),
-            v_scale=_block_scale(v_scale, slots, valid, blocks, block_size, b, hkv,
+            v_scale=_block_scale(v_scale, slots, valid, kreq, blocks, block_size, b, hkv,
                                  per_request_blocks=not paged and idx is None),
         )
         # lengths past the capacity (FA3 leaves such calls undefined) are cut to it
-        lens = (lens0 + s_new).clamp_max(capacity)
+        lens = (lens0 + n_new).clamp_max(capacity).to(torch.int32)
 
     kc, vc, table = k_cache, v_cache, page_table
     if cache_leftpad is not None:
@@ -519,9 +540,10 @@ def _rotate(x: Any, cos: Any, sin: Any, pos: Any, interleaved: bool) -> Any:
     return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
-def _block_scale(scale: Any, slots: Any, valid: Any, blocks: int, block_size: int, b: int,
-                 hkv: int, per_request_blocks: bool) -> Any:
-    """The scale :func:`kvstream.store_kv` quantises with. FA3's per-request ``[b, hkv]``
+def _block_scale(scale: Any, slots: Any, valid: Any, req: Any, blocks: int, block_size: int,
+                 b: int, hkv: int, per_request_blocks: bool) -> Any:
+    """The scale :func:`kvstream.store_kv` quantises with (``slots``, ``valid`` and ``req``:
+    each new token's slot, whether it is written, its request). FA3's per-request ``[b, hkv]``
     descale becomes a ``[blocks, hkv]`` one whose blocks (cache rows or pages) receiving request
     r's new tokens hold r's scales; other shapes ([1], [hkv]) and a contiguous cache whose
     blocks are the requests take it as it is."""
@@ -529,11 +551,10 @@ def _block_scale(scale: Any, slots: Any, valid: Any, blocks: int, block_size: in
         return scale
     import torch
 
-    s_new = slots.shape[1]
     block = torch.div(slots, block_size, rounding_mode="floor")
     block = torch.where(valid, block, torch.full_like(block, blocks))  # skipped: a spare row
     per_block = torch.ones(blocks + 1, hkv, dtype=scale.dtype, device=scale.device)
-    per_block[block.reshape(-1)] = scale[:, None, :].expand(b, s_new, hkv).reshape(-1, hkv)
+    per_block[block] = scale[req]
     return per_block[:blocks]
 
 

@@ -115,15 +115,6 @@ def test_unsupported_argument_raises_naming_it(name, value, words):
         FN(None, None, None, **{name: value})
 
 
-def test_variable_length_new_tokens_are_refused():
-    # cu_seqlens_k_new goes with k / v (FA3 ignores it without them, and so does kvstream)
-    new = FakeTensor((B, 2, HKV, D))
-    fails(NotImplementedError, "cu_seqlens_k_new", "not supported",
-          cu_seqlens_k_new=FakeTensor((B + 1,), I32), k=new, v=new, cache_seqlens=3)
-    with pytest.raises(NotImplementedError, match="cu_seqlens_k_new"):
-        FN(None, None, None, cu_seqlens_k_new=object(), k=object())
-
-
 def test_unsupported_arguments_raise_without_torch():
     # where torch cannot be imported (CI may have it): the same refusals, torch never imported
     block = (
@@ -546,7 +537,8 @@ def _cpu_case(rng, torch):
                 page_size=rng.choice([4, 16]), L=rng.choice([48, 64, 67]),
                 scale=rng.choice([None, 0.3]), seed=rng.randrange(1 << 30),
                 lse=rng.random() < 0.7, leftpad=rng.random() < 0.3,
-                rotary_lens=rng.random() < 0.4, varlen=rng.random() < 0.3)
+                rotary_lens=rng.random() < 0.4, varlen=rng.random() < 0.3,
+                varlen_k=rng.random() < 0.3)
 
 
 def build_case(c, torch, device):
@@ -634,27 +626,38 @@ def build_case(c, torch, device):
         cu[1:] = n_q.cumsum(0)
         kw["q"] = torch.cat([q[r, :int(n_q[r])] for r in range(b)])
         kw.update(cu_seqlens_q=cu, max_seqlen_q=s_q)
+    if c.get("varlen_k") and s_new:  # FA3's varlen new tokens: 0..s_new a request, packed
+        n_new = torch.randint(0, s_new + 1, (b,), generator=gen, device=device)
+        n_new[0] = s_new
+        cu = torch.zeros(b + 1, dtype=torch.int32, device=device)
+        cu[1:] = n_new.cumsum(0)
+        for key in ("k", "v"):
+            kw[key] = torch.cat([kw[key][r, :int(n_new[r])] for r in range(b)])
+        kw["cu_seqlens_k_new"] = cu
     label = " ".join(f"{key}={val}" for key, val in c.items() if key != "seed")
     return kw, label
 
 
 def varlen_reference(kw):
-    """fa3_reference of a varlen-q call: each request alone with its own queries (FA3's
-    semantics), rows concatenated as one request of total_q queries; the caches after the
-    append from a call of all requests at once."""
+    """fa3_reference of a call with variable-length queries or new tokens: each request alone
+    with its own queries and new tokens (FA3's semantics), the caches carried from one to the
+    next; the rows stacked as the call returns them (varlen q: one request of total_q)."""
     import torch
 
-    cu = kw["cu_seqlens_q"].tolist()
-    b = len(cu) - 1
-    args = {key: kw[key] for key in REF_KEYS if key in kw and key != "q"}
-    hq, d = kw["q"].shape[1:]
-    s_q = kw["max_seqlen_q"]
-    dense_q = kw["q"].new_zeros(b, s_q, hq, d)
+    b = len(kw["cache_batch_idx"]) if "cache_batch_idx" in kw else (
+        kw["page_table"].shape[0] if "page_table" in kw else kw["k_cache"].shape[0])
+    cu_q = kw["cu_seqlens_q"].tolist() if "cu_seqlens_q" in kw else None
+    cu_k = kw["cu_seqlens_k_new"].tolist() if "cu_seqlens_k_new" in kw else None
+    args = {key: kw[key] for key in REF_KEYS if key in kw}
+    kc, vc = args.pop("k_cache"), args.pop("v_cache")
     outs, lses, lives = [], [], []
     for r in range(b):
         one = dict(args)
-        one["q"] = kw["q"][cu[r]:cu[r + 1]][None]
-        for key in ("k", "v", "page_table", "cache_leftpad", "rotary_seqlens"):
+        one["q"] = kw["q"][cu_q[r]:cu_q[r + 1]][None] if cu_q else kw["q"][r:r + 1]
+        for key in ("k", "v"):
+            if key in one:
+                one[key] = one[key][cu_k[r]:cu_k[r + 1]][None] if cu_k else one[key][r:r + 1]
+        for key in ("page_table", "cache_leftpad", "rotary_seqlens"):
             if key in one:
                 one[key] = one[key][r:r + 1]
         if not isinstance(one.get("cache_seqlens"), int) and "cache_seqlens" in one:
@@ -666,12 +669,14 @@ def varlen_reference(kw):
             row = int(kw["cache_batch_idx"][r]) if "cache_batch_idx" in kw else r
             one["cache_batch_idx"] = torch.tensor([row], dtype=torch.int32,
                                                   device=kw["q"].device)
-        o, lse, live, _, _ = fa3_reference(**one)
+        o, lse, live, kc, vc = fa3_reference(k_cache=kc, v_cache=vc, **one)
         outs.append(o[0])
         lses.append(lse[0])
-        lives.append(live[0].expand(cu[r + 1] - cu[r]))  # ([1] where no row is masked)
-    _, _, _, kc, vc = fa3_reference(q=dense_q, **args)
-    return (torch.cat(outs)[None], torch.cat(lses, dim=1)[None], torch.cat(lives)[None], kc, vc)
+        lives.append(live[0].expand(o.shape[1]))  # ([1] where no row is masked)
+    if cu_q:
+        return (torch.cat(outs)[None], torch.cat(lses, dim=1)[None], torch.cat(lives)[None],
+                kc, vc)
+    return torch.stack(outs), torch.stack(lses), torch.stack(lives), kc, vc
 
 
 REF_KEYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
@@ -682,7 +687,7 @@ REF_KEYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "ca
 def run_case(kw, label, tol=1e-2):
     """flash_attn_with_kvcache on a case against fa3_reference (on copies of its caches)."""
     varlen = "cu_seqlens_q" in kw
-    ref = (varlen_reference(kw) if varlen
+    ref = (varlen_reference(kw) if varlen or "cu_seqlens_k_new" in kw
            else fa3_reference(**{key: kw[key] for key in REF_KEYS if key in kw}))
     res = FN(**kw)
     out, lse = res if kw.get("return_softmax_lse") else (res, None)
