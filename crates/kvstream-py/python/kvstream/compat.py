@@ -44,8 +44,6 @@ _UNSUPPORTED_TENSORS = (
     ("qv", "FA3's extra query-value operand (qv) has no kvstream counterpart"),
     ("q_descale", "kvstream keeps q in bf16 / fp16 (an fp8 q is refused); fp8 caches take "
                   "k_descale / v_descale"),
-    ("scheduler_metadata", "FA3's precomputed schedule (get_scheduler_metadata) has no kvstream "
-                           "counterpart; kvstream plans its own partition: drop the argument"),
 )
 
 
@@ -166,13 +164,14 @@ def flash_attn_with_kvcache(
         causal: the causal mask (``window_size``'s right side becomes 0).
         window_size: ``(left, right)`` sliding window, negative sides unbounded.
         softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` when above 0.
-        num_splits, pack_gqa: FA3's performance hints; accepted and not used (kvstream plans
-            its own partition, which changes rounding only).
+        num_splits, pack_gqa, scheduler_metadata: FA3's performance hints (the last its
+            precomputed schedule); accepted and not used (kvstream plans its own partition on
+            the GPU, which changes rounding only).
         return_softmax_lse: also return the natural-log LSE, float32 ``[batch, nheads,
             seqlen_q]``.
 
-    Refused with ``NotImplementedError`` (the argument named): ``qv``, ``q_descale``,
-    ``scheduler_metadata`` (any of them given), ``attention_chunk`` and
+    Refused with ``NotImplementedError`` (the argument named): ``qv``, ``q_descale`` (either
+    given), ``attention_chunk`` and
     ``sm_margin`` other than 0, ``cache_batch_idx`` with ``page_table`` (index the table's
     rows instead), an fp8 ``q``, and the shapes above kvstream does not serve.
 
@@ -182,7 +181,7 @@ def flash_attn_with_kvcache(
         of ``-inf`` (FA3 gives ``+inf`` there when it does not split).
     """
     # ---- what kvstream cannot honour: refused before anything else ----
-    given = dict(qv=qv, q_descale=q_descale, scheduler_metadata=scheduler_metadata)
+    given = dict(qv=qv, q_descale=q_descale)
     for name, why in _UNSUPPORTED_TENSORS:
         if given[name] is not None:
             raise _unsupported(name, why)

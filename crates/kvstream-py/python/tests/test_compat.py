@@ -101,7 +101,6 @@ def test_import_needs_no_torch():
 UNSUPPORTED = [
     ("qv", FakeTensor((B, S, HQ, D)), ["qv"]),
     ("q_descale", FakeTensor((B, HKV), F32), ["q_descale"]),
-    ("scheduler_metadata", FakeTensor((64,), I32), ["scheduler_metadata"]),
     ("attention_chunk", 128, ["attention_chunk=128"]),
     ("sm_margin", 4, ["sm_margin=4"]),
 ]
@@ -127,7 +126,7 @@ def test_unsupported_arguments_raise_without_torch():
     )
     code = block + (
         "from kvstream.compat import flash_attn_with_kvcache as f\n"
-        "names = ['qv', 'q_descale', 'scheduler_metadata']\n"
+        "names = ['qv', 'q_descale']\n"
         "kw = {n: object() for n in names}\n"
         "kw.update(attention_chunk=64, sm_margin=2)\n"
         "seen = []\n"
@@ -140,7 +139,7 @@ def test_unsupported_arguments_raise_without_torch():
         "print(len(seen), 'torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "5 False", out
+    assert out.returncode == 0 and out.stdout.strip() == "4 False", out
 
 
 def test_unsupported_shapes_and_combinations():
@@ -730,9 +729,11 @@ def test_hints_are_accepted_and_not_passed(monkeypatch):
     kc, vc = torch.randn(2, 32, 2, 64).bfloat16(), torch.randn(2, 32, 2, 64).bfloat16()
     base = FN(q, kc, vc, cache_seqlens=7)
     for hints in (dict(num_splits=1), dict(num_splits=16), dict(pack_gqa=True),
-                  dict(pack_gqa=False), dict(num_splits=0, pack_gqa=None)):
+                  dict(pack_gqa=False), dict(num_splits=0, pack_gqa=None),
+                  dict(scheduler_metadata=torch.zeros(64, dtype=torch.int32))):
         assert torch.equal(FN(q, kc, vc, cache_seqlens=7, **hints), base), hints
-    assert all("num_splits" not in c and "pack_gqa" not in c for c in calls)
+    assert all("num_splits" not in c and "pack_gqa" not in c and "scheduler_metadata" not in c
+               for c in calls)
     # FA3's defaults: non-causal, window (-1, -1), softcap off, lse as [b, h, s_q]
     assert calls[0]["window_size"] == (-1, -1) and calls[0]["softcap"] == 0.0
     out, lse = FN(q, kc, vc, cache_seqlens=7, softcap=-3.0, return_softmax_lse=True)
