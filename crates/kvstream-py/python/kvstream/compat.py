@@ -170,9 +170,12 @@ def flash_attn_with_kvcache(
         return_softmax_lse: also return the natural-log LSE, float32 ``[batch, nheads,
             seqlen_q]``.
 
+    ``attention_chunk`` (Llama 4's chunked attention): a query at (shifted) position p sees no
+    key before ``p - p % attention_chunk``; decoded one query row at a time, each from its
+    chunk's start.
+
     Refused with ``NotImplementedError`` (the argument named): ``qv``, ``q_descale`` (either
-    given), ``attention_chunk`` and
-    ``sm_margin`` other than 0, ``cache_batch_idx`` with ``page_table`` (index the table's
+    given), ``sm_margin`` other than 0, ``cache_batch_idx`` with ``page_table`` (index the table's
     rows instead), an fp8 ``q``, and the shapes above kvstream does not serve.
 
     Returns:
@@ -185,15 +188,14 @@ def flash_attn_with_kvcache(
     for name, why in _UNSUPPORTED_TENSORS:
         if given[name] is not None:
             raise _unsupported(name, why)
-    for name, value, why in (
-        ("attention_chunk", attention_chunk, "chunked attention (attention_chunk > 0) has no "
-                                             "kvstream counterpart; allowed: 0"),
-        ("sm_margin", sm_margin, "kvstream cannot leave SMs free; allowed: 0"),
-    ):
+    for name, value in (("attention_chunk", attention_chunk), ("sm_margin", sm_margin)):
         if not _is_int(value):
             raise TypeError(f"{_FN}: {name} must be an int, got {value!r} ({type(value).__name__})")
-        if value != 0:
-            raise _unsupported(f"{name}={value}", why)
+    if sm_margin != 0:
+        raise _unsupported(f"sm_margin={sm_margin}", "kvstream cannot leave SMs free; allowed: 0")
+    if attention_chunk < 0:
+        raise ValueError(f"{_FN}: attention_chunk is {attention_chunk}, allowed: 0 (off) or a "
+                         f"chunk length")
     paged = page_table is not None
     if cache_batch_idx is not None and paged:
         raise _unsupported(
@@ -470,45 +472,81 @@ def flash_attn_with_kvcache(
         lens = (lens0 + n_new).clamp_max(capacity).to(torch.int32)
 
     kc, vc, table = k_cache, v_cache, page_table
-    if cache_leftpad is not None:
-        # Request r's keys start at position cache_leftpad[r]: its positions from there, one
-        # page of one position each, through a table over the cache (a pool, or the rows of a
-        # contiguous cache; a strided one is copied first). FA3 masks and rotates alike: the
-        # mask in the shifted positions, the rotary at the cache's own.
-        pad = cache_leftpad.long()
-        pos = (pad[:, None] + torch.arange(capacity, device=dev)).clamp_max(capacity - 1)
+    if lens is None:
+        lens = torch.full((b,), capacity, dtype=torch.int32, device=dev)
+    shifted = cache_leftpad is not None or attention_chunk > 0
+    if shifted:
+        # Keys from a start per request (cache_leftpad) or per query (the start of its
+        # attention chunk): the request's positions from there, one page of one position each,
+        # through a table over the cache (a pool, or the rows of a contiguous cache; a strided
+        # one is copied first). FA3 masks in the shifted positions and rotates at the cache's.
         if paged:
-            table = page_table.long().gather(1, torch.div(pos, block_size, rounding_mode="floor"))
-            table = table * block_size + pos.remainder(block_size)
+            pool_table = page_table.long()
         else:
             if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
                 k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-            rows = idx if idx is not None else torch.arange(b, device=dev)
-            table = rows[:, None] * block_size + pos
+            pool_rows = idx if idx is not None else torch.arange(b, device=dev)
         kc = k_cache.view(blocks * block_size, 1, hkv, d)
         vc = v_cache.view(blocks * block_size, 1, hkv, d)
-        table = table.to(torch.int32)
-        lens = ((lens if lens is not None else torch.full((b,), capacity, device=dev))
-                - pad).clamp_min(0).to(torch.int32)
-    elif paged:
-        table = page_table.contiguous()
-    elif idx is not None:
-        if k_cache.is_contiguous() and v_cache.is_contiguous():
-            # The rows a batch entry uses, in place: the cache seen as a pool of pages of
-            # `ps` positions, request r's pages those of cache row idx[r].
-            ps = max(p for p in SUPPORTED_PAGE_SIZES if block_size % p == 0)
-            per = block_size // ps
-            kc = k_cache.view(blocks * per, ps, hkv, d)
-            vc = v_cache.view(blocks * per, ps, hkv, d)
-            table = (idx[:, None] * per + torch.arange(per, device=dev)).to(torch.int32)
-        else:
-            # A strided cache cannot be seen as a pool: its rows are gathered (a copy).
-            kc, vc = (_gather_rows(c, idx) for c in (k_cache, v_cache))
-    res = decode(
-        q.contiguous(), kc, vc, cache_seqlens=lens, block_table=table,
-        softmax_scale=softmax_scale, window_size=(left, right), softcap=cap,
-        k_scale=k_scale, v_scale=v_scale, return_lse=return_softmax_lse,
-    )
+
+        def from_start(first: Any) -> Any:
+            """The one-position pages of each request's positions from ``first`` [b] on."""
+            pos = (first[:, None] + torch.arange(capacity, device=dev)).clamp(0, capacity - 1)
+            if paged:
+                rows = pool_table.gather(1, torch.div(pos, block_size, rounding_mode="floor"))
+                return (rows * block_size + pos.remainder(block_size)).to(torch.int32)
+            return (pool_rows[:, None] * block_size + pos).to(torch.int32)
+
+        pad = (cache_leftpad.long() if cache_leftpad is not None
+               else torch.zeros(b, dtype=torch.long, device=dev))
+        end = lens.long()  # the keys end (exclusive), where the last query sits - 1
+    if attention_chunk > 0:
+        # FA3's chunked attention: a query at (shifted) position p sees keys from the start of
+        # its chunk, p - p % attention_chunk. One decode per query row, each its own start.
+        rows_out, rows_lse = [], []
+        for i in range(s_q):
+            at = end - pad - s_q + i  # the row's shifted position (< 0: it sees nothing)
+            first = pad + at.clamp_min(0) - at.clamp_min(0).remainder(attention_chunk)
+            # keys up to the row's right bound, `delta` past its position: a one-row decode
+            # sees up to its last key, so a left window side grows by delta
+            delta = s_q - 1 - i if right < 0 else min(s_q - 1 - i, right)
+            res = decode(
+                q[:, i:i + 1].contiguous(), kc, vc,
+                cache_seqlens=(end - s_q + i + 1 + delta - first).clamp(0, capacity)
+                .to(torch.int32),
+                block_table=from_start(first), softmax_scale=softmax_scale,
+                window_size=(left + delta if left >= 0 else -1, 0), softcap=cap,
+                k_scale=k_scale, v_scale=v_scale, return_lse=return_softmax_lse,
+            )
+            o, ls = res if return_softmax_lse else (res, None)
+            rows_out.append(o)
+            rows_lse.append(ls)
+        out = torch.cat(rows_out, dim=1)
+        lse_rows = torch.cat(rows_lse, dim=1) if return_softmax_lse else None
+        res = (out, lse_rows) if return_softmax_lse else out
+    else:
+        if shifted:
+            table = from_start(pad)
+            lens = (end - pad).clamp_min(0).to(torch.int32)
+        elif paged:
+            table = page_table.contiguous()
+        elif idx is not None:
+            if k_cache.is_contiguous() and v_cache.is_contiguous():
+                # The rows a batch entry uses, in place: the cache seen as a pool of pages of
+                # `ps` positions, request r's pages those of cache row idx[r].
+                ps = max(p for p in SUPPORTED_PAGE_SIZES if block_size % p == 0)
+                per = block_size // ps
+                kc = k_cache.view(blocks * per, ps, hkv, d)
+                vc = v_cache.view(blocks * per, ps, hkv, d)
+                table = (idx[:, None] * per + torch.arange(per, device=dev)).to(torch.int32)
+            else:
+                # A strided cache cannot be seen as a pool: its rows are gathered (a copy).
+                kc, vc = (_gather_rows(c, idx) for c in (k_cache, v_cache))
+        res = decode(
+            q.contiguous(), kc, vc, cache_seqlens=lens, block_table=table,
+            softmax_scale=softmax_scale, window_size=(left, right), softcap=cap,
+            k_scale=k_scale, v_scale=v_scale, return_lse=return_softmax_lse,
+        )
     out, lse = res if return_softmax_lse else (res, None)
     if q_rows is not None:  # back to [total_q, ...]; FA3's varlen LSE is [nheads, total_q]
         out = out[q_rows]

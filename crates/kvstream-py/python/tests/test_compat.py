@@ -101,7 +101,6 @@ def test_import_needs_no_torch():
 UNSUPPORTED = [
     ("qv", FakeTensor((B, S, HQ, D)), ["qv"]),
     ("q_descale", FakeTensor((B, HKV), F32), ["q_descale"]),
-    ("attention_chunk", 128, ["attention_chunk=128"]),
     ("sm_margin", 4, ["sm_margin=4"]),
 ]
 
@@ -128,7 +127,7 @@ def test_unsupported_arguments_raise_without_torch():
         "from kvstream.compat import flash_attn_with_kvcache as f\n"
         "names = ['qv', 'q_descale']\n"
         "kw = {n: object() for n in names}\n"
-        "kw.update(attention_chunk=64, sm_margin=2)\n"
+        "kw.update(sm_margin=2)\n"
         "seen = []\n"
         "for n, val in kw.items():\n"
         "    try:\n"
@@ -139,7 +138,7 @@ def test_unsupported_arguments_raise_without_torch():
         "print(len(seen), 'torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "4 False", out
+    assert out.returncode == 0 and out.stdout.strip() == "3 False", out
 
 
 def test_unsupported_shapes_and_combinations():
@@ -218,6 +217,7 @@ def test_bad_arguments():
     fails(TypeError, "num_splits must be an int", num_splits=None)
     fails(TypeError, "pack_gqa must be a bool or None", pack_gqa=1)
     fails(TypeError, "attention_chunk must be an int", attention_chunk=None)
+    fails(ValueError, "attention_chunk is -8", attention_chunk=-8)
     fails(TypeError, "sm_margin must be an int", sm_margin=0.0)
 
 
@@ -273,12 +273,13 @@ def fa3_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_s
                   cache_seqlens=None, cache_batch_idx=None, page_table=None, k_descale=None,
                   v_descale=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                   softcap=0.0, rotary_interleaved=True, cache_leftpad=None,
-                  rotary_seqlens=None):
+                  rotary_seqlens=None, attention_chunk=0):
     """FlashAttention-3's flash_attn_with_kvcache, written from its documentation and its
     flash_api.cpp, in float64 over the caches it appends to (copies). ``cache_leftpad``: keys
     before it are not attended and the window counts from there (FA3's test reference shifts
     the key positions by it and counts the keys left); the rotary positions stay the cache's.
     ``rotary_seqlens``: the rotary positions count from these instead of cache_seqlens.
+    ``attention_chunk``: a query at (shifted) position p sees no key before p - p % chunk.
 
     Returns (out [b, s_q, h, d] float64, lse [b, h, s_q] float64 (-inf where a row sees
     nothing), live [b, s_q] bool, k_cache, v_cache after the append).
@@ -359,8 +360,12 @@ def fa3_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_s
         j = torch.arange(n, device=dev)[None, :]
         p = (torch.arange(s_q, device=dev) + seqlen_k[r] - s_q)[:, None]   # [s, 1]
         seen = j < seqlen_k[r]
+        pad = int(cache_leftpad[r]) if cache_leftpad is not None else 0
         if cache_leftpad is not None:
-            seen = seen & (j >= int(cache_leftpad[r]))
+            seen = seen & (j >= pad)
+        if attention_chunk > 0:
+            at = p - pad
+            seen = seen & (j - pad >= at - at.remainder(attention_chunk))
         if left >= 0:
             seen = seen & (j >= p - left)
         if right >= 0:
@@ -537,7 +542,7 @@ def _cpu_case(rng, torch):
                 scale=rng.choice([None, 0.3]), seed=rng.randrange(1 << 30),
                 lse=rng.random() < 0.7, leftpad=rng.random() < 0.3,
                 rotary_lens=rng.random() < 0.4, varlen=rng.random() < 0.3,
-                varlen_k=rng.random() < 0.3)
+                varlen_k=rng.random() < 0.3, chunk=rng.choice([0, 0, 0, 8, 21]))
 
 
 def build_case(c, torch, device):
@@ -625,6 +630,8 @@ def build_case(c, torch, device):
         cu[1:] = n_q.cumsum(0)
         kw["q"] = torch.cat([q[r, :int(n_q[r])] for r in range(b)])
         kw.update(cu_seqlens_q=cu, max_seqlen_q=s_q)
+    if c.get("chunk"):
+        kw["attention_chunk"] = c["chunk"]
     if c.get("varlen_k") and s_new:  # FA3's varlen new tokens: 0..s_new a request, packed
         n_new = torch.randint(0, s_new + 1, (b,), generator=gen, device=device)
         n_new[0] = s_new
@@ -680,7 +687,8 @@ def varlen_reference(kw):
 
 REF_KEYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
             "cache_batch_idx", "page_table", "k_descale", "v_descale", "softmax_scale", "causal",
-            "window_size", "softcap", "rotary_interleaved", "cache_leftpad", "rotary_seqlens")
+            "window_size", "softcap", "rotary_interleaved", "cache_leftpad", "rotary_seqlens",
+            "attention_chunk")
 
 
 def run_case(kw, label, tol=1e-2):
@@ -713,6 +721,9 @@ def test_mapping_onto_kvstream_matches_fa3_reference(i, monkeypatch):
     c = _cpu_case(random.Random(5000 + i), torch)
     kw, label = build_case(c, torch, "cpu")
     run_case(kw, label, tol=1e-2)
+    if c["chunk"]:  # one decode a query row, each from its chunk's start
+        assert len(calls) == c["s_q"]
+        return
     assert len(calls) == 1
     # FA3's causal flag becomes the right side 0; negative sides -1
     left, right = calls[0]["window_size"]
