@@ -64,7 +64,9 @@ def gpu_case(rng, **over):
         softcap=rng.choice([0.0, 0.0, 30.0]), int_lens=rng.random() < 0.2,
         page_size=rng.choice([1, 16, 64]), L=rng.choice([512, 1000, 2048, 777]),
         scale=rng.choice([None, 3.0 / d ** 0.5]), seed=rng.randrange(1 << 30),
-        lse=rng.random() < 0.7,
+        lse=rng.random() < 0.7, leftpad=rng.random() < 0.15, rotary_lens=rng.random() < 0.2,
+        varlen=rng.random() < 0.15, varlen_k=rng.random() < 0.15,
+        chunk=rng.choice([0] * 8 + [128, 333]),
     )
     c.update(over)
     return c
@@ -107,6 +109,18 @@ FIXED = {
                               scale=3.0 / 128 ** 0.5, d=128, s_new=3, s_q=2),
     # no append, the whole capacity (cache_seqlens None is the default's)
     "no append int lengths": dict(s_new=0, int_lens=True, rotary=None, layout="batch_idx"),
+    # keys from a start per request (one-position pages over a pool), a window on top
+    "leftpad paged window": dict(leftpad=True, layout="paged", page_size=16, s_new=2, s_q=2,
+                                 causal=True, window=(127, 0), chunk=0, varlen=False,
+                                 varlen_k=False),
+    # SGLang's call: packed queries and new tokens of varying counts
+    "varlen q and k": dict(varlen=True, varlen_k=True, layout="batch_idx", s_q=4, s_new=4,
+                           causal=True, rotary="neox", chunk=0, leftpad=False),
+    # Llama 4's chunked attention over a few chunks, fp8, paged
+    "chunked attention": dict(chunk=256, s_q=4, s_new=4, layout="paged", page_size=64,
+                              causal=True, fp8=True, L=2048, varlen=False, varlen_k=False),
+    # rotary positions from rotary_seqlens
+    "rotary_seqlens": dict(rotary="interleaved", rotary_lens=True, s_new=1, s_q=1, chunk=0),
 }
 
 
