@@ -57,24 +57,31 @@ def held_positions(sharding, unit, rank, world, n):
             if (g // unit == rank if sharding == "chunks" else (g // unit) % world == rank)]
 
 
-def shard_cache(cache, lens, sharding, unit, rank, world):
-    """This rank's shard of a [b, L, hkv, d] cache: a contiguous [b, C, hkv, d] chunk cache, or
-    a pool with a block table listing the rank's pages; unheld rows hold 1e3 (the float64 decode
-    here masks scores, not values: NaN would poison it; a read of these would show)."""
-    b, L, hkv, d = cache.shape
+def shard_cache(cache, lens, sharding, unit, rank, world, fill=1e3, table=None):
+    """This rank's shard of a [b, L, ...] cache: a contiguous [b, C, ...] chunk cache, or a pool
+    with a block table listing the rank's pages (made here, reversed, or the one given: K's for
+    V). Rows the rank does not hold are ``fill``: 1e3 for the float64 decode here (it masks
+    scores, not values: NaN would poison it; a read of these would show), NaN for the kernels
+    (a read would reach the output)."""
+    b, L = cache.shape[:2]
+    rest, dev = cache.shape[2:], cache.device
     if sharding == "chunks":
-        local = torch.full((b, unit, hkv, d), 1e3, dtype=cache.dtype)
+        local = torch.full((b, unit, *rest), fill, dtype=cache.dtype, device=dev)
         for r in range(b):
-            pos = held_positions(sharding, unit, rank, world, lens[r])
+            pos = torch.tensor(held_positions(sharding, unit, rank, world, lens[r]),
+                               dtype=torch.long, device=dev)
             local[r, :len(pos)] = cache[r, pos]
         return local, None
     pages = -(-L // unit) // world + 1
-    pool = torch.full((b * pages, unit, hkv, d), 1e3, dtype=cache.dtype)
-    table = torch.arange(b * pages, dtype=torch.int32).reshape(b, pages).flip(1).contiguous()
+    pool = torch.full((b * pages, unit, *rest), fill, dtype=cache.dtype, device=dev)
+    if table is None:
+        table = torch.arange(b * pages, dtype=torch.int32, device=dev).reshape(b, pages)
+        table = table.flip(1).contiguous()
     for r in range(b):
-        pos = held_positions(sharding, unit, rank, world, lens[r])
-        for i, g in enumerate(pos):
-            pool[table[r, i // unit], i % unit] = cache[r, g]
+        pos = torch.tensor(held_positions(sharding, unit, rank, world, lens[r]),
+                           dtype=torch.long, device=dev)
+        local = torch.arange(len(pos), device=dev)
+        pool[table[r].long()[local // unit], local % unit] = cache[r, pos]
     return pool, table
 
 

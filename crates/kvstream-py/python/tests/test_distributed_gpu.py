@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_distributed import held_positions, merge_on_torch  # noqa: E402
+from test_distributed import merge_on_torch, shard_cache  # noqa: E402
 
 import kvstream  # noqa: E402
 from kvstream import distributed as kcp  # noqa: E402
@@ -98,28 +98,8 @@ def test_merge_states_padded_gather_and_graph():
 
 
 def shard_gpu(cache, lens, sharding, unit, rank, world, table=None):
-    """This rank's shard (as test_distributed.shard_cache) with NaN in every row it does not
-    hold: a kernel that read one would put NaN in the output. Pages in a shuffled pool (its
-    block table made here, or the one given: K's for V)."""
-    b, L = cache.shape[:2]
-    rest = cache.shape[2:]
-    if sharding == "chunks":
-        local = torch.full((b, unit, *rest), float("nan"), dtype=cache.dtype, device="cuda")
-        for r in range(b):
-            pos = torch.tensor(held_positions(sharding, unit, rank, world, lens[r]),
-                               dtype=torch.long, device="cuda")
-            local[r, :len(pos)] = cache[r, pos]
-        return local, None
-    pages = -(-L // unit) // world + 2
-    pool = torch.full((b * pages, unit, *rest), float("nan"), dtype=cache.dtype, device="cuda")
-    if table is None:
-        table = torch.randperm(b * pages, device="cuda").to(torch.int32).reshape(b, pages)
-    for r in range(b):
-        pos = torch.tensor(held_positions(sharding, unit, rank, world, lens[r]),
-                           dtype=torch.long, device="cuda")
-        local = torch.arange(len(pos), device="cuda")
-        pool[table[r].long()[local // unit], local % unit] = cache[r, pos]
-    return pool, table.contiguous()
+    """This rank's shard, NaN in every row it does not hold (test_distributed.shard_cache)."""
+    return shard_cache(cache, lens, sharding, unit, rank, world, float("nan"), table)
 
 
 GPU_CASES = [

@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_distributed import held_positions  # noqa: E402
+from test_distributed import shard_cache  # noqa: E402
 
 
 def free_port():
@@ -36,27 +36,8 @@ def row_err(got, want):
 
 
 def shard(cache, lens, sharding, unit, rank, world):
-    """This rank's shard of a [b, L, ...] cache (chunks: [b, unit, ...]; pages: a pool and its
-    block table), positions it does not hold NaN."""
-    b, L = cache.shape[:2]
-    rest = cache.shape[2:]
-    if sharding == "chunks":
-        local = torch.full((b, unit, *rest), float("nan"), dtype=cache.dtype, device=cache.device)
-        for r in range(b):
-            pos = torch.tensor(held_positions(sharding, unit, rank, world, lens[r]),
-                               dtype=torch.long, device=cache.device)
-            local[r, :len(pos)] = cache[r, pos]
-        return local, None
-    pages = -(-L // unit) // world + 1
-    pool = torch.full((b * pages, unit, *rest), float("nan"), dtype=cache.dtype,
-                      device=cache.device)
-    table = torch.arange(b * pages, device=cache.device, dtype=torch.int32).view(b, pages)
-    for r in range(b):
-        pos = torch.tensor(held_positions(sharding, unit, rank, world, lens[r]),
-                           dtype=torch.long, device=cache.device)
-        local = torch.arange(len(pos), device=cache.device)
-        pool[table[r].long()[local // unit], local % unit] = cache[r, pos]
-    return pool, table
+    """This rank's shard, NaN in every row it does not hold (test_distributed.shard_cache)."""
+    return shard_cache(cache, lens, sharding, unit, rank, world, float("nan"))
 
 
 def worker(rank, world, port, errors):
