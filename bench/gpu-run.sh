@@ -98,8 +98,9 @@ if want pytests; then
     KVSTREAM_PY_COMPAT_SUMMARY=$O/py-compat-summary.json
   PYTHONPATH=/tmp/kvs-site timeout 300 python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests \
     --ignore=crates/kvstream-py/python/tests/test_transformers_gpu.py 2>&1 | tee $O/py-tests.txt | tail -8
-  PYTHONPATH=/tmp/kvs-site timeout 300 python3 -m pytest -q -p no:cacheprovider \
-    crates/kvstream-py/python/tests/test_transformers_gpu.py 2>&1 | tee $O/py-transformers.txt | tail -8
+  KVSTREAM_PY_INTEGRATION_SUMMARY=$O/integration-latest.json PYTHONPATH=/tmp/kvs-site timeout 300 \
+    python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests/test_transformers_gpu.py 2>&1 \
+    | tee $O/py-transformers.txt | tail -8
 fi
 if want bench; then
   timeout 300 $B bench ${BENCH_ARGS:---modes} --json bench/results/kvstream-bench-latest.json \

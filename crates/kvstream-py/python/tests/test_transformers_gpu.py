@@ -9,11 +9,15 @@ logits within bf16 tolerance, the same tokens (a difference allowed only where t
 own logits tie) and the teacher-forced reference over the whole run; kvstream.decode called for
 every layer of every decode step, and its op seen by the profiler; steps of four tokens over a
 full sliding window; padded batches falling back to sdpa; and generate's own torch.compile
-(inductor, reduce-overhead: CUDA graphs) running the kvstream op inside captured graphs.
+(inductor, reduce-overhead: CUDA graphs) running the kvstream op inside captured graphs. If
+KVSTREAM_PY_INTEGRATION_SUMMARY names a file, each model's generation comparison (max logit
+difference, whether the 32 tokens matched) and its eager decode-step time with kvstream and
+with the reference implementation are written there (bench/results/integration-latest.json).
 """
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -41,9 +45,41 @@ import kvstream.integrations.transformers as kvt  # noqa: E402
 GPU_NEW = 32
 
 
+INTEGRATION = {"models": {}}
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _registered():
     kvt.register()
+    yield
+    # bench/results/integration-latest.json when KVSTREAM_PY_INTEGRATION_SUMMARY names a file
+    path = os.environ.get("KVSTREAM_PY_INTEGRATION_SUMMARY")
+    if path and INTEGRATION["models"]:
+        import datetime
+        import json
+
+        import transformers
+
+        INTEGRATION.update(date=datetime.date.today().isoformat(),
+                           device=torch.cuda.get_device_name(0),
+                           versions={"torch": torch.__version__,
+                                     "transformers": transformers.__version__})
+        with open(path, "w") as f:
+            json.dump(INTEGRATION, f, indent=1)
+
+
+def step_us(model, ids, new):
+    """Wall time of one decode step of greedy generation (new tokens past the first), us: two
+    generations of ``new`` and of 2 tokens, the difference over new - 2 steps."""
+    def run(n):
+        generate(model, ids, new=n)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        generate(model, ids, new=n)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    return (run(new) - run(2)) / (new - 2) * 1e6
 
 
 @pytest.fixture
@@ -88,8 +124,20 @@ def test_generate_matches_reference(name, counted):
     ops = [e for e in prof.events() if e.name.startswith("kvstream::decode")]
     assert len(ops) >= len(counted), sorted({e.name for e in prof.events()
                                              if "kvstream" in e.name})
-    assert_same_generation(ref_gen, kv_gen, teacher_forced(ref, kv_gen[0], ids.shape[1]),
-                           ids.shape[1])
+    prompt_len = ids.shape[1]
+    INTEGRATION["models"][name] = {
+        "new_tokens": GPU_NEW,
+        "tokens_match": bool(torch.equal(ref_gen[0], kv_gen[0])),
+        "max_logit_diff": round((kv_gen[1] - ref_gen[1]).abs().max().item(), 5),
+        "logit_scale": round(ref_gen[1].abs().max().item(), 5),
+        "reference": MODELS[name][1],
+    }
+    assert_same_generation(ref_gen, kv_gen, teacher_forced(ref, kv_gen[0], prompt_len),
+                           prompt_len)
+    # the decode step in that loop, eager (transformers' own Python around each layer)
+    INTEGRATION["models"][name].update(
+        step_us_kvstream=round(step_us(kv, ids, 16), 1),
+        step_us_reference=round(step_us(ref, ids, 16), 1))
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
