@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -22,26 +21,12 @@ import torch.distributed as dist
 import kvstream
 import kvstream.distributed as kcp
 from kvstream import _ops  # noqa: F401  (registers torch.ops.kvstream)
+from store_kv_bench import graph_time  # (bench/ is this script's directory)
 
 
 def timed(fn, rounds, inner):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / inner)
-    return statistics.median(times)
+    """Median us of one of ``inner`` calls of ``fn`` in a replayed CUDA graph."""
+    return graph_time([fn] * inner, rounds)
 
 
 def merge_costs(rounds):

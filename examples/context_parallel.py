@@ -85,7 +85,7 @@ def main():
         return pool, table
 
     k, table = shard(1)
-    v, _ = shard(2)
+    v = None if args.mla else shard(2)[0]  # MLA reads its one latent cache as K and as V
     extra = dict(sharding=args.sharding, block_table=table,
                  chunk_len=unit if args.sharding == "chunks" and table is not None else None)
     if args.mla:
