@@ -154,7 +154,9 @@ impl MergeShape {
             ));
         }
         let rows = self.rows();
-        if rows > i32::MAX as usize || (rows * self.head_dim / chunk) > u32::MAX as usize * 256 {
+        // (rows < 2^31 and head_dim <= 1024 keep the grid, rows x head_dim / 8 / 256 CTAs,
+        // below 2^32)
+        if rows > i32::MAX as usize {
             return Err(Error::invalid(
                 "batch x q_len x heads",
                 rows,

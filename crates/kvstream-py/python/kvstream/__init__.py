@@ -101,6 +101,7 @@ or ``RuntimeError`` (driver, compiler, no suitable GPU).
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections import OrderedDict
@@ -1652,27 +1653,17 @@ def _check_merge(outputs: Any, lses: Any, sinks: Any, return_lse: Any, out: Any,
             f"kvstream.{fn}: lses has shape {list(ls)}, allowed: {list(os_[:-1])} (outputs' "
             f"shape without its last dimension)"
         )
-    rows = 1
-    for s in os_[1:-1]:
-        rows *= s
+    rows = math.prod(os_[1:-1])
     if rows == 0:
         raise ValueError(f"kvstream.{fn}: outputs has shape {list(os_)}, allowed: no empty dimension")
     row_stride = _row_stride("outputs", outputs, os_, fn)
-    lst = [int(s) for s in lses.stride()]
-    inner = tuple(ls[1:])
-    natural = []
-    acc = 1
-    for size in reversed(inner):
-        natural.append(acc)
-        acc *= size
-    natural = list(reversed(natural))
-    if any(size != 1 and s != nat for size, s, nat in zip(inner, lst[1:], natural)):
+    if not lses[0].is_contiguous():
         raise ValueError(
-            f"kvstream.{fn}: lses has strides {lst} for shape {list(ls)}, allowed: each shard's "
-            f"rows contiguous (call .contiguous() first)"
+            f"kvstream.{fn}: lses has strides {list(lses.stride())} for shape {list(ls)}, "
+            f"allowed: each shard's rows contiguous (call .contiguous() first)"
         )
     shard_stride = int(outputs.stride()[0]) if n > 1 else rows * row_stride
-    lse_shard_stride = lst[0] if n > 1 else rows
+    lse_shard_stride = int(lses.stride()[0]) if n > 1 else rows
     if shard_stride % 8 != 0 or shard_stride < 0:
         raise ValueError(
             f"kvstream.{fn}: outputs has a shard stride of {shard_stride} elements, allowed: a "
