@@ -472,10 +472,10 @@ def flash_attn_with_kvcache(
         lens = (lens0 + n_new).clamp_max(capacity).to(torch.int32)
 
     kc, vc, table = k_cache, v_cache, page_table
-    if lens is None:
-        lens = torch.full((b,), capacity, dtype=torch.int32, device=dev)
     shifted = cache_leftpad is not None or attention_chunk > 0
     if shifted:
+        if lens is None:
+            lens = torch.full((b,), capacity, dtype=torch.int32, device=dev)
         # Keys from a start per request (cache_leftpad) or per query (the start of its
         # attention chunk): the request's positions from there, one page of one position each,
         # through a table over the cache (a pool, or the rows of a contiguous cache; a strided
