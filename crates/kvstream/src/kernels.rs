@@ -312,6 +312,15 @@ pub fn kv_tile_row_bytes(head_dim: usize, kv_elem_bytes: usize) -> usize {
     (head_dim * kv_elem_bytes).div_ceil(row) * row
 }
 
+/// Whether TMA boxes can carry a paged cache's page runs of `page_size` positions of rows of
+/// `head_dim` elements of `kv_elem_bytes`: a run of a box lands `run x box row` bytes into its
+/// tile (`run` = the page, at most a tile), and a box's shared-memory destination must be
+/// 128-byte aligned, so one-position runs of 64-byte box rows (e4m3 at d 64, d 96 or paired
+/// d 96) cannot go by boxes.
+pub fn boxes_carry_pages(head_dim: usize, kv_elem_bytes: usize, page_size: usize) -> bool {
+    page_size * kv_box_row_bytes(head_dim, kv_elem_bytes) % 128 == 0
+}
+
 /// Whether the persistent decode's gathering producer can copy rows of `head_dim` elements of
 /// `kv_elem_bytes`: a warp copies whole rows of 16-byte chunks, so a row's chunks must divide
 /// 32 (not so for the 24 or 12 chunks of paired d 96 heads, whose page runs go by boxes).

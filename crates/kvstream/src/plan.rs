@@ -116,14 +116,25 @@ pub const PAIRED_HEAD_DIMS: [usize; 2] = [64, 96];
 /// (decode.cu, "Paired heads"): a head dim of [`PAIRED_HEAD_DIMS`], an even number of KV heads,
 /// each cache's heads next to each other (head stride = head dim: always so in a page pool),
 /// and the pair's query rows fitting one column block (of at most [`MAX_N_TILES`] n8 tiles, two
-/// at d 96 pairs' width). (A K element of +-Inf or NaN in one head then reaches its pair's
+/// at d 96 pairs' width); in a page pool, a producer for the pair rows (e4m3 d 96 pairs, twelve
+/// 16-byte chunks in 64-byte boxes, are neither gathered nor boxed at pages of 1:
+/// [`crate::kernels::boxes_carry_pages`]). (A K element of +-Inf or NaN in one head then reaches its pair's
 /// scores too, as 0 x Inf; finite caches, and every cache `store_kv` writes, are unaffected.)
 pub fn can_pair_heads(problem: &DecodeProblem) -> bool {
     let d = problem.head_dim;
     let adjacent = |s: crate::problem::KvStrides| s.head == d as i64;
+    let elem = problem.kv_elem_bytes();
+    // a pool's pair rows need a producer: gathered, or by boxes where their runs land aligned
+    let pages_readable = |page: usize| {
+        crate::kernels::gathers_rows(2 * d, elem)
+            || crate::kernels::boxes_carry_pages(2 * d, elem, page)
+    };
     PAIRED_HEAD_DIMS.contains(&d)
         && problem.hkv % 2 == 0
-        && (problem.paged.is_some() || (adjacent(problem.k_strides) && adjacent(problem.v_strides)))
+        && match problem.paged {
+            Some(pg) => pages_readable(pg.page_size),
+            None => adjacent(problem.k_strides) && adjacent(problem.v_strides),
+        }
         && 2 * problem.columns() <= 8 * crate::kernels::max_n_tiles(2 * d)
 }
 
@@ -496,7 +507,8 @@ pub fn plan_persistent(
                 format!(
                     "false or none for this problem (d {}, {} KV heads, {} query rows per KV \
                      head): pairs need d 64 or 96, an even head count, adjacent heads and the \
-                     pair's rows in one column block (at most 16; 8 at d 96)",
+                     pair's rows in one column block (at most 16; 8 at d 96); pools of e4m3 d 96 \
+                     pairs need pages of 2 positions or more",
                     problem.head_dim,
                     problem.hkv,
                     problem.columns()
@@ -525,16 +537,16 @@ pub fn plan_persistent(
     )?;
     let problem = &view;
     if let (KvSource::PagedBoxes, Some(pg)) = (variant.kv_source, problem.paged) {
-        // a box lands on a 128-byte aligned address: a page run must fill 128 bytes at least
-        let run_bytes = pg.page_size * problem.head_dim * problem.kv_elem_bytes();
-        if run_bytes < 128 {
+        let elem = problem.kv_elem_bytes();
+        if !crate::kernels::boxes_carry_pages(problem.head_dim, elem, pg.page_size) {
             return Err(Error::invalid(
                 "persistent_paged_gather",
                 "false (TMA boxes)",
                 format!(
-                    "true or none for pages of {} positions of {} bytes: a box needs 128 bytes",
+                    "true or none for pages of {} positions of {}-byte box rows: a box lands \
+                     on a 128-byte boundary",
                     pg.page_size,
-                    problem.head_dim * problem.kv_elem_bytes()
+                    crate::kernels::kv_box_row_bytes(problem.head_dim, elem)
                 ),
             ));
         }
@@ -1798,6 +1810,70 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("reduction"), "{msg}");
+    }
+
+    #[test]
+    fn every_page_pool_gets_a_producer_that_can_read_it() {
+        // boxes land on 128-byte boundaries, so a pool the default plan boxes has aligned runs;
+        // where neither producer can read the rows (e4m3 d 96 pairs on pages of 1), pairing is
+        // refused by name and the unpaired plan reads the pool
+        for d in [64, 96, 128, 256] {
+            for kv in [KvDType::AsQuery, KvDType::Fp8E4m3] {
+                for page in [1, 2, 4, 8, 16, 32, 64, 128, 256] {
+                    let q = DecodeProblem::new(4, 16, 8, d, 4096, DType::Bf16)
+                        .and_then(|p| p.with_kv_dtype(kv))
+                        .and_then(|p| p.with_paged(page, 4 * 4096 / page, None))
+                        .unwrap();
+                    let what = format!("d {d}, {kv:?}, pages of {page}");
+                    for pair in [None, Some(true)] {
+                        let o = PlanOptions {
+                            engine: Some(Engine::Persistent),
+                            persistent_pair_heads: pair,
+                            ..Default::default()
+                        };
+                        let plan = match persistent(&q, o) {
+                            Ok(plan) => plan,
+                            Err(e) => {
+                                assert_eq!(pair, Some(true), "{what}: {e}");
+                                assert!(!can_pair_heads(&q), "{what}: {e}");
+                                let msg = e.to_string();
+                                assert!(msg.contains("persistent_pair_heads"), "{what}: {msg}");
+                                continue;
+                            }
+                        };
+                        let v = &plan.variant;
+                        let row = v.head_dim;
+                        let elem = v.kv_dtype.size(v.dtype);
+                        match v.kv_source {
+                            KvSource::PagedGather => {
+                                assert!(crate::kernels::gathers_rows(row, elem), "{what}")
+                            }
+                            KvSource::PagedBoxes => assert!(
+                                crate::kernels::boxes_carry_pages(row, elem, page),
+                                "{what}: {pair:?} boxes misaligned runs"
+                            ),
+                            KvSource::Contiguous => panic!("{what}: a pool read as contiguous"),
+                        }
+                    }
+                }
+            }
+        }
+        let e4m3_pairs = |page| {
+            DecodeProblem::new(2, 16, 16, 96, 1500, DType::Bf16)
+                .and_then(|p| p.with_kv_dtype(KvDType::Fp8E4m3))
+                .and_then(|p| p.with_paged(page, 2 * 1500, None))
+                .unwrap()
+        };
+        assert!(!can_pair_heads(&e4m3_pairs(1)));
+        assert!(can_pair_heads(&e4m3_pairs(2)));
+        // forced boxes on runs that cannot land aligned are refused by name
+        let forced = PlanOptions {
+            engine: Some(Engine::Persistent),
+            persistent_paged_gather: Some(false),
+            ..Default::default()
+        };
+        let msg = persistent(&e4m3_pairs(1), forced).unwrap_err().to_string();
+        assert!(msg.contains("persistent_paged_gather"), "{msg}");
     }
 
     #[test]
