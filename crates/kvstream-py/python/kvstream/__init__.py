@@ -330,10 +330,12 @@ _capacity = DEFAULT_DECODER_CACHE_SIZE
 _lock = threading.Lock()
 
 
-def _evict_over_capacity() -> List[_Cached]:
-    """Under _lock: removes least recently used, uncaptured decoders beyond the capacity."""
+def _evict_over_capacity(keep_newest: bool) -> List[_Cached]:
+    """Under _lock: removes least recently used, uncaptured decoders beyond the capacity; with
+    ``keep_newest`` never the most recently used one, whose call is about to run it (where
+    every other decoder is captured, a warm-up's decoder must be there for the capture)."""
     dropped: List[_Cached] = []
-    for key in list(_decoders):
+    for key in list(_decoders)[:-1] if keep_newest else list(_decoders):
         if len(_decoders) <= _capacity:
             break
         if not _decoders[key].captured:
@@ -369,7 +371,7 @@ def _decoder_for(key: tuple, make: Any, capturing: bool, fn: str = "decode") -> 
     with _lock:
         c = _decoders.setdefault(key, _Cached(d))
         _decoders.move_to_end(key)
-        dropped = _evict_over_capacity()
+        dropped = _evict_over_capacity(keep_newest=True)
     _release(dropped)
     return c
 
@@ -553,7 +555,7 @@ def set_decoder_cache_size(size: int) -> None:
         raise ValueError(f"kvstream.set_decoder_cache_size: size is {size}, allowed: size >= 1")
     with _lock:
         _capacity = size
-        dropped = _evict_over_capacity()
+        dropped = _evict_over_capacity(keep_newest=False)
     _release(dropped)
 
 

@@ -982,6 +982,20 @@ def test_decoder_cache_keeps_what_a_graph_captured(decoder_cache):
     assert decoder_cache.decoder_cache_info() == {"size": 0, "captured": 0, "capacity": 1}
 
 
+def test_decoder_cache_keeps_a_warm_up_next_to_captured_decoders(decoder_cache):
+    # every slot held by captured decoders: a warm-up's decoder stays for the capture after it
+    decoder_cache.set_decoder_cache_size(1)
+    _get("a")
+    _get("a", capturing=True)
+    _get("b")  # warm-up
+    assert _get("b", capturing=True).decoder == "decoder b"
+    assert decoder_cache.decoder_cache_info() == {"size": 2, "captured": 2, "capacity": 1}
+    _get("c")  # the uncaptured ones still go, beyond the newest
+    assert list(kvstream._decoders) == ["a", "b", "c"]
+    _get("d")
+    assert list(kvstream._decoders) == ["a", "b", "d"]
+
+
 def test_decoder_cache_makes_nothing_while_capturing(decoder_cache):
     with pytest.raises(RuntimeError, match="warm-up"):
         _get("never warmed up", capturing=True)
@@ -1005,8 +1019,17 @@ def test_clear_cache_argument_type():
         kvstream.clear_cache(include_captured=1)
 
 
+def _cuda_visible() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_cuda_visible(), reason="a GPU is visible: test_gpu.py runs the self-test")
 def test_self_test_says_what_is_missing():
-    # here (no GPU, usually no torch) it must say which of the two it lacks, not crash
+    # without a GPU (usually without torch too) it must say which of the two it lacks, not crash
     with pytest.raises(RuntimeError, match="PyTorch is not importable|torch sees no CUDA device"):
         kvstream.self_test()
 
