@@ -28,6 +28,8 @@ O=${OUT:-/tmp/out}; mkdir -p "$O"
 PARTS=${PARTS:-demo sanitize sass gputests pytests peers}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 run() { echo "== $*"; timeout 120 "$@"; echo "rc=$?"; }
+# results files name the GPU they were measured on (an H100 may stand in for the H200)
+gpu_prefix() { nvidia-smi -L | grep -q H100 && echo h100 || echo h200; }
 nvidia-smi -L
 if want demo; then
   run $B demo
@@ -157,7 +159,7 @@ if want cp; then
   # 1M-token decode, the torch.distributed path at world size 1
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
   KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site timeout 200 \
-    python3 bench/cp_bench.py --commit "${COMMIT:-unknown}" --out $O/h200-cp-latest.json 2>&1 | tail -40
+    python3 bench/cp_bench.py --commit "${COMMIT:-unknown}" --out $O/$(gpu_prefix)-cp-latest.json 2>&1 | tail -40
 fi
 if want cpmulti; then
   # context parallelism over this host's GPUs (2+): the multi-GPU tests, then N = 1, 2, 4, 8
