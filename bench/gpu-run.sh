@@ -85,7 +85,8 @@ if want jit; then
 fi
 if want gputests; then
   G=.carry/bin/gpu-tests
-  KVSTREAM_GPU_SUMMARY=$O/gpu-summary.json timeout 400 $G --ignored --test-threads=1 2>&1 | tee $O/gpu-tests.log | tail -25
+  # GPU_TESTS narrows the suite (test-name filters, e.g. the tests a change touched, first)
+  KVSTREAM_GPU_SUMMARY=$O/gpu-summary.json timeout 400 $G --ignored --test-threads=1 ${GPU_TESTS:-} 2>&1 | tee $O/gpu-tests.log | tail -25
   for tool in ${SUITE_SANITIZERS-memcheck racecheck}; do  # SUITE_SANITIZERS= skips them, SANITIZE_TESTS narrows them
     echo "== $tool on the GPU suite (24 random cases, graphs, zero lengths, cluster reduction, paged, multi-token, device plan, fp8, store_kv, paired heads)"
     KVSTREAM_GPU_CASES=24 KVSTREAM_GPU_SERIALISED=1 timeout 400 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
@@ -178,13 +179,15 @@ fi
 if want abdemo; then
   # A/Bs of options off by default until measured: column lanes on large multi-token groups,
   # paired heads (ring h2) on Phi-3-like d 96 MHA rows
+  # (each pair twice; the batch-16 and -64 rows build and check caches of several GB on the
+  # host: 30 s was too short for them)
   for a in "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" "--batch 1 --hq 32 --hkv 2 --q-len 8 --len 32768"; do
-    for o in "" --column-lanes; do echo "== $a $o"; timeout 60 $B demo $a $o --rounds 9 | tail -3; done
+    for o in "" --column-lanes "" --column-lanes; do echo "== $a $o"; timeout 90 $B demo $a $o --rounds 9 | tail -3; done
   done
   # (and gpt-oss's window of 128 at batch: two KV heads a unit halve the units' fixed costs)
   for a in "--batch 16 --hq 32 --hkv 32 --head-dim 96 --len 32768" "--batch 1 --hq 32 --hkv 32 --head-dim 96 --len 32768" \
            "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks"; do
-    for o in "" "--ring h2"; do echo "== $a $o"; timeout 60 $B demo $a $o --rounds 9 | tail -3; done
+    for o in "" "--ring h2" "" "--ring h2"; do echo "== $a $o"; timeout 90 $B demo $a $o --rounds 9 | tail -3; done
   done 2>&1 | tee $O/abdemo.txt
 fi
 if want storekv; then
