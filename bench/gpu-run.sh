@@ -189,6 +189,11 @@ if want abdemo; then
            "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks"; do
     for o in "" "--ring h2" "" "--ring h2"; do echo "== $a $o"; timeout 90 $B demo $a $o --rounds 9 | tail -3; done
   done 2>&1 | tee $O/abdemo.txt
+  # head lanes on pools of small pages (the heads of a page read together) and their twins
+  for a in "--batch 32 --hq 32 --hkv 8 --len 32768 --page-size 1" "--batch 32 --hq 32 --hkv 8 --head-dim 64 --len 32768 --page-size 1" \
+           "--batch 32 --hq 32 --hkv 8 --len 4096 --page-size 16" "--batch 32 --hq 32 --hkv 8 --len 32768"; do
+    for o in "" --head-lanes "" --head-lanes; do echo "== $a $o"; timeout 90 $B demo $a $o --rounds 9 | tail -3; done
+  done 2>&1 | tee -a $O/abdemo.txt
 fi
 if want storekv; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl

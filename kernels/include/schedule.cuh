@@ -24,12 +24,15 @@
 //             merges them in CTA order (deterministic whatever the arrival order).
 //   slot      only the first and the last piece of a CTA can be cut: a cut piece that starts at
 //             B(c) takes slot 2c, one that starts later (so it ends at B(c + 1)) slot 2c + 1.
-//   lanes     (col_lanes = L > 1: the MLA decode with several column blocks a request) the
-//             grid's CTAs are dealt into L lanes, CTA i to lane i % L at place i / L; each
-//             lane runs the schedule above on its floor(grid / L) CTAs ("c" is the place) over
-//             the units of one column block, lane l's (request, KV head) sequence with column
-//             block l. The lanes stream every tile at about the same time, so memory serves it
-//             once and L2 the other lanes. Slots interleave the lanes: L slot(c, .) + l.
+//   lanes     (L > 1) the grid's CTAs are dealt into L lanes, CTA i to lane i % L at place
+//             i / L; each lane runs the schedule above on its floor(grid / L) CTAs ("c" is the
+//             place) over the units whose id is l modulo L: L = col_blocks (column lanes: the
+//             MLA decode and large multi-token groups) gives each lane one column block, and the
+//             lanes stream every tile at about the same time, so memory serves it once and L2
+//             the other lanes; L = hkv x col_blocks (head lanes) gives each lane one (KV head,
+//             column block), so the heads of a position are read at about the same time (a
+//             page of a pool holds them side by side). Slots interleave the lanes:
+//             L slot(c, .) + l.
 #pragma once
 
 namespace kvs {

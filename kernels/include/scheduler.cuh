@@ -3,7 +3,7 @@
 // (schedule.cuh) and where this CTA's share of it starts; every role then walks the CTA's
 // pieces with its own PieceWalk. Units are (request, KV head, column block): p.hkv *
 // p.col_blocks of them per request (an MLA cache has one KV head), in one sequence or, with
-// column lanes (p.col_lanes = p.col_blocks), p.hkv per request in each lane's (schedule.cuh).
+// lanes (schedule.cuh), p.hkv * p.col_blocks / p.lanes per request in each lane's.
 #pragma once
 
 #include "decode_params.cuh"
@@ -34,7 +34,7 @@ __device__ __forceinline__ int request_tiles(const PersistentParams& p, int len)
 
 // Units of one request in the sequence of one lane.
 __device__ __forceinline__ int units_per_request(const PersistentParams& p) {
-    return p.hkv * p.col_blocks / p.col_lanes;
+    return p.hkv * p.col_blocks / p.lanes;
 }
 
 // What the scheduler warp leaves for the other roles.
@@ -45,7 +45,7 @@ struct StartShared {
     long long per;    // Schedule::per
     int batch;        // the request holding tile lo
     int ctas;         // working CTAs (of each lane)
-    int lane;         // this CTA's lane: the column block of every unit it streams (col_lanes > 1)
+    int lane;         // this CTA's lane (lanes > 1): the last index of every unit it streams
 };
 
 __device__ __forceinline__ long long warp_sum(long long v) {
@@ -117,8 +117,8 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
         }
     }
     const Schedule s =
-        make_schedule(total, gridDim.x / p.col_lanes, p.min_tiles_per_cta, busy * uh, t_min / uh, t_max / uh);
-    const int c = blockIdx.x / p.col_lanes;  // this CTA's place in its lane
+        make_schedule(total, gridDim.x / p.lanes, p.min_tiles_per_cta, busy * uh, t_min / uh, t_max / uh);
+    const int c = blockIdx.x / p.lanes;  // this CTA's place in its lane
     long long lo = 0, hi = 0, req_base = 0;
     int req = 0;
     if (c < s.ctas) {
@@ -167,14 +167,14 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
             }
         }
     }
-    if (lane == 0) *out = {total, lo, hi, req_base, s.per, req, s.ctas, (int)(blockIdx.x % p.col_lanes)};
+    if (lane == 0) *out = {total, lo, hi, req_base, s.per, req, s.ctas, (int)(blockIdx.x % p.lanes)};
 }
 
 // This CTA's place in its lane (schedule.cuh), and the workspace slot of its cut piece that
 // starts at tile `start` of the lane's sequence.
-__device__ __forceinline__ int lane_place(const PersistentParams& p) { return blockIdx.x / p.col_lanes; }
+__device__ __forceinline__ int lane_place(const PersistentParams& p) { return blockIdx.x / p.lanes; }
 __device__ __forceinline__ int piece_slot(const PersistentParams& p, const Schedule& s, int lane, long long start) {
-    return lane_slot(s.slot(lane_place(p), start), p.col_lanes, lane);
+    return lane_slot(s.slot(lane_place(p), start), p.lanes, lane);
 }
 
 // The pieces of this CTA's range, in order; every role walks its own copy.
@@ -184,7 +184,7 @@ struct PieceWalk {
     int batch, tiles, origin, len, uh, lanes, lane;
 
     __device__ __forceinline__ PieceWalk(const PersistentParams& p, const StartShared& s)
-        : t(s.lo), hi(s.hi), base(s.base), batch(s.batch), uh(units_per_request(p)), lanes(p.col_lanes),
+        : t(s.lo), hi(s.hi), base(s.base), batch(s.batch), uh(units_per_request(p)), lanes(p.lanes),
           lane(s.lane) {
         len = t < hi ? request_len(p, batch) : 0;
         set_request(p);

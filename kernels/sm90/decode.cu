@@ -9,9 +9,10 @@
 // CUDA graph replayed with any lengths stays balanced. A unit cut by CTA boundaries is merged
 // by the CTA whose piece arrives last (an arrival counter it resets itself: nothing is zeroed
 // between calls); the merge order is fixed, so results are bitwise reproducible.
-// With column lanes (p.col_lanes > 1, a KV head of several column blocks) the grid is dealt
-// into one lane per block, each lane scheduled over the same tiles for its own block, so that
-// L2 serves the other lanes' reads (schedule.cuh); workspace slots interleave the lanes.
+// With lanes (p.lanes > 1) the grid is dealt into one lane per column block (column lanes: L2
+// serves the other lanes' reads of a tile) or per (KV head, column block) (head lanes: the
+// heads of a position read at about the same time), each lane scheduled over the same tiles
+// for its own units (schedule.cuh); workspace slots interleave the lanes.
 //
 // Roles (CTA of 4 * CONSUMER_GROUPS consumer warps + PRODUCER_WARPS producer warps):
 //   scheduler  consumer warp 0 at entry: the total tile count and the request holding this
@@ -580,8 +581,8 @@ __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Sche
                                            int lane, const Columns& cols,
                                            const float (&v_scale)[HEADS_PER_ROW], float* scratch) {
     const int c0 = s.cta_of(pc.start), pieces = s.cta_of(pc.start + pc.tiles - 1) - c0 + 1;
-    const int first_slot = lane_slot(s.slot(c0, pc.start), p.col_lanes, lane);
-    auto slot_of = [&](int i) { return i == 0 ? first_slot : lane_slot(2 * (c0 + i), p.col_lanes, lane); };
+    const int first_slot = lane_slot(s.slot(c0, pc.start), p.lanes, lane);
+    auto slot_of = [&](int i) { return i == 0 ? first_slot : lane_slot(2 * (c0 + i), p.lanes, lane); };
     float* piece_m = scratch;                        // [count][pieces]
     float* piece_l = scratch + cols.count * pieces;  // [count][pieces]
     for (int j = threadIdx.x; j < cols.count * pieces; j += CONSUMER_THREADS) {
@@ -725,9 +726,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                            smem_addr(empty), smem_addr(smem + SharedPlan::q), smem_addr(q_full),
                            smem_addr(q_empty)};
         // column lanes read every tile once per lane: L2 keeps it for the others
-        const u64 policy = KV_L2 == 2          ? l2_policy_evict_last()
-                           : KV_L2 == 1 || p.col_lanes > 1 ? l2_policy_evict_normal()
-                                                            : l2_policy_evict_first();
+        const bool shared_tiles = p.lanes > 1 && p.col_blocks > 1;
+        const u64 policy = KV_L2 == 2                  ? l2_policy_evict_last()
+                           : KV_L2 == 1 || shared_tiles ? l2_policy_evict_normal()
+                                                        : l2_policy_evict_first();
         if constexpr (GATHER) {
             const int w = warp - PRODUCER_WARP;
             produce_gathered(p, ring, st, policy, w,

@@ -392,8 +392,8 @@ struct MergeState {
 __device__ __forceinline__ void merge_slice(const PersistentParams& p, const Schedule& s, const CutUnit& u,
                                             int lane) {
     const int c0 = s.cta_of(u.start), pieces = s.cta_of(u.start + u.tiles - 1) - c0 + 1;
-    const int first_slot = lane_slot(s.slot(c0, u.start), p.col_lanes, lane);
-    auto slot_of = [&](int i) { return i == 0 ? first_slot : lane_slot(2 * (c0 + i), p.col_lanes, lane); };
+    const int first_slot = lane_slot(s.slot(c0, u.start), p.lanes, lane);
+    auto slot_of = [&](int i) { return i == 0 ? first_slot : lane_slot(2 * (c0 + i), p.lanes, lane); };
     const int count = columns_in(p, u.unit);
     const int groups = count * (V_DIM / 4);
     const int me = lane_place(p) - c0;
@@ -1207,7 +1207,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
         const Ring ring = {smem_addr(smem + SharedPlan::ring), smem_addr(full),  smem_addr(empty),
                            smem_addr(smem + SharedPlan::q),    smem_addr(q_full), smem_addr(q_empty)};
         // a tile is streamed once, but by every lane (schedule.cuh): evict it first only then
-        const u64 policy = p.col_lanes > 1 ? l2_policy_evict_normal() : l2_policy_evict_first();
+        const u64 policy = p.lanes > 1 ? l2_policy_evict_normal() : l2_policy_evict_first();
         if constexpr (PAGED) {
             produce_paged(p, ring, st, policy);
         } else if (lane == 0) {

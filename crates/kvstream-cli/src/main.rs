@@ -92,6 +92,10 @@ pub struct ShapeArgs {
     /// Persistent engine: one lane of CTAs per column block (more than 32 query rows a KV head).
     #[arg(long)]
     pub column_lanes: bool,
+    /// Persistent engine: one lane of CTAs per (KV head, column block): the heads of a position
+    /// read at about the same time.
+    #[arg(long)]
+    pub head_lanes: bool,
 }
 
 /// `--window LEFT[,RIGHT]` as a [`Window`].
@@ -210,6 +214,7 @@ impl ShapeArgs {
             device_plan: self.device_plan,
             engine: self.engine.as_deref().map(str::parse).transpose()?,
             persistent_column_lanes: self.column_lanes.then_some(true),
+            persistent_head_lanes: self.head_lanes.then_some(true),
             ..ring
         };
         Ok((p, opts))

@@ -948,7 +948,7 @@ impl PersistentEngine {
             table_stride: p.paged.map_or(0, |pg| pg.table_stride as i32),
             num_pages: p.paged.map_or(0, |pg| pg.num_pages as i32),
             min_tiles_per_cta: pp.min_tiles_per_cta as i32,
-            col_lanes: pp.col_lanes as i32,
+            lanes: pp.lanes as i32,
             k_scale: t.k_scale.map_or(0, |s| s.ptr),
             v_scale: t.v_scale.map_or(0, |s| s.ptr),
             k_scale_batch_stride: scale_strides(t.k_scale, p.hkv).0,

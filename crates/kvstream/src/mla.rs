@@ -434,7 +434,7 @@ impl MlaDecoder {
             table_stride: p.paged.map_or(0, |pg| pg.table_stride as i32),
             num_pages: p.paged.map_or(0, |pg| pg.num_pages as i32),
             min_tiles_per_cta: plan.min_tiles_per_cta as i32,
-            col_lanes: plan.col_lanes as i32,
+            lanes: plan.lanes as i32,
             k_scale: scale,
             v_scale: scale,
             k_scale_batch_stride: scale_stride,
@@ -613,16 +613,16 @@ mod tests {
         assert!(p.variant.shared_bytes() <= 227 * 1024);
         // more than 32 rows: wide blocks of 64 for a 2-byte cache, in lanes
         let p = plan(16, 8, KvDType::AsQuery);
-        assert_eq!((p.variant.n_tiles, p.col_blocks, p.col_lanes), (8, 2, 2));
+        assert_eq!((p.variant.n_tiles, p.col_blocks, p.lanes), (8, 2, 2));
         assert!(p.variant.is_wide());
         let p = plan(128, 1, KvDType::AsQuery);
-        assert_eq!((p.variant.n_tiles, p.col_blocks, p.col_lanes), (8, 2, 2));
+        assert_eq!((p.variant.n_tiles, p.col_blocks, p.lanes), (8, 2, 2));
         assert!(p.variant.shared_bytes() <= 227 * 1024);
         let p = plan(12, 4, KvDType::AsQuery);
-        assert_eq!((p.variant.n_tiles, p.col_blocks, p.col_lanes), (8, 1, 1));
+        assert_eq!((p.variant.n_tiles, p.col_blocks, p.lanes), (8, 1, 1));
         // e4m3 too, on two stages next to the staging tile
         let p = plan(16, 8, KvDType::Fp8E4m3);
-        assert_eq!((p.variant.n_tiles, p.col_blocks, p.col_lanes), (8, 2, 2));
+        assert_eq!((p.variant.n_tiles, p.col_blocks, p.lanes), (8, 2, 2));
         assert_eq!(p.variant.stages, 2);
         assert!(p.variant.shared_bytes() <= 227 * 1024);
         // knobs of the GQA engines are refused by name

@@ -106,7 +106,7 @@ pub struct PersistentParams {
     pub table_stride: i32,
     pub num_pages: i32,
     pub min_tiles_per_cta: i32,
-    pub col_lanes: i32,
+    pub lanes: i32,
     pub k_scale: u64,
     pub v_scale: u64,
     pub k_scale_batch_stride: i32,
@@ -335,7 +335,7 @@ mod tests {
             ml_partial, arrivals,
             schedule_log, q_batch_stride, q_token_stride, q_head_stride, o_batch_stride,
             o_token_stride, o_head_stride, batch, hq, hkv, group, q_len, cols, col_blocks,
-            max_len, scale_log2, page_size, table_stride, num_pages, min_tiles_per_cta, col_lanes, k_scale,
+            max_len, scale_log2, page_size, table_stride, num_pages, min_tiles_per_cta, lanes, k_scale,
             v_scale, k_scale_batch_stride, k_scale_head_stride, v_scale_batch_stride,
             v_scale_head_stride, sinks, window_left, window_right, softcap_scale, softcap_log2,
         );

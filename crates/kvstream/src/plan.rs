@@ -437,7 +437,7 @@ pub struct PersistentPlan {
     /// Column blocks per KV head (per pair of heads where `variant.heads_per_row` is 2).
     pub col_blocks: usize,
     /// Lanes of CTAs (schedule.cuh): 1, or `col_blocks` ([`PlanOptions::persistent_column_lanes`]).
-    pub col_lanes: usize,
+    pub lanes: usize,
     /// Launch with PDL.
     pub pdl: bool,
     /// L2 promotion of the K and V tensor maps.
@@ -555,17 +555,20 @@ pub fn plan_persistent(
     let min_tiles_per_cta = min_tiles_per_cta(&options, PERSISTENT_MIN_TILES_PER_CTA)?;
     let col_blocks = variant.column_blocks(problem);
     // a lane needs one CTA at least
-    let col_lanes = if options.persistent_column_lanes == Some(true) && col_blocks <= grid {
-        col_blocks
-    } else {
-        1
+    let lanes = match (
+        options.persistent_head_lanes,
+        options.persistent_column_lanes,
+    ) {
+        (Some(true), _) if problem.hkv * col_blocks <= grid => problem.hkv * col_blocks,
+        (_, Some(true)) if col_blocks <= grid => col_blocks,
+        _ => 1,
     };
     Ok(PersistentPlan {
         variant,
         grid,
         min_tiles_per_cta,
         col_blocks,
-        col_lanes,
+        lanes,
         pdl: !options.disable_pdl,
         kv_promotion: kv_promotion(problem, options),
     })
@@ -623,7 +626,7 @@ pub struct MlaPlan {
     /// Lanes of CTAs (schedule.cuh): `col_blocks` where there are several (each lane streams
     /// one column block of every request, all lanes the same tiles at about the same time, so
     /// the cache is read from memory once), else 1.
-    pub col_lanes: usize,
+    pub lanes: usize,
     /// Launch with PDL.
     pub pdl: bool,
     /// L2 promotion of the cache's tensor map.
@@ -700,7 +703,7 @@ pub fn plan_mla(
         grid,
         min_tiles_per_cta,
         col_blocks,
-        col_lanes: if col_blocks <= grid { col_blocks } else { 1 },
+        lanes: if col_blocks <= grid { col_blocks } else { 1 },
         pdl: !options.disable_pdl,
         kv_promotion: options.kv_promotion.unwrap_or_default(),
     })
@@ -927,6 +930,10 @@ impl PlanOptions {
             (
                 "persistent_column_lanes",
                 self.persistent_column_lanes.is_some(),
+            ),
+            (
+                "persistent_head_lanes",
+                self.persistent_head_lanes.is_some(),
             ),
         ]
         .into_iter()
@@ -1197,6 +1204,15 @@ pub struct PlanOptions {
     /// (schedule.cuh, "lanes"); `false` or `None`: one sequence of every unit. Not yet the
     /// default: not yet measured on the GQA kernel (bench/NOTES.md, "Model coverage").
     pub persistent_column_lanes: Option<bool>,
+    /// Persistent engine, knob: `true` deals the grid into one lane of CTAs per (KV head,
+    /// column block), each lane streaming its own units over the same position ranges at the
+    /// same places, so the KV heads of a position (side by side in a page of a pool, or in a
+    /// row of a `[b, L, hkv, d]` cache) are read at about the same time, not one head's share
+    /// of a request after another's (schedule.cuh, "lanes"); it takes precedence over
+    /// [`Self::persistent_column_lanes`]. `false` or `None`: as that knob says. An experiment
+    /// for pools of small pages, whose scattered rows stream at 62% of DRAM peak against a
+    /// contiguous cache's 90% (bench/NOTES.md, "Open leads"); not yet measured.
+    pub persistent_head_lanes: Option<bool>,
 }
 
 /// Shared memory of one H100/H200 SM, and what the hardware reserves per resident CTA.
@@ -2114,7 +2130,7 @@ mod tests {
                 ..Default::default()
             };
             let plan = persistent(p, o).unwrap();
-            (plan.col_blocks, plan.col_lanes)
+            (plan.col_blocks, plan.lanes)
         };
         assert_eq!(lanes(&p, None), (2, 1));
         assert_eq!(lanes(&p, Some(false)), (2, 1));
@@ -2122,6 +2138,34 @@ mod tests {
         // one block: nothing to deal
         let one = DecodeProblem::new(4, 32, 8, 128, 4096, DType::Bf16).unwrap();
         assert_eq!(lanes(&one, Some(true)), (1, 1));
+        // head lanes: one lane per (KV head, column block), before column lanes; a lane of
+        // the paired-heads kernel is a pair
+        let heads = |p: &DecodeProblem, column: Option<bool>, head: Option<bool>| {
+            let o = PlanOptions {
+                persistent_column_lanes: column,
+                persistent_head_lanes: head,
+                ..Default::default()
+            };
+            let plan = persistent(p, o).unwrap();
+            (plan.col_blocks, plan.lanes, plan.variant.heads_per_row)
+        };
+        assert_eq!(heads(&p, None, Some(true)), (2, 16, 1));
+        assert_eq!(heads(&p, Some(true), Some(true)), (2, 16, 1));
+        assert_eq!(heads(&p, Some(true), Some(false)), (2, 2, 1));
+        assert_eq!(heads(&one, None, Some(true)), (1, 8, 1));
+        let mha64 = DecodeProblem::new(2, 16, 16, 64, 4096, DType::Bf16).unwrap();
+        assert_eq!(heads(&mha64, None, Some(true)), (1, 8, 2));
+        // more lanes than CTAs: one sequence
+        let many = DecodeProblem::new(1, 128, 128, 128, 4096, DType::Bf16)
+            .unwrap()
+            .with_q_len(2)
+            .unwrap();
+        let o = PlanOptions {
+            persistent_head_lanes: Some(true),
+            persistent_ctas: Some(64),
+            ..Default::default()
+        };
+        assert_eq!(persistent(&many, o).unwrap().lanes, 1);
         // the knob selects the persistent engine
         let o = PlanOptions {
             persistent_column_lanes: Some(true),

@@ -393,18 +393,20 @@ mod tests {
         }
     }
 
-    /// With lanes, every tile of every unit is streamed once, by the CTAs of its column
-    /// block's lane, the lanes in step (the same tiles at the same places), and the cut
-    /// pieces' slots are distinct across all lanes and within twice the grid.
+    /// With lanes, every tile of every unit is streamed once, by the CTAs of its lane (units
+    /// per request a multiple of the lanes: column lanes, several per lane; head lanes, one),
+    /// the lanes in step (the same tiles at the same places), and the cut pieces' slots are
+    /// distinct across all lanes and within twice the grid.
     #[test]
     fn lanes_stream_every_unit_once_in_step() {
         let mut rng = Rng(5);
         for case in 0..200 {
             let batch = 1 + (rng.next() % 20) as usize;
-            let lanes = 1 + (rng.next() % 4) as usize;
+            let lanes = 1 + (rng.next() % 16) as usize;
+            let units = lanes * (1 + (rng.next() % 3) as usize);
             let grid = lanes + (rng.next() % 140) as usize;
             let lens: Vec<usize> = (0..batch).map(|_| (rng.next() % 9000) as usize).collect();
-            let (s, per_cta) = pieces_in_lanes(&lens, TileWindow::NONE, lanes, lanes, 64, grid, 2);
+            let (s, per_cta) = pieces_in_lanes(&lens, TileWindow::NONE, units, lanes, 64, grid, 2);
             assert_eq!(per_cta.len(), s.ctas * lanes);
             let mut seen = std::collections::HashMap::new();
             let mut slots = std::collections::HashSet::new();
@@ -426,7 +428,7 @@ mod tests {
                 }
             }
             for (b, &l) in lens.iter().enumerate() {
-                for u in 0..lanes {
+                for u in 0..units {
                     let got = seen.get(&(b, u)).copied().unwrap_or(0);
                     assert_eq!(got, tiles_of(l, 64), "case {case}");
                 }

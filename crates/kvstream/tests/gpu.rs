@@ -768,7 +768,7 @@ fn check_schedule(
         window,
         // units of the kernel's view (paired heads: one per pair)
         pp.kernel_problem(p).hkv * pp.col_blocks,
-        pp.col_lanes,
+        pp.lanes,
         pp.variant.tile_tokens,
         pp.grid,
         pp.min_tiles_per_cta,

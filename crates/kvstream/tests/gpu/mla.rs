@@ -269,7 +269,7 @@ fn mla_case<T: Half>(
         &clamped,
         kvstream::schedule::TileWindow::NONE,
         plan.col_blocks,
-        plan.col_lanes,
+        plan.lanes,
         plan.variant.tile_tokens,
         plan.grid,
         plan.min_tiles_per_cta,

@@ -25,6 +25,8 @@ struct ModelCase {
     /// Column lanes ([`PlanOptions::persistent_column_lanes`]) where a KV head has several
     /// column blocks.
     lanes: bool,
+    /// Head lanes ([`PlanOptions::persistent_head_lanes`]): one lane per (KV head, column block).
+    head_lanes: bool,
     data_seed: u64,
 }
 
@@ -53,6 +55,7 @@ impl ModelCase {
                 softcap: Some(20.0),
                 sinks: true,
                 lanes: false,
+                head_lanes: false,
                 data_seed: 0x5EED,
             };
         }
@@ -103,6 +106,7 @@ impl ModelCase {
             softcap: [None, None, Some(1.5), Some(20.0)][rng.below(4)],
             sinks: rng.below(2) == 0,
             lanes: false,
+            head_lanes: false,
             data_seed: rng.next_u64(),
         }
     }
@@ -157,6 +161,7 @@ fn run_model_case_as<T: Half>(
         engine: Some(kvstream::Engine::Persistent),
         record_schedule: true,
         persistent_column_lanes: c.lanes.then_some(true),
+        persistent_head_lanes: c.head_lanes.then_some(true),
         ..Default::default()
     };
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
@@ -247,8 +252,9 @@ fn score_mods_and_head_dims_match_reference() {
 }
 
 /// Large multi-token groups (more than 32 query rows a KV head: several column blocks) with
-/// column lanes, each lane streaming the same tiles for its block: equal to the reference and
-/// the schedule model with lanes, bitwise reproducible; with windows, sinks, pages, e4m3.
+/// column lanes, each lane streaming the same tiles for its block, and head lanes (a lane per
+/// KV head and block): equal to the reference and the schedule model with lanes, bitwise
+/// reproducible; with windows, sinks, pages, e4m3.
 /// Expected run time: a few seconds.
 #[test]
 #[ignore = "needs an H100/H200 GPU: run with --ignored"]
@@ -268,6 +274,7 @@ fn column_lanes_match_reference() {
         softcap: None,
         sinks: false,
         lanes: true,
+        head_lanes: false,
         data_seed: 0x1A4E5,
     };
     let cases = [
@@ -310,12 +317,48 @@ fn column_lanes_match_reference() {
             lens: vec![1, 1500, 3, 64],
             ..base.clone()
         },
+        // head lanes: one lane per (KV head, column block), on pools of 1 (gathered) and 16,
+        // a contiguous cache, e4m3, paired d 64 heads (a lane a pair), MHA, two blocks a head
+        ModelCase {
+            hq: 32,
+            q_len: 1,
+            page_size: Some(1),
+            lens: vec![1500, 0, 1499, 377, 64, 1],
+            head_lanes: true,
+            ..base.clone()
+        },
+        ModelCase {
+            hq: 32,
+            q_len: 2,
+            page_size: Some(16),
+            fp8: true,
+            head_lanes: true,
+            ..base.clone()
+        },
+        ModelCase {
+            head_dim: 64,
+            hq: 16,
+            hkv: 16,
+            q_len: 1,
+            window: Window {
+                left: Some(200),
+                right: Some(0),
+            },
+            sinks: true,
+            head_lanes: true,
+            ..base.clone()
+        },
+        ModelCase {
+            head_lanes: true,
+            ..base.clone()
+        },
     ];
     for (i, c) in cases.iter().enumerate() {
         let errors =
             run_model_case(&rt, &stream, c).unwrap_or_else(|e| panic!("case {i} {c:?}: {e}"));
         println!(
-            "column lanes, case {i} (d {}, {} rows a KV head): max rel err {:.3e}, max lse err {:.3e}",
+            "{} lanes, case {i} (d {}, {} rows a KV head): max rel err {:.3e}, max lse err {:.3e}",
+            if c.head_lanes { "head" } else { "column" },
             c.head_dim,
             c.q_len * c.hq / c.hkv,
             errors.rel,
