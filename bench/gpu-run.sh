@@ -67,21 +67,12 @@ if want sweep; then
   done
 fi
 if want jit; then
-  # every kernel variant compiled here, sixteen processes at a time (two build cores take half an
-  # hour): for a run prepared without the kernel cache (.carry/bin only). NVRTC from the pip
-  # CUDA libraries next to torch.
+  # every kernel variant compiled here, one per core at a time (about a minute on 16 cores): for
+  # a run prepared without the kernel cache (prepare-gpu-run.sh with CACHE=0), which leaves room
+  # in the carried files for the FA3 wheel. NVRTC from the pip CUDA libraries next to torch.
   lib=$(python3 -c 'import os,nvidia;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')
   export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  for dt in bf16 f16; do
-    for kv in "" .kv_e4m3; do
-      for d in d64. d64x2 d96. d128. d256.; do echo "decode.$dt$kv.$d"; done
-      for d in d64. d128.; do echo "decode_gqa.$dt$kv.$d"; done
-      echo "decode_mla.$dt$kv.n"
-    done
-    echo "combine.$dt"; echo "store_kv.$dt"
-  done | xargs -P 16 -I{} sh -c "$B kernels --only {} > /dev/null 2>&1 || echo 'jit: {} failed'"
-  echo "== jit: $(ls .carry/cache | wc -l) files in the kernel cache"
-  $B kernels --only stream_read > /dev/null; $B kernels --only plan_work > /dev/null
+  timeout 300 $B kernels ${RINGS:+--rings "$RINGS"} > $O/jit.txt 2>&1; echo "== jit: rc=$?, $(ls .carry/cache | wc -l) files in the kernel cache"
 fi
 if want gputests; then
   G=.carry/bin/gpu-tests

@@ -9,8 +9,10 @@
 # ONLY="decode_mla stream_read" compiles only the variants whose names contain one of those words
 # (for a run of a few parts: a minute instead of half an hour on two cores; every variant those
 # parts load must be among them, as the GPU machine may have no NVRTC on its library path);
-# WHEEL=0 skips the Python wheel.
-# Carry .carry and .whl (the FA3 wheel) together: about 55 MB; with AB_REFS, .carry alone.
+# WHEEL=0 skips the Python wheel. CACHE=0 ships no compiled kernels: gpu-run.sh's `jit` part
+# compiles them on the GPU machine (all cores, about a minute), which leaves room for the FA3 wheel.
+# Carry .carry and .whl (the FA3 wheel) together: about 55 MB (CACHE=0: about 36 MB, and the
+# whole kernel cache compiled there); with AB_REFS, .carry alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH="$PWD/.nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -25,7 +27,9 @@ for l in sys.stdin:
 cp "$exe" .carry/bin/gpu-tests
 # every variant into the cache; raw CUBINs only with DUMP_CUBINS=1 (gpu-run.sh's `sass` part;
 # CI runs the same SASS checks in tests/nvrtc.rs)
-if [ -n "${ONLY:-}" ]; then
+if [ "${CACHE:-1}" = 0 ]; then
+  :
+elif [ -n "${ONLY:-}" ]; then
   for only in $ONLY; do
     KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --only "$only" > /dev/null
   done
@@ -66,5 +70,5 @@ if [ -n "${AB_REFS:-}" ]; then
   tar czf .carry/ab.tar.gz -C .carry/ab . && rm -rf .carry/ab
 fi
 # packed, the kernel cache is a quarter of its size (gpu-run.sh unpacks it)
-tar czf .carry/cache.tar.gz -C .carry cache && rm -rf .carry/cache
+[ ! -d .carry/cache ] || { tar czf .carry/cache.tar.gz -C .carry cache && rm -rf .carry/cache; }
 du -sh .carry

@@ -250,6 +250,9 @@ enum Command {
         /// g1s6p64): compiles what a ring sweep will load.
         #[arg(long, value_delimiter = ',', value_parser = bench::parse_ring)]
         rings: Vec<bench::Ring>,
+        /// Variants compiled at once (NVRTC is thread-safe); default: the machine's cores.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+        jobs: Option<u32>,
     },
     /// Run one MLA decode (DeepSeek-V3 class: latent 512 + rope 64) on the GPU, check it
     /// against the f64 reference, time it next to the byte floor of the same bytes.
@@ -279,8 +282,17 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Demo { shape, rounds, mla } if mla => lib(mla::demo(&shape, rounds)),
         Command::Demo { shape, rounds, .. } => lib(demo::run(&shape, rounds)),
-        Command::Kernels { dump, only, rings } => {
-            lib(kernels(dump.as_deref(), only.as_deref(), &rings))
+        Command::Kernels {
+            dump,
+            only,
+            rings,
+            jobs,
+        } => {
+            let jobs = jobs.map_or_else(
+                || std::thread::available_parallelism().map_or(1, |n| n.get()),
+                |j| j as usize,
+            );
+            lib(kernels(dump.as_deref(), only.as_deref(), &rings, jobs))
         }
         Command::Mla(args) => lib(mla::run(&args)),
         Command::Plan { shape } => lib(print_plan(&shape)),
@@ -300,6 +312,7 @@ fn kernels(
     dump: Option<&std::path::Path>,
     only: Option<&str>,
     rings: &[bench::Ring],
+    jobs: usize,
 ) -> kvstream::Result<()> {
     let mut variants = all_variants();
     for v in all_variants() {
@@ -335,11 +348,34 @@ fn kernels(
         "{:<36} {:>6} {:>6} {:>7} {:>7} {:>9}  source",
         "variant", "regs", "stack", "spill_st", "spill_ld", "smem_dyn"
     );
+    // compiled `jobs` at a time, reported in the list's order
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut done: Vec<_> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..jobs.min(variants.len()))
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(v) = variants.get(i) else { break };
+                        let t = Instant::now();
+                        mine.push((i, jit::cubin(v.as_variant()), t.elapsed()));
+                    }
+                    mine
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a compile thread panicked"))
+            .collect()
+    });
+    done.sort_by_key(|(i, _, _)| *i);
     let mut failures = 0;
-    for v in variants {
+    for (i, result, took) in done {
+        let v = variants[i];
         let var = v.as_variant();
-        let t = Instant::now();
-        match jit::cubin(var) {
+        match result {
             Ok((c, origin)) => {
                 let r = c.report();
                 if let Some(dir) = dump {
@@ -369,7 +405,7 @@ fn kernels(
                     r.spill_loads,
                     dyn_smem,
                     origin,
-                    t.elapsed().as_secs_f64()
+                    took.as_secs_f64()
                 );
             }
             Err(e) => {

@@ -80,6 +80,16 @@ fn kernels_only_matching_nothing_fails_and_says_so() {
 }
 
 #[test]
+fn kernels_jobs_names_its_range() {
+    let (ok, _, err) = kvstream(&["kernels", "--jobs", "0"]);
+    assert!(!ok);
+    assert!(
+        err.contains("--jobs") && err.contains("1..=256"),
+        "stderr {err:?}"
+    );
+}
+
+#[test]
 fn demo_without_a_gpu_uses_the_shape_given() {
     // (on a GPU machine the demo runs the kernels instead: nothing to check here then)
     let (ok, out, err) = kvstream(&[
