@@ -22,12 +22,19 @@ set -u
 B=.carry/bin/kvstream
 export KVSTREAM_CACHE_DIR=$PWD/.carry/cache
 [ -d .carry/cache ] || [ ! -f .carry/cache.tar.gz ] || tar xzf .carry/cache.tar.gz -C .carry
-O=${OUT:-/tmp/out}; mkdir -p "$O"
+# Every file lands in $O and leaves packed as one $OUT/gpu-run.tar.gz (at exit, whatever ran):
+# the GPU machine returns a few files only. BUDGET (seconds, default 570) bounds the whole run:
+# each step's timeout is its own cap or what is left, whichever is less.
+OUT_DIR=${OUT:-/tmp/out}; mkdir -p "$OUT_DIR"
+O=$(mktemp -d)/gpu-run; mkdir -p "$O"
+trap 'tar czf "$OUT_DIR/gpu-run.tar.gz" -C "$(dirname "$O")" gpu-run' EXIT
+END=$((SECONDS + ${BUDGET:-570}))
+cap() { local left=$((END - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
 # the copy of the tree measured here may carry another checkout's git metadata
 [ -z "${COMMIT:-}" ] || export KVSTREAM_COMMIT=$COMMIT
 PARTS=${PARTS:-demo sanitize sass gputests pytests peers}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
-run() { echo "== $*"; timeout 120 "$@"; echo "rc=$?"; }
+run() { echo "== $*"; timeout $(cap 120) "$@"; echo "rc=$?"; }
 # results files name the GPU they were measured on (an H100 may stand in for the H200)
 gpu_prefix() { nvidia-smi -L | grep -q H100 && echo h100 || echo h200; }
 nvidia-smi -L
@@ -43,7 +50,7 @@ if want demo; then
 fi
 if want sanitize; then
   for tool in memcheck racecheck synccheck; do
-    echo "== $tool"; timeout 300 compute-sanitizer --tool $tool $B demo --len 1000 --rounds 0 2>&1 | tail -3
+    echo "== $tool"; timeout $(cap 300) compute-sanitizer --tool $tool $B demo --len 1000 --rounds 0 2>&1 | tail -3
   done
 fi
 if want sass; then
@@ -62,7 +69,7 @@ if want sweep; then
                "--hq 16 --hkv 16 --len 32768" "--batch 4 --hq 32 --hkv 8 --len 32768" "--len 65536" \
                "--hq 16 --hkv 1 --len 1024" "--hq 16 --hkv 1 --len 131072" "--hq 16 --hkv 16 --len 4096"; do
     for s in 1 2 4 8 16 24 32 48 64 96 128; do
-      timeout 60 $B demo $shape --splits $s --rounds 9 | grep RESULT | tee -a $O/sweep.txt
+      timeout $(cap 60) $B demo $shape --splits $s --rounds 9 | grep RESULT | tee -a $O/sweep.txt
     done
   done
 fi
@@ -72,15 +79,15 @@ if want jit; then
   # in the carried files for the FA3 wheel. NVRTC from the pip CUDA libraries next to torch.
   lib=$(python3 -c 'import os,nvidia;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')
   export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  timeout 300 $B kernels ${RINGS:+--rings "$RINGS"} > $O/jit.txt 2>&1; echo "== jit: rc=$?, $(ls .carry/cache | wc -l) files in the kernel cache"
+  timeout $(cap 300) $B kernels ${RINGS:+--rings "$RINGS"} > $O/jit.txt 2>&1; echo "== jit: rc=$?, $(ls .carry/cache | wc -l) files in the kernel cache"
 fi
 if want gputests; then
   G=.carry/bin/gpu-tests
   # GPU_TESTS narrows the suite (test-name filters, e.g. the tests a change touched, first)
-  KVSTREAM_GPU_SUMMARY=$O/gpu-summary.json timeout 400 $G --ignored --test-threads=1 ${GPU_TESTS:-} 2>&1 | tee $O/gpu-tests.log | tail -25
+  KVSTREAM_GPU_SUMMARY=$O/gpu-summary.json timeout $(cap 400) $G --ignored --test-threads=1 ${GPU_TESTS:-} 2>&1 | tee $O/gpu-tests.log | tail -25
   for tool in ${SUITE_SANITIZERS-memcheck racecheck}; do  # SUITE_SANITIZERS= skips them, SANITIZE_TESTS narrows them
     echo "== $tool on the GPU suite (24 random cases, graphs, zero lengths, cluster reduction, paged, multi-token, device plan, fp8, store_kv, paired heads)"
-    KVSTREAM_GPU_CASES=24 KVSTREAM_GPU_SERIALISED=1 timeout 400 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
+    KVSTREAM_GPU_CASES=24 KVSTREAM_GPU_SERIALISED=1 timeout $(cap 400) compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
       ${SANITIZE_TESTS:-random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan resident fp8 store_kv paired_heads score_mods} 2>&1 | tail -6
   done
 fi
@@ -90,20 +97,20 @@ if want pytests; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
   export KVSTREAM_PY_GPU_SUMMARY=$O/py-gpu-summary.json KVSTREAM_PY_CP_SUMMARY=$O/py-cp-summary.json \
     KVSTREAM_PY_COMPAT_SUMMARY=$O/py-compat-summary.json
-  PYTHONPATH=/tmp/kvs-site timeout 300 python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests \
+  PYTHONPATH=/tmp/kvs-site timeout $(cap 300) python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests \
     --ignore=crates/kvstream-py/python/tests/test_transformers_gpu.py 2>&1 | tee $O/py-tests.txt | tail -8
-  KVSTREAM_PY_INTEGRATION_SUMMARY=$O/integration-latest.json PYTHONPATH=/tmp/kvs-site timeout 300 \
+  KVSTREAM_PY_INTEGRATION_SUMMARY=$O/integration-latest.json PYTHONPATH=/tmp/kvs-site timeout $(cap 300) \
     python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests/test_transformers_gpu.py 2>&1 \
     | tee $O/py-transformers.txt | tail -8
 fi
 if want bench; then
-  timeout 300 $B bench ${BENCH_ARGS:---modes} --json bench/results/kvstream-bench-latest.json \
+  timeout $(cap 300) $B bench ${BENCH_ARGS:---modes} --json bench/results/kvstream-bench-latest.json \
     --plots bench/results 2>&1 | tee $O/kvstream-bench.txt | tail -70
   tar czf $O/bench-results.tar.gz bench/results/kvstream-bench-latest.json bench/results/*.svg bench/results/*.png 2>/dev/null
 fi
 if want compare; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
-  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout 560 \
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout $(cap 560) \
     python3 bench/compare.py --matrix bench/matrix.json --commit "${COMMIT:-unknown}" ${COMPARE_ARGS:-} \
     2>&1 | tee $O/compare.txt | tail -80
   tar czf $O/compare-results.tar.gz bench/results bench/RESULTS.md 2>/dev/null
@@ -113,14 +120,14 @@ if want models; then
   # large multi-token groups) against FA3 and cuDNN where they support a row; MODELS_ARGS e.g.
   # `--ids a,b --rounds 7`
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
-  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout 560 \
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout $(cap 560) \
     python3 bench/compare.py --matrix bench/matrix-models.json --impls kvstream,fa3,cudnn --commit "${COMMIT:-unknown}" \
     --results-dir $O/models --md $O/models/RESULTS-models.md ${MODELS_ARGS:-} 2>&1 | tee $O/models.txt | tail -40
 fi
 if want compare8; then
   # the FP8 comparison (bench/compare.py --kv-dtype fp8_e4m3): h200-fp8-latest.json, RESULTS-fp8.md
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
-  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout 560 \
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout $(cap 560) \
     python3 bench/compare.py --kv-dtype fp8_e4m3 --matrix bench/matrix.json --commit "${COMMIT:-unknown}" ${COMPARE_ARGS:-} \
     2>&1 | tee $O/compare-fp8.txt | tail -80
   tar czf $O/compare-fp8-results.tar.gz bench/results/h200-fp8-* bench/results/plot-fp8-* bench/RESULTS-fp8.md 2>/dev/null
@@ -128,7 +135,7 @@ fi
 if want fp8sweep; then
   # FP8 tuning sweep: rings (paired softmax steps r2, 128-position tiles), grid and fewest tiles
   # per CTA on the rows that decide the FP8 plan (FP8_IDS)
-  timeout 500 $B bench --kv-dtype fp8_e4m3 --ids "${FP8_IDS:-gqa-d128-L131072,mha-d64-L131072,mha-d128-L65536,batch-b16-L32768,batch-b128-L4096}" \
+  timeout $(cap 500) $B bench --kv-dtype fp8_e4m3 --ids "${FP8_IDS:-gqa-d128-L131072,mha-d64-L131072,mha-d128-L65536,batch-b16-L32768,batch-b128-L4096}" \
     --rings "${FP8_RINGS:-g2s4,r2,g2s2p128r2,g2s2p128,g1s4p128r2}" --min-tiles 4,16 --ctas 66 --no-plots \
     --json $O/fp8-sweep.json 2>&1 | tee $O/fp8-sweep.txt | tail -40
 fi
@@ -138,11 +145,11 @@ if want fp8splits; then
              "--len 131072:33" "--hq 16 --hkv 16 --head-dim 64 --len 131072:4" \
              "--head-dim 64 --len 131072:33"; do
     shape=${row%:*}
-    timeout 60 $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 | grep -E 'plan|RESULT' | tee -a $O/fp8-splits.txt
+    timeout $(cap 60) $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 | grep -E 'plan|RESULT' | tee -a $O/fp8-splits.txt
     n=${row##*:}
     # the 2-byte count, and twice the plan's (a second CTA per SM; the kernel reduction takes <= 128)
     for s in $n $((4 * n > 128 ? 128 : 4 * n)); do
-      timeout 60 $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 --splits $s | grep RESULT | tee -a $O/fp8-splits.txt
+      timeout $(cap 60) $B demo $shape --kv-dtype fp8_e4m3 --rounds 9 --splits $s | grep RESULT | tee -a $O/fp8-splits.txt
     done
   done
 fi
@@ -150,7 +157,7 @@ if want cp; then
   # context parallelism on one GPU (bench/cp_bench.py): merge_states cost, a rank's share of a
   # 1M-token decode, the torch.distributed path at world size 1
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
-  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site timeout 200 \
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site timeout $(cap 200) \
     python3 bench/cp_bench.py --commit "${COMMIT:-unknown}" --out $O/$(gpu_prefix)-cp-latest.json 2>&1 | tail -40
 fi
 if want cpmulti; then
@@ -158,12 +165,12 @@ if want cpmulti; then
   # ranks of examples/context_parallel.py on the issue's rows, one JSON line a run
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
   export PYTHONPATH=/tmp/kvs-site KVSTREAM_CACHE_DIR=$PWD/.carry/cache
-  timeout 400 python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests/test_distributed_multi_gpu.py 2>&1 | tail -5
+  timeout $(cap 400) python3 -m pytest -q -p no:cacheprovider crates/kvstream-py/python/tests/test_distributed_multi_gpu.py 2>&1 | tail -5
   gpus=$(nvidia-smi -L | wc -l)
   for n in 1 2 4 8; do
     [ "$n" -le "$gpus" ] || break
     for a in "--len 1048576" "--mla --hq 16 --len 1048576" "--batch 16 --ragged --len 131072 --sharding pages"; do
-      timeout 120 torchrun --nproc-per-node $n examples/context_parallel.py $a --json $O/cp-multi.jsonl 2>&1 | tail -2
+      timeout $(cap 120) torchrun --nproc-per-node $n examples/context_parallel.py $a --json $O/cp-multi.jsonl 2>&1 | tail -2
     done
   done
 fi
@@ -173,37 +180,37 @@ if want abdemo; then
   # (each pair twice; the batch-16 and -64 rows build and check caches of several GB on the
   # host: 30 s was too short for them)
   for a in "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" "--batch 1 --hq 32 --hkv 2 --q-len 8 --len 32768"; do
-    for o in "" --column-lanes "" --column-lanes; do echo "== $a $o"; timeout 90 $B demo $a $o --rounds 9 | tail -3; done
+    for o in "" --column-lanes "" --column-lanes; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
   done
   # (and gpt-oss's window of 128 at batch: two KV heads a unit halve the units' fixed costs)
   for a in "--batch 16 --hq 32 --hkv 32 --head-dim 96 --len 32768" "--batch 1 --hq 32 --hkv 32 --head-dim 96 --len 32768" \
            "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks"; do
-    for o in "" "--ring h2" "" "--ring h2"; do echo "== $a $o"; timeout 90 $B demo $a $o --rounds 9 | tail -3; done
+    for o in "" "--ring h2" "" "--ring h2"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
   done 2>&1 | tee $O/abdemo.txt
   # head lanes on pools of small pages (the heads of a page read together) and their twins
   for a in "--batch 32 --hq 32 --hkv 8 --len 32768 --page-size 1" "--batch 32 --hq 32 --hkv 8 --head-dim 64 --len 32768 --page-size 1" \
            "--batch 32 --hq 32 --hkv 8 --len 4096 --page-size 16" "--batch 32 --hq 32 --hkv 8 --len 32768"; do
-    for o in "" --head-lanes "" --head-lanes; do echo "== $a $o"; timeout 90 $B demo $a $o --rounds 9 | tail -3; done
+    for o in "" --head-lanes "" --head-lanes; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
   done 2>&1 | tee -a $O/abdemo.txt
 fi
 if want storekv; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
-  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site timeout 200 \
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site timeout $(cap 200) \
     python3 bench/store_kv_bench.py --commit "${COMMIT:-unknown}" --json $O/store-kv-latest.json 2>&1 | tail -12
 fi
 if want trace; then
   mkdir -p $O/trace
-  KVSTREAM_TRACE=$O/trace timeout 300 $B bench --matrix bench/serving.json \
+  KVSTREAM_TRACE=$O/trace timeout $(cap 300) $B bench --matrix bench/serving.json \
     --ids "${TRACE_IDS:-contig-d128-b1-L4096,paged16-d128-b1-L4096,paged64-d128-b1-L4096}" --no-plots \
     --json $O/trace/bench-traced.json 2>&1 | tail -12
   python3 bench/trace.py $O/trace --json $O/trace/summary.json | tee $O/trace/summary.txt
 fi
 if want serving; then
   # serving rows (skew under one graph with the device plan, paged vs contiguous, multi-token)
-  timeout 200 $B bench --matrix bench/serving.json ${SERVING_ARGS:-} --no-plots \
+  timeout $(cap 200) $B bench --matrix bench/serving.json ${SERVING_ARGS:-} --no-plots \
     --json bench/results/kvstream-serving-latest.json 2>&1 | tee $O/kvstream-serving.txt | tail -40
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
-  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout 150 \
+  KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout $(cap 150) \
     python3 bench/serving_peers.py --json bench/results/serving-peers-latest.json \
     --floors bench/results/kvstream-serving-latest.json --commit "${COMMIT:-unknown}" ${PEERS_ARGS:-} 2>&1 | tee $O/serving-peers.txt | tail -20
   tar czf $O/serving-results.tar.gz bench/results/kvstream-serving-latest.json bench/results/serving-peers-latest.json 2>/dev/null
@@ -212,10 +219,10 @@ if want mla; then
   # MLA decode: the GPU tests, memcheck and racecheck on a short run, then timed shapes next to
   # their byte floors (MLA_SHAPES: one `kvstream mla` argument list per line)
   G=.carry/bin/gpu-tests
-  timeout 300 $G --ignored --test-threads=1 --nocapture mla_ 2>&1 | tee $O/mla-tests.log | grep -E "MLA|test result|panicked|FAIL" | tail -30
+  timeout $(cap 300) $G --ignored --test-threads=1 --nocapture mla_ 2>&1 | tee $O/mla-tests.log | grep -E "MLA|test result|panicked|FAIL" | tail -30
   for tool in ${MLA_SANITIZERS-memcheck racecheck}; do
     echo "== $tool on the MLA tests (short run)"
-    KVSTREAM_GPU_CASES=8 KVSTREAM_GPU_SERIALISED=1 timeout 300 compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
+    KVSTREAM_GPU_CASES=8 KVSTREAM_GPU_SERIALISED=1 timeout $(cap 300) compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
       mla_cases mla_bad > $O/mla-$tool.txt 2>&1
     tail -4 $O/mla-$tool.txt
     # the distinct hazards: kind, source line, and the other access's line
@@ -223,7 +230,7 @@ if want mla; then
   done
   while read -r shape; do
     [ -n "$shape" ] || continue
-    timeout 120 $B mla $shape --rounds 9 2>&1 | grep -E "plan|check|time|RESULT|error" | tee -a $O/mla-shapes.txt
+    timeout $(cap 120) $B mla $shape --rounds 9 2>&1 | grep -E "plan|check|time|RESULT|error" | tee -a $O/mla-shapes.txt
   done <<< "${MLA_SHAPES:---hq 16 --len 131072
 --hq 16 --len 131072 --kv-dtype fp8_e4m3
 --hq 12 --len 131072
@@ -238,30 +245,30 @@ fi
 if want mlamatrix; then
   # bench/matrix-mla.json (MLA_IDS: a comma-separated filter of ids) with byte floors, then
   # FlashMLA on its bf16 rows of pages of 64 in the same file -> $OUT/h200-mla-latest.json
-  timeout 420 $B mla --matrix bench/matrix-mla.json ${MLA_IDS:+--ids "$MLA_IDS"} --rounds 9 \
+  timeout $(cap 420) $B mla --matrix bench/matrix-mla.json ${MLA_IDS:+--ids "$MLA_IDS"} --rounds 9 \
     --json $O/h200-mla-latest.json 2>&1 | grep -E "^==|RESULT|error" | tee $O/mla-matrix.txt | tail -40
   bash bench/flashmla_build.sh 2>&1 | tail -2
-  PYTHONPATH=/tmp/flashmla timeout 240 python3 bench/mla_peers.py --merge $O/h200-mla-latest.json 2>&1 | tail -20
+  PYTHONPATH=/tmp/flashmla timeout $(cap 240) python3 bench/mla_peers.py --merge $O/h200-mla-latest.json 2>&1 | tail -20
 fi
 if want mlapeers; then
   # FlashMLA's dense bf16 decode (pages of 64) on MLA shapes "hq,s_q,b,L" (bench/mla_peers.py;
   # the build is bench/flashmla_build.sh from a carried .peers/ folder)
   bash bench/flashmla_build.sh 2>&1 | tail -3
-  PYTHONPATH=/tmp/flashmla timeout 300 python3 bench/mla_peers.py --shapes ${MLA_PEER_SHAPES:-16,1,1,131072 \
+  PYTHONPATH=/tmp/flashmla timeout $(cap 300) python3 bench/mla_peers.py --shapes ${MLA_PEER_SHAPES:-16,1,1,131072 \
     12,1,1,131072 16,1,4,131072 16,1,16,32768 12,1,8,131072 16,8,2,131072 128,1,8,32768} \
     --json $O/mla-peers.json 2>&1 | tail -12
 fi
 if want mlatrace; then
   # the MLA kernel's phase trace on MLA_TRACE_SHAPE (prepare: TRACE=1 compiles the traced builds)
   mkdir -p $O/trace
-  KVSTREAM_TRACE=$O/trace timeout 200 $B mla ${MLA_TRACE_SHAPE:---hq 16 --len 131072} --rounds 7 2>&1 | grep -E "RESULT|trace"
+  KVSTREAM_TRACE=$O/trace timeout $(cap 200) $B mla ${MLA_TRACE_SHAPE:---hq 16 --len 131072} --rounds 7 2>&1 | grep -E "RESULT|trace"
   python3 bench/trace.py $O/trace > $O/trace/summary.txt 2>&1; cat $O/trace/summary.txt | head -30
 fi
 if want mlancu; then
   # ncu on one MLA decode at MLA_NCU_SHAPE (default the wide h128 b64 row, a launch inside the
   # timed graph): the full section set, then the per-instruction source page (warp stall
   # samples by SASS line: where the consumers wait) -> $OUT/mla-ncu.*
-  timeout 400 ncu --kernel-name regex:kvs_decode_mla --launch-skip 3 --launch-count 1 --set full \
+  timeout $(cap 400) ncu --kernel-name regex:kvs_decode_mla --launch-skip 3 --launch-count 1 --set full \
     --import-source yes --export $O/mla-ncu -f $B mla ${MLA_NCU_SHAPE:---batch 64 --hq 128 --len 32768} --rounds 7 \
     > $O/mla-ncu.log 2>&1; echo "ncu rc=$?"
   ncu --import $O/mla-ncu.ncu-rep --page details --csv > $O/mla-ncu-details.csv 2>&1
@@ -269,8 +276,8 @@ if want mlancu; then
   grep -E "Compute \(SM\) Throughput|Memory Throughput|Tensor|Shared|Issue Slots" $O/mla-ncu-details.csv | head -20
 fi
 if want ab; then
-  bash bench/ab.sh
+  OUT=$O bash bench/ab.sh  # (its rows packed with the rest)
 fi
 if want peers; then
-  timeout 300 python3 bench/peer_sdpa.py --shape 1,16,2,128,4096 --shape 1,16,2,128,131072
+  timeout $(cap 300) python3 bench/peer_sdpa.py --shape 1,16,2,128,4096 --shape 1,16,2,128,131072
 fi
