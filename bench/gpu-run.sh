@@ -30,6 +30,9 @@ O=$(mktemp -d)/gpu-run; mkdir -p "$O"
 trap 'tar czf "$OUT_DIR/gpu-run.tar.gz" -C "$(dirname "$O")" gpu-run' EXIT
 END=$((SECONDS + ${BUDGET:-570}))
 cap() { local left=$((END - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
+# NVRTC from the pip CUDA libraries next to torch: a variant missing from the cache compiles
+lib=$(python3 -c 'import os,nvidia;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))' 2>/dev/null) &&
+  export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # the copy of the tree measured here may carry another checkout's git metadata
 [ -z "${COMMIT:-}" ] || export KVSTREAM_COMMIT=$COMMIT
 PARTS=${PARTS:-demo sanitize sass gputests pytests peers}
@@ -38,6 +41,12 @@ run() { echo "== $*"; timeout $(cap 120) "$@"; echo "rc=$?"; }
 # results files name the GPU they were measured on (an H100 may stand in for the H200)
 gpu_prefix() { nvidia-smi -L | grep -q H100 && echo h100 || echo h200; }
 nvidia-smi -L
+if want jit; then
+  # every kernel variant compiled here, one per core at a time (about a minute on 16 cores): for
+  # a run prepared without the kernel cache (prepare-gpu-run.sh with CACHE=0), which leaves room
+  # in the carried files for the FA3 wheel.
+  timeout $(cap 300) $B kernels ${RINGS:+--rings "$RINGS"} > $O/jit.txt 2>&1; echo "== jit: rc=$?, $(ls .carry/cache | wc -l) files in the kernel cache"
+fi
 if want demo; then
   run $B demo
   run $B demo --len 131072
@@ -72,14 +81,6 @@ if want sweep; then
       timeout $(cap 60) $B demo $shape --splits $s --rounds 9 | grep RESULT | tee -a $O/sweep.txt
     done
   done
-fi
-if want jit; then
-  # every kernel variant compiled here, one per core at a time (about a minute on 16 cores): for
-  # a run prepared without the kernel cache (prepare-gpu-run.sh with CACHE=0), which leaves room
-  # in the carried files for the FA3 wheel. NVRTC from the pip CUDA libraries next to torch.
-  lib=$(python3 -c 'import os,nvidia;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')
-  export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  timeout $(cap 300) $B kernels ${RINGS:+--rings "$RINGS"} > $O/jit.txt 2>&1; echo "== jit: rc=$?, $(ls .carry/cache | wc -l) files in the kernel cache"
 fi
 if want gputests; then
   G=.carry/bin/gpu-tests
