@@ -515,12 +515,18 @@ def doc_tag(doc):
     return output_tag(doc.get("kind"), any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"]))
 
 
+def gpu_prefix(gpu_name):
+    """Results files name the GPU they measured: "h100" for an H100 (a stand-in, whose files
+    must not replace the H200's), "h200" otherwise."""
+    return "h100" if gpu_name and "H100" in gpu_name else "h200"
+
+
 def markdown(doc, prefix=None):
     """bench/RESULTS.md from a results document; ``prefix`` names its results files."""
     ceiling = doc.get("read_ceiling_GBps")
     fp8 = any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"])
     kind = doc.get("kind")
-    prefix = prefix or f"h200{doc_tag(doc)}"
+    prefix = prefix or f"{gpu_prefix(doc.get('gpu'))}{doc_tag(doc)}"
     flags = (f" --matrix bench/matrix-{kind}.json" if kind else "") + \
         (" --kv-dtype fp8_e4m3" if fp8 else "")
     unsupported_any = any(is_unsupported(e) for r in doc["rows"] for e in r["results"].values())
@@ -649,6 +655,8 @@ def plot_results(doc, out_dir):
     styles = {"kvstream": ("C3", "o"), "cudnn": ("C0", "s"), "sdpa_flash": ("C2", "^"),
               "fa3": ("C1", "D"), "kvstream_bf16": ("C4", "v")}
     tag = doc_tag(doc)[1:] + "-" if doc_tag(doc) else ""
+    if gpu_prefix(doc.get("gpu")) != "h200":
+        tag = f"{gpu_prefix(doc.get('gpu'))}-{tag}"
     for group in ordered_groups(doc["rows"]):
         rows = [r for r in doc["rows"] if group_of(r) == group]
         param = x_param(group, rows)
@@ -1344,9 +1352,10 @@ def parse_args(argv=None):
                     help="markdown report path (default: bench/RESULTS.md; RESULTS-fp8.md with "
                          "--kv-dtype fp8_e4m3, RESULTS-<kind>[-fp8].md for a matrix with a kind "
                          "such as bench/matrix-models.json)")
-    ap.add_argument("--out-prefix", default="h200",
-                    help="start of the results files' names (default: h200): "
-                         "<prefix>[-<kind>][-fp8]-latest.json, -DATE.json, -partial.json")
+    ap.add_argument("--out-prefix",
+                    help="start of the results files' names (default: the GPU's, h200 or h100): "
+                         "<prefix>[-<kind>][-fp8]-latest.json, -DATE.json, -partial.json; "
+                         "the report of another prefix than h200 is RESULTS-<prefix>....md")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8_e4m3"), default="bf16",
                     help="cache dtype: fp8_e4m3 runs the FP8 comparison (see the docstring)")
     ap.add_argument("--plot-only", metavar="JSON",
@@ -1360,7 +1369,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.kv_dtype == "fp8_e4m3":
         use_fp8_impls()
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.out_prefix):
+    if args.out_prefix is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", args.out_prefix):
         ap.error("--out-prefix must be a plain file-name part")
     if args.impls is None:
         args.impls = list(IMPLS)
@@ -1376,13 +1385,15 @@ def parse_args(argv=None):
     return args
 
 
-def resolve_outputs(args, kind, fp8):
+def resolve_outputs(args, kind, fp8, gpu_name):
     """args.prefix (results files) and args.md for a run or document of this matrix kind and
-    cache dtype: "h200", "h200-fp8", "h200-models", ... and bench/RESULTS<same suffix>.md."""
+    cache dtype on this GPU: "h200", "h200-fp8", "h200-models", ... and
+    bench/RESULTS<same suffix>.md; on an H100 "h100..." and bench/RESULTS-h100<suffix>.md."""
     tag = output_tag(kind, fp8)
-    args.prefix = f"{args.out_prefix}{tag}"
+    gpu = args.out_prefix or gpu_prefix(gpu_name)
+    args.prefix = f"{gpu}{tag}"
     if args.md is None:
-        args.md = str(REPO / "bench" / f"RESULTS{tag}.md")
+        args.md = str(REPO / "bench" / (f"RESULTS{tag}.md" if gpu == "h200" else f"RESULTS-{gpu}{tag}.md"))
 
 
 def use_fp8_impls():
@@ -1432,7 +1443,7 @@ def main(argv=None):
         fp8 = any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"])
         if fp8:
             use_fp8_impls()
-        resolve_outputs(args, kind, fp8)
+        resolve_outputs(args, kind, fp8, doc.get("gpu"))
         for line in summary_lines(doc["summary"]):
             print(line)
         for p in write_outputs(doc, args.results_dir, args.md, args.prefix):
@@ -1444,7 +1455,7 @@ def main(argv=None):
         fp8 = any(kv_dtype(r) == "fp8_e4m3" for r in doc["rows"])
         if fp8:
             use_fp8_impls()
-        resolve_outputs(args, doc.get("kind"), fp8)
+        resolve_outputs(args, doc.get("kind"), fp8, doc.get("gpu"))
         if args.report_only:
             doc.setdefault("summary", summarize(doc["rows"]))
             Path(args.md).write_text(markdown(doc, args.prefix))
@@ -1454,7 +1465,10 @@ def main(argv=None):
         return 0
     args.matrix = args.matrix or str(REPO / "bench" / "matrix.json")
     args.kind = matrix_kind(args.matrix)
-    resolve_outputs(args, args.kind, args.kv_dtype != "bf16")
+    import torch
+
+    gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    resolve_outputs(args, args.kind, args.kv_dtype != "bf16", gpu_name)
     shapes = load_matrix(args.matrix, args.ids, args.quick)
     if args.kv_dtype != "bf16":
         shapes = [dict(s, kv_dtype=args.kv_dtype) for s in shapes]
