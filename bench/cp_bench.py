@@ -5,7 +5,7 @@ next to the whole decode: the speedup N GPUs can reach before the all-gather (on
 collective of the outputs, a few KB a request). Also the whole code path through
 torch.distributed (NCCL, one rank) against the plain decode: the cost of the sharding logic.
 
-    python3 bench/cp_bench.py --out bench/results/h200-cp-latest.json --commit $(git rev-parse --short HEAD)
+    python3 bench/cp_bench.py --commit $(git rev-parse --short HEAD)   # bench/results/<gpu>-cp-latest.json
 
 Times: median of --rounds CUDA-graph replays, each of --inner calls (us per call).
 """
@@ -105,7 +105,8 @@ def world_of_one(rounds):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/h200-cp-latest.json")
+    ap.add_argument("--out", help="results file (default: bench/results/<h200 or h100>-cp-latest.json, "
+                                  "the GPU's)")
     ap.add_argument("--commit", default=os.environ.get("KVSTREAM_COMMIT", "unknown"))
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--length", type=int, default=1 << 20)
@@ -114,6 +115,9 @@ def main():
         date=datetime.date.today().isoformat(), commit=args.commit,
         device=torch.cuda.get_device_name(0), method=__doc__.strip().split("\n\n")[-1],
     )
+    if args.out is None:
+        gpu = "h100" if "H100" in torch.cuda.get_device_name(0) else "h200"
+        args.out = f"bench/results/{gpu}-cp-latest.json"
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for name, part in (("merge_states", lambda: merge_costs(args.rounds)),
                        ("shard_decode", lambda: shard_decodes(args.rounds, args.length)),
