@@ -436,7 +436,8 @@ pub struct PersistentPlan {
     pub min_tiles_per_cta: usize,
     /// Column blocks per KV head (per pair of heads where `variant.heads_per_row` is 2).
     pub col_blocks: usize,
-    /// Lanes of CTAs (schedule.cuh): 1, or `col_blocks` ([`PlanOptions::persistent_column_lanes`]).
+    /// Lanes of CTAs (schedule.cuh): 1, `col_blocks` ([`PlanOptions::persistent_column_lanes`])
+    /// or `hkv x col_blocks` ([`PlanOptions::persistent_head_lanes`]).
     pub lanes: usize,
     /// Launch with PDL.
     pub pdl: bool,
