@@ -126,6 +126,9 @@ def test_generate_matches_reference(name, counted):
     ops = [e for e in prof.events() if e.name.startswith("kvstream::decode")]
     assert len(ops) >= len(counted), sorted({e.name for e in prof.events()
                                              if "kvstream" in e.name})
+    # the op's host time a call, as the profiler saw it (its own overhead included): what an
+    # eager decode step pays for kvstream besides the kernels
+    op_host_us = sum(e.cpu_time_total for e in ops) / len(ops)
     prompt_len = ids.shape[1]
     forced = teacher_forced(ref, kv_gen[0], prompt_len)
     # once the tokens differ (a tie in the reference's own logits) the two runs decode different
@@ -142,6 +145,7 @@ def test_generate_matches_reference(name, counted):
         "max_logit_diff_teacher_forced": round((kv_gen[1] - forced).abs().max().item(), 5),
         "logit_scale": round(ref_gen[1].abs().max().item(), 5),
         "reference": MODELS[name][1],
+        "decode_op_host_us": round(op_host_us, 1),
     }
     assert_same_generation(ref_gen, kv_gen, forced, prompt_len)
     # the decode step in that loop, eager (transformers' own Python around each layer)
