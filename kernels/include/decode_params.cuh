@@ -42,7 +42,7 @@ struct alignas(128) PersistentParams {
     int table_stride;         // paged: entries per block-table row
     int num_pages;            // paged: pages in each pool; a page id outside [0, num_pages) reads zeros
     int min_tiles_per_cta;    // schedule: fewer CTAs work when there are few tiles (schedule.cuh)
-    int lanes;            // schedule: 1, col_blocks or hkv x col_blocks lanes of CTAs (schedule.cuh)
+    int lanes;                // schedule: 1, col_blocks or hkv x col_blocks lanes of CTAs (schedule.cuh)
     // fp8 caches (KVS_KV_FP8): FP32 dequantisation scales, request b's KV head h at
     // scale[b * batch_stride + h * head_stride] (one per tensor: strides 0; per KV head: 0, 1;
     // per request and KV head: hkv, 1); null: 1. K's scales the scores, V's the output.

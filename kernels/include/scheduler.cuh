@@ -37,6 +37,12 @@ __device__ __forceinline__ int units_per_request(const PersistentParams& p) {
     return p.hkv * p.col_blocks / p.lanes;
 }
 
+// A unit's place among all the call's units, every lane's (a piece's unit already counts every
+// lane's units of its request): the index of its arrival counter.
+__device__ __forceinline__ long long unit_index(const PersistentParams& p, int batch, int unit) {
+    return (long long)batch * p.hkv * p.col_blocks + unit;
+}
+
 // What the scheduler warp leaves for the other roles.
 struct StartShared {
     long long total;  // tiles in the sequence

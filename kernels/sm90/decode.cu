@@ -1032,8 +1032,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             named_barrier_sync(1, CONSUMER_THREADS);
             if (threadIdx.x == 0) {
                 const int pieces = sched.cta_of(pc.start + pc.tiles - 1) - sched.cta_of(pc.start) + 1;
-                // one counter a (request, KV head, column block): pc.unit counts every lane's
-                int* counter = p.arrivals + (long long)pc.batch * p.hkv * p.col_blocks + pc.unit;
+                int* counter = p.arrivals + unit_index(p, pc.batch, pc.unit);
                 const int last = atom_add_acq_rel_gpu(counter, 1) == pieces - 1;
                 if (last) *counter = 0;
                 *merge_flag = last;

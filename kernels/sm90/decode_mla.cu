@@ -459,7 +459,7 @@ __device__ __forceinline__ void merge_slice(const PersistentParams& p, const Sch
 __device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const CutUnit& u,
                                                int lane) {
     const int pieces = s.cta_of(u.start + u.tiles - 1) - s.cta_of(u.start) + 1;
-    int* counters = p.arrivals + 2 * ((long long)u.batch * p.col_blocks + u.unit);
+    int* counters = p.arrivals + 2 * unit_index(p, u.batch, u.unit);
     if (threadIdx.x == 0) {
         while (ld_acquire_gpu(counters) < pieces) nanosleep(64);
         if (TRACE && !trace_stamped(TRACE_ALL_PARKED)) trace_stamp(TRACE_ALL_PARKED);
@@ -507,7 +507,7 @@ struct Tally {
 // thread 0's release).
 __device__ __forceinline__ void park_piece(const PersistentParams& p, const Piece& pc) {
     named_barrier_sync(1, CONSUMER_THREADS);
-    if (threadIdx.x == 0) atom_add_acq_rel_gpu(p.arrivals + 2 * ((long long)pc.batch * p.col_blocks + pc.unit), 1);
+    if (threadIdx.x == 0) atom_add_acq_rel_gpu(p.arrivals + 2 * unit_index(p, pc.batch, pc.unit), 1);
 }
 
 // The cut units this CTA parked a piece of, found again from the schedule once the consumers are
