@@ -405,12 +405,8 @@ def flash_attn_with_kvcache(
     idx = None if cache_batch_idx is None else cache_batch_idx.contiguous().long()
     q_rows = None  # varlen: each query's (request, row) in the right-aligned [b, s_q] rows
     if varlen:
-        cu = cu_seqlens_q.long()
-        total = q.shape[0]
-        t = torch.arange(total, device=dev)
-        req = torch.searchsorted(cu[1:], t, right=True).clamp_max(b - 1)
-        n_q = cu[1:] - cu[:-1]
-        row = (s_q - n_q[req] + t - cu[req]).clamp(0, s_q - 1)
+        req, j, n_q = _packed_rows(cu_seqlens_q, q.shape[0], b)
+        row = (s_q - n_q[req] + j).clamp(0, s_q - 1)
         q_rows = (req, row)
         padded = q.new_zeros(b, s_q, hq, d)
         padded[req, row] = q
@@ -424,7 +420,6 @@ def flash_attn_with_kvcache(
         start = (rotary_seqlens if rotary_seqlens is not None else lens0).long()[:, None]
         steps = torch.arange(s_q, device=dev)[None, :]
         if q_rows is not None:  # a right-aligned row's query index: row - (s_q - n)
-            n_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
             steps = (steps - (s_q - n_q[:, None])).clamp_min(0)
         q = _rotate(q, rotary_cos, rotary_sin,
                     start + (steps if queries_at_own_positions else 0 * steps),
@@ -435,11 +430,7 @@ def flash_attn_with_kvcache(
         assert lens0 is not None
         # the new tokens as one list [tokens, hkv, d]: each one's request and index in it
         if varlen_k:
-            cu_k = cu_seqlens_k_new.long()
-            t = torch.arange(s_new, device=dev)
-            kreq = torch.searchsorted(cu_k[1:], t, right=True).clamp_max(b - 1)
-            kj = t - cu_k[kreq]
-            n_new = cu_k[1:] - cu_k[:-1]
+            kreq, kj, n_new = _packed_rows(cu_seqlens_k_new, s_new, b)
             k_rows, v_rows = k.contiguous(), v.contiguous()
         else:
             kreq = torch.arange(b, device=dev).repeat_interleave(s_new)
@@ -593,6 +584,17 @@ def _block_scale(scale: Any, slots: Any, valid: Any, req: Any, blocks: int, bloc
     per_block = torch.ones(blocks + 1, hkv, dtype=scale.dtype, device=scale.device)
     per_block[block] = scale[req]
     return per_block[:blocks]
+
+
+def _packed_rows(cu_seqlens: Any, total: int, b: int) -> Tuple[Any, Any, Any]:
+    """A packed variable-length list of ``total`` rows (request r's rows ``cu_seqlens[r] ..<
+    cu_seqlens[r + 1]``): each row's request and index within it, and each request's count."""
+    import torch
+
+    cu = cu_seqlens.long()
+    t = torch.arange(total, device=cu.device)
+    req = torch.searchsorted(cu[1:], t, right=True).clamp_max(b - 1)
+    return req, t - cu[req], cu[1:] - cu[:-1]
 
 
 def _gather_rows(cache: Any, idx: Any) -> Any:
