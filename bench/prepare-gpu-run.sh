@@ -10,7 +10,8 @@
 # (for a run of a few parts: a minute instead of half an hour on two cores; every variant those
 # parts load must be among them, as the GPU machine may have no NVRTC on its library path);
 # WHEEL=0 skips the Python wheel. CACHE=0 ships no compiled kernels: gpu-run.sh's `jit` part
-# compiles them on the GPU machine (all cores, about a minute), which leaves room for the FA3 wheel.
+# compiles them on the GPU machine (all its cores: 3.5 min on two, under a minute expected on
+# sixteen), which leaves room for the FA3 wheel.
 # Carry .carry and .whl (the FA3 wheel) together: about 55 MB (CACHE=0: about 36 MB, and the
 # whole kernel cache compiled there); with AB_REFS, .carry alone.
 set -euo pipefail
