@@ -22,6 +22,9 @@ set -u
 B=.carry/bin/kvstream
 export KVSTREAM_CACHE_DIR=$PWD/.carry/cache
 [ -d .carry/cache ] || [ ! -f .carry/cache.tar.gz ] || tar xzf .carry/cache.tar.gz -C .carry
+# (xz through Python: the GPU machine's tar may lack xz; prepare-gpu-run.sh's CACHE=xz)
+[ -d .carry/cache ] || [ ! -f .carry/cache.tar.xz ] ||
+  python3 -c 'import tarfile; tarfile.open(".carry/cache.tar.xz").extractall(".carry")'
 # Every file lands in $O and leaves packed as one $OUT/gpu-run.tar.gz (at exit, whatever ran):
 # the GPU machine returns a few files only. BUDGET (seconds, default 570) bounds the whole run:
 # each step's timeout is its own cap or what is left, whichever is less.

@@ -9,7 +9,8 @@
 # ONLY="decode_mla stream_read" compiles only the variants whose names contain one of those words
 # (for a run of a few parts: a minute instead of half an hour on two cores; every variant those
 # parts load must be among them, as the GPU machine may have no NVRTC on its library path);
-# WHEEL=0 skips the Python wheel. CACHE=0 ships no compiled kernels: gpu-run.sh's `jit` part
+# WHEEL=0 skips the Python wheel. CACHE=xz packs the whole cache as .carry/cache.tar.xz (about
+# 17 MB: room for the FA3 wheel beside it, nothing compiled there). CACHE=0 ships no compiled kernels: gpu-run.sh's `jit` part
 # compiles them on the GPU machine (all its cores: 3.5 min on two, under a minute expected on
 # sixteen), which leaves room for the FA3 wheel.
 # Carry .carry and .whl (the FA3 wheel) together: about 55 MB (CACHE=0: about 36 MB, and the
@@ -30,6 +31,9 @@ cp "$exe" .carry/bin/gpu-tests
 # CI runs the same SASS checks in tests/nvrtc.rs)
 if [ "${CACHE:-1}" = 0 ]; then
   :
+elif [ "${CACHE:-1}" = xz ]; then
+  KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --jobs "$(nproc)" ${RINGS:+--rings "$RINGS"} > /dev/null
+  tar cf - -C .carry cache | xz -T0 -6 > .carry/cache.tar.xz && rm -rf .carry/cache
 elif [ -n "${ONLY:-}" ]; then
   for only in $ONLY; do
     KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --only "$only" > /dev/null
