@@ -92,7 +92,8 @@ if want gputests; then
   for tool in ${SUITE_SANITIZERS-memcheck racecheck}; do  # SUITE_SANITIZERS= skips them, SANITIZE_TESTS narrows them
     echo "== $tool on the GPU suite (24 random cases, graphs, zero lengths, cluster reduction, paged, multi-token, device plan, fp8, store_kv, paired heads)"
     KVSTREAM_GPU_CASES=24 KVSTREAM_GPU_SERIALISED=1 timeout $(cap 400) compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
-      ${SANITIZE_TESTS:-random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan resident fp8 store_kv paired_heads score_mods} 2>&1 | tail -6
+      ${SANITIZE_TESTS:-random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan resident fp8 store_kv paired_heads score_mods} > $O/$tool.txt 2>&1
+    grep -E '^test |SUMMARY' $O/$tool.txt | tail -30
   done
 fi
 if want pytests; then
@@ -117,7 +118,7 @@ if want compare; then
   KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout $(cap 560) \
     python3 bench/compare.py --matrix bench/matrix.json --commit "${COMMIT:-unknown}" ${COMPARE_ARGS:-} \
     2>&1 | tee $O/compare.txt | tail -80
-  tar czf $O/compare-results.tar.gz bench/results bench/RESULTS.md 2>/dev/null
+  tar czf $O/compare-results.tar.gz bench/results bench/RESULTS*.md 2>/dev/null
 fi
 if want models; then
   # the model matrix (bench/matrix-models.json: head dims 96 / 256, windows, softcap, sinks,
@@ -129,12 +130,12 @@ if want models; then
     --results-dir $O/models --md $O/models/RESULTS-models.md ${MODELS_ARGS:-} 2>&1 | tee $O/models.txt | tail -40
 fi
 if want compare8; then
-  # the FP8 comparison (bench/compare.py --kv-dtype fp8_e4m3): h200-fp8-latest.json, RESULTS-fp8.md
+  # the FP8 comparison (bench/compare.py --kv-dtype fp8_e4m3): <gpu>-fp8-latest.json, RESULTS[-h100]-fp8.md
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
   KVSTREAM_CACHE_DIR=$PWD/.carry/cache PYTHONPATH=/tmp/kvs-site PYTHONUNBUFFERED=1 timeout $(cap 560) \
     python3 bench/compare.py --kv-dtype fp8_e4m3 --matrix bench/matrix.json --commit "${COMMIT:-unknown}" ${COMPARE_ARGS:-} \
     2>&1 | tee $O/compare-fp8.txt | tail -80
-  tar czf $O/compare-fp8-results.tar.gz bench/results/h200-fp8-* bench/results/plot-fp8-* bench/RESULTS-fp8.md 2>/dev/null
+  tar czf $O/compare-fp8-results.tar.gz bench/results/*fp8-* bench/RESULTS*fp8*.md 2>/dev/null
 fi
 if want fp8sweep; then
   # FP8 tuning sweep: rings (paired softmax steps r2, 128-position tiles), grid and fewest tiles
@@ -179,22 +180,17 @@ if want cpmulti; then
   done
 fi
 if want abdemo; then
-  # A/Bs of options off by default until measured: column lanes on large multi-token groups,
-  # paired heads (ring h2) on Phi-3-like d 96 MHA rows
+  # A/Bs of the defaults against their options off: column lanes on large multi-token groups
+  # (b16: the persistent engine), paired heads (`--ring h1`: off) on Phi-3-like d 96 MHA rows
+  # and gpt-oss's window of 128 at batch (two KV heads a unit halve the units' fixed costs)
   # (each pair twice; the batch-16 and -64 rows build and check caches of several GB on the
   # host: 30 s was too short for them)
-  for a in "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" "--batch 1 --hq 32 --hkv 2 --q-len 8 --len 32768"; do
-    for o in "" --column-lanes "" --column-lanes; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
-  done
-  # (and gpt-oss's window of 128 at batch: two KV heads a unit halve the units' fixed costs)
+  for a in "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768"; do
+    for o in "" "--column-lanes false" "" "--column-lanes false"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
+  done 2>&1 | tee $O/abdemo.txt
   for a in "--batch 16 --hq 32 --hkv 32 --head-dim 96 --len 32768" "--batch 1 --hq 32 --hkv 32 --head-dim 96 --len 32768" \
            "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks"; do
-    for o in "" "--ring h2" "" "--ring h2"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
-  done 2>&1 | tee $O/abdemo.txt
-  # head lanes on pools of small pages (the heads of a page read together) and their twins
-  for a in "--batch 32 --hq 32 --hkv 8 --len 32768 --page-size 1" "--batch 32 --hq 32 --hkv 8 --head-dim 64 --len 32768 --page-size 1" \
-           "--batch 32 --hq 32 --hkv 8 --len 4096 --page-size 16" "--batch 32 --hq 32 --hkv 8 --len 32768"; do
-    for o in "" --head-lanes "" --head-lanes; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
+    for o in "" "--ring h1" "" "--ring h1"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
   done 2>&1 | tee -a $O/abdemo.txt
 fi
 if want storekv; then

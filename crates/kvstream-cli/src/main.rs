@@ -89,9 +89,10 @@ pub struct ShapeArgs {
     /// Attention sinks: one random f32 logit per query head joins each softmax (gpt-oss).
     #[arg(long)]
     pub sinks: bool,
-    /// Persistent engine: one lane of CTAs per column block (more than 32 query rows a KV head).
+    /// Persistent engine: one lane of CTAs per column block where a KV head has several (more
+    /// than 32 query rows): true or false (default: on where there are several blocks).
     #[arg(long)]
-    pub column_lanes: bool,
+    pub column_lanes: Option<bool>,
     /// Persistent engine: one lane of CTAs per (KV head, column block): the heads of a position
     /// read at about the same time.
     #[arg(long)]
@@ -213,7 +214,7 @@ impl ShapeArgs {
             reduction: self.reduction.as_deref().map(str::parse).transpose()?,
             device_plan: self.device_plan,
             engine: self.engine.as_deref().map(str::parse).transpose()?,
-            persistent_column_lanes: self.column_lanes.then_some(true),
+            persistent_column_lanes: self.column_lanes,
             persistent_head_lanes: self.head_lanes.then_some(true),
             ..ring
         };

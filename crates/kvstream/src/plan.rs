@@ -138,13 +138,14 @@ pub fn can_pair_heads(problem: &DecodeProblem) -> bool {
         && 2 * problem.columns() <= 8 * crate::kernels::max_n_tiles(2 * d)
 }
 
-/// Whether the plan pairs `problem`'s KV heads by default: d 64 heads that [`can_pair_heads`],
-/// where a KV head's rows leave more than half of their last n8 tile empty (`columns % 8` in
-/// 1..=4: MHA, groups up to 4, small multi-token groups): the pair then computes the softmax of
-/// one tile where two heads alone compute two. d 96 pairs are built and tested but taken only
-/// when asked for ([`PlanOptions::persistent_pair_heads`]) until they are measured.
+/// Whether the plan pairs `problem`'s KV heads by default: heads that [`can_pair_heads`] where
+/// a KV head's rows leave more than half of their last n8 tile empty (`columns % 8` in 1..=4:
+/// MHA, groups up to 4, small multi-token groups): the pair then computes the softmax of one
+/// tile where two heads alone compute two (and d 96 pairs read three whole boxes a position
+/// where a d 96 row takes a box and a half). Measured on d 96 MHA (docs/tuning.md, "Paired
+/// heads"): 32/32 heads b1 L32768 197 -> 141 us, b16 3101 -> 2071 us.
 pub fn pairs_heads(problem: &DecodeProblem) -> bool {
-    problem.head_dim == 64 && can_pair_heads(problem) && (1..=4).contains(&(problem.columns() % 8))
+    can_pair_heads(problem) && (1..=4).contains(&(problem.columns() % 8))
 }
 
 /// `problem` as the paired-heads kernel sees its caches: half the KV heads, rows of 128 dims
@@ -561,7 +562,7 @@ pub fn plan_persistent(
         options.persistent_column_lanes,
     ) {
         (Some(true), _) if problem.hkv * col_blocks <= grid => problem.hkv * col_blocks,
-        (_, Some(true)) if col_blocks <= grid => col_blocks,
+        (_, Some(true) | None) if col_blocks > 1 && col_blocks <= grid => col_blocks,
         _ => 1,
     };
     Ok(PersistentPlan {
@@ -1192,18 +1193,18 @@ pub struct PlanOptions {
     /// Persistent engine, tuning knob: m16 slices of a warp's rows per online-softmax step (1
     /// or 2; two share one max reduction and one rescale of the accumulators). `None`: 1.
     pub persistent_softmax_slices: Option<usize>,
-    /// Persistent engine, tuning knob: `true` streams adjacent d 64 KV heads in pairs (an error
-    /// where [`pairs_heads`] says it cannot), `false` one at a time. `None`: pairs where
+    /// Persistent engine, tuning knob: `true` streams adjacent d 64 or d 96 KV heads in pairs
+    /// (an error where [`can_pair_heads`] says it cannot), `false` one at a time. `None`: pairs where
     /// [`pairs_heads`] says so.
     pub persistent_pair_heads: Option<bool>,
     /// Tuning knob of both engines: the L2 promotion of the K and V tensor maps instead of
     /// [`crate::launch::TmaPromotion::default`].
     pub kv_promotion: Option<crate::launch::TmaPromotion>,
-    /// Persistent engine, knob: `true` deals the grid into one lane of CTAs per column block
-    /// where a KV head has several (more than 32 query rows: large multi-token groups), each
-    /// lane streaming the same tiles for its block so that L2 serves the other lanes' reads
-    /// (schedule.cuh, "lanes"); `false` or `None`: one sequence of every unit. Not yet the
-    /// default: not yet measured on the GQA kernel (bench/NOTES.md, "Model coverage").
+    /// Persistent engine, knob: `true` or `None` deal the grid into one lane of CTAs per column
+    /// block where a KV head has several (more than 32 query rows: large multi-token groups),
+    /// each lane streaming the same tiles for its block so that L2 serves the other lanes'
+    /// reads (schedule.cuh, "lanes"; 64/8 heads, 8 new tokens, b16 L4096: 187 -> 151 us);
+    /// `false`: one sequence of every unit.
     pub persistent_column_lanes: Option<bool>,
     /// Persistent engine, knob: `true` deals the grid into one lane of CTAs per (KV head,
     /// column block), each lane streaming its own units over the same position ranges at the
@@ -1211,8 +1212,8 @@ pub struct PlanOptions {
     /// row of a `[b, L, hkv, d]` cache) are read at about the same time, not one head's share
     /// of a request after another's (schedule.cuh, "lanes"); it takes precedence over
     /// [`Self::persistent_column_lanes`]. `false` or `None`: as that knob says. An experiment
-    /// for pools of small pages, whose scattered rows stream at 62% of DRAM peak against a
-    /// contiguous cache's 90% (bench/NOTES.md, "Open leads"); not yet measured.
+    /// for pools of small pages that measured slower (32/8 heads b32 L32768, pages of 1:
+    /// 1477 -> 1565 us at d 128, 767 -> 778 at d 64; docs/tuning.md, "Lanes").
     pub persistent_head_lanes: Option<bool>,
 }
 
@@ -2066,17 +2067,11 @@ mod tests {
                 .heads_per_row,
             2
         );
-        // d 96: pairs (d 192 rows, three whole boxes) only when asked for; page runs by boxes
+        // d 96 MHA: pairs by default (d 192 rows, three whole boxes); page runs by boxes
         let phi = DecodeProblem::new(16, 32, 32, 96, 4096, DType::Bf16).unwrap();
-        assert!(can_pair_heads(&phi) && !pairs_heads(&phi));
-        assert_eq!(
-            persistent(&phi, PlanOptions::default())
-                .unwrap()
-                .variant
-                .heads_per_row,
-            1
-        );
-        let pp = persistent(&phi, on).unwrap();
+        assert!(can_pair_heads(&phi) && pairs_heads(&phi));
+        assert_eq!(persistent(&phi, off).unwrap().variant.heads_per_row, 1);
+        let pp = persistent(&phi, PlanOptions::default()).unwrap();
         assert_eq!((pp.variant.heads_per_row, pp.variant.head_dim), (2, 192));
         let k = pp.kernel_problem(&phi);
         assert_eq!(
@@ -2133,7 +2128,7 @@ mod tests {
             let plan = persistent(p, o).unwrap();
             (plan.col_blocks, plan.lanes)
         };
-        assert_eq!(lanes(&p, None), (2, 1));
+        assert_eq!(lanes(&p, None), (2, 2));
         assert_eq!(lanes(&p, Some(false)), (2, 1));
         assert_eq!(lanes(&p, Some(true)), (2, 2));
         // one block: nothing to deal
@@ -2153,6 +2148,7 @@ mod tests {
         assert_eq!(heads(&p, None, Some(true)), (2, 16, 1));
         assert_eq!(heads(&p, Some(true), Some(true)), (2, 16, 1));
         assert_eq!(heads(&p, Some(true), Some(false)), (2, 2, 1));
+        assert_eq!(heads(&p, Some(false), None), (2, 1, 1));
         assert_eq!(heads(&one, None, Some(true)), (1, 8, 1));
         let mha64 = DecodeProblem::new(2, 16, 16, 64, 4096, DType::Bf16).unwrap();
         assert_eq!(heads(&mha64, None, Some(true)), (1, 8, 2));
