@@ -52,7 +52,7 @@
 //                        to 128 in shared memory, kv_format.cuh); 128 or 192: a row of paired heads
 //   KVS_HEADS_PER_ROW    1, or 2: two adjacent d 64 (d 96) KV heads side by side in one d 128
 //                        (d 192) row (see "Paired heads")
-//   KVS_N_TILES          n8 tiles of query rows per column block (1..4)
+//   KVS_N_TILES          n8 tiles of query rows per column block (1..4; 8: the wide consumer)
 //   KVS_TILE_TOKENS      KV positions per ring stage (multiple of 64)
 //   KVS_STAGES           ring depth
 //   KVS_CONSUMER_GROUPS  1 or 2 groups of four consumer warps
@@ -68,6 +68,11 @@
 // column's positions below as well (the schedule streams only the window's tiles), the softcap
 // is a warp-uniform branch, and the epilogue reads p.sinks where they are set. Masks are
 // applied only in the tiles that cross a column's bound, so a modifier that is off costs nothing.
+//
+// Wide column blocks (KVS_N_TILES 8: 64 query rows a block, 2-byte caches, d 64 and 128, large
+// multi-token groups) take another consumer on the same scheduler, producer, ring and epilogue:
+// the query rows are the M dimension of the warpgroup MMA (wgmma.cuh), as in decode_mla.cu, so
+// neither product re-reads the rows per tile (see "wide consumer" below).
 //
 // Paired heads (KVS_HEADS_PER_ROW 2): a cache of d 64 heads stored next to each other
 // ([.., hkv, 64] with head stride 64) is the same memory as [.., hkv / 2, 128], so the engine
@@ -88,6 +93,7 @@
 #include "scheduler.cuh"
 #include "score_mods.cuh"
 #include "trace.cuh"
+#include "wgmma.cuh"
 
 namespace kvs {
 
@@ -115,6 +121,7 @@ constexpr int Q_DIM = HEAD_DIM / HEADS_PER_ROW;  // head dim of q, out and of on
 static_assert(HEADS_PER_ROW == 1 || (HEADS_PER_ROW == 2 && (HEAD_DIM == 128 || HEAD_DIM == 192)),
               "paired heads: two d 64 or two d 96 heads");
 constexpr int N_TILES = KVS_N_TILES;
+constexpr bool WIDE = N_TILES == 8;  // the wide consumer: 64 query rows on the wgmma M dimension
 constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
 constexpr int STAGES = KVS_STAGES;
 constexpr int CONSUMER_GROUPS = KVS_CONSUMER_GROUPS;
@@ -157,6 +164,18 @@ constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;   // one piece's query rows
 constexpr int Q_BUFFERS = 3;
 constexpr int MERGE_ROW = HEAD_DIM + 4;         // epilogue scratch rows, padded likewise
 constexpr int MERGE_WARP_FLOATS = GROUP_PAD * MERGE_ROW;
+// Softmax states per column the epilogue merges: one per consumer warp, or one per warpgroup of
+// the wide consumer (each holds whole rows)
+constexpr int EPI_PARTS = WIDE ? CONSUMER_GROUPS : CONSUMER_WARPS;
+// The wide consumer's query rows, staged by itself in the 128-byte swizzle of a wgmma operand:
+// HEAD_DIM / 64 boxes of 64 rows x 128 bytes (the producer loads none)
+constexpr int WIDE_Q_BOX = GROUP_PAD * 128;
+constexpr int Q_REGION = WIDE ? GROUP_PAD * HEAD_DIM * 2 : Q_BUFFERS * Q_BYTES;
+// merge_unit stages two floats per column and piece in the epilogue scratch; a unit has at
+// most one piece per CTA of the grid
+constexpr int MAX_GRID = 132;
+constexpr int MERGE_FLOATS =
+    EPI_PARTS * MERGE_WARP_FLOATS > 2 * MAX_GRID * GROUP_PAD ? EPI_PARTS * MERGE_WARP_FLOATS : 2 * MAX_GRID * GROUP_PAD;
 
 struct SharedPlan {
     // from a 1024-byte aligned base (the 128-byte swizzle repeats every 1024 bytes; TMA expects it)
@@ -165,14 +184,14 @@ struct SharedPlan {
     static constexpr int q = STAGES * STAGE_BYTES;
     // the epilogue's scratch has its own space: the producer is filling the ring with the next
     // piece's tiles while the consumers finish this one
-    static constexpr int merge = q + Q_BUFFERS * Q_BYTES;
-    static constexpr int full = merge + CONSUMER_WARPS * MERGE_WARP_FLOATS * 4;  // K, V per stage
+    static constexpr int merge = q + Q_REGION;
+    static constexpr int full = merge + MERGE_FLOATS * 4;  // K, V per stage
     static constexpr int empty = full + 16 * STAGES;
     static constexpr int q_full = empty + 8 * STAGES;
     static constexpr int q_empty = q_full + 8 * Q_BUFFERS;
     static constexpr int warp_m = q_empty + 8 * Q_BUFFERS;
-    static constexpr int warp_l = warp_m + 4 * CONSUMER_WARPS * GROUP_PAD;
-    static constexpr int col_out = warp_l + 4 * CONSUMER_WARPS * GROUP_PAD;  // Columns tables
+    static constexpr int warp_l = warp_m + 4 * EPI_PARTS * GROUP_PAD;
+    static constexpr int col_out = warp_l + 4 * EPI_PARTS * GROUP_PAD;  // Columns tables
     static constexpr int col_row = col_out + 8 * GROUP_PAD;
     static constexpr int col_visible = col_row + 8 * GROUP_PAD;
     static constexpr int col_low = col_visible + 4 * GROUP_PAD;
@@ -191,15 +210,16 @@ static_assert(STAGES % CONSUMER_GROUPS == 0, "a stage must always feed the same 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256 ||
                   (HEAD_DIM == 192 && HEADS_PER_ROW == 2),
               "head dim");
-static_assert(N_TILES >= 1 && N_TILES <= (HEAD_DIM > 128 ? 2 : 4),
+static_assert((N_TILES >= 1 && N_TILES <= (HEAD_DIM > 128 ? 2 : 4)) || WIDE,
               "column blocks of up to 32 rows (16 at d 256: the O^T accumulators fill the registers)");
+static_assert(!WIDE || (!KV_FP8 && HEADS_PER_ROW == 1 && (HEAD_DIM == 64 || HEAD_DIM == 128) &&
+                        CONSUMER_GROUPS == 2 && TILE_TOKENS == 64 && SOFTMAX_SLICES == 1),
+              "wide column blocks: 2-byte caches of d 64 or 128, two warpgroups on 64-position tiles");
 static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
               "softmax steps of whole m16 slices of a warp's rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
-// merge_unit stages two floats per column and piece in the epilogue scratch; a unit has at
-// most one piece per CTA of the grid
-constexpr int MAX_GRID = 132;
-static_assert(2 * MAX_GRID * GROUP_PAD <= CONSUMER_WARPS * MERGE_WARP_FLOATS, "merge scratch");
+static_assert(2 * MAX_GRID * GROUP_PAD <= MERGE_FLOATS && EPI_PARTS * MERGE_WARP_FLOATS <= MERGE_FLOATS,
+              "merge scratch");
 static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern boundary");
 static_assert(SMEM_ROW % 16 == 0 && Q_BYTES % 16 == 0, "bulk copies of query rows: 16-byte aligned");
 
@@ -273,7 +293,7 @@ struct ProducerWalk {
     }
     __device__ __forceinline__ void issue(const PersistentParams& p, const Ring& r, bool issuer) {
         if (!more) return;
-        if (issuer) load_query_rows(p, r, ahead, j);
+        if (issuer && !WIDE) load_query_rows(p, r, ahead, j);
         ++j;
     }
     __device__ __forceinline__ bool next(const PersistentParams& p, const Ring& r, bool issuer, Piece& pc) {
@@ -661,6 +681,242 @@ __device__ __forceinline__ void write_empty_requests(const PersistentParams& p) 
     }
 }
 
+// ================================ wide consumer ============================================
+// Column blocks of 64 query rows (KVS_N_TILES 8) where a KV head has that many (large
+// multi-token groups: the op is compute-bound there, and the narrow consumer re-reads its rows
+// from shared memory on every tile). Warpgroup g (warps 4 g .. 4 g + 3) takes the tiles of
+// group g as the four-warp groups of the narrow consumer do, with its own online softmax over
+// whole rows:
+//   S = Q K^T    64 rows x 64 positions (m64n64k16 over the head dims), both operands in shared
+//                memory: the rows as the consumers staged them, K as the ring holds it;
+//   softmax      thread t (warp w of its warpgroup, lane l) holds rows r0 = 16 w + l / 4 and
+//                r0 + 8 (the accumulator layout, wgmma.cuh): a row's max and sum are four
+//                lanes' (two shuffles);
+//   O += P V     P packed in pairs from the S accumulator is the A fragment (no trip through
+//                shared memory), V the ring's tile as the N-major B operand.
+// Positions outside [unit_low, len) of a masked tile get P = 0, and their V rows are cleared in
+// shared memory first (they may hold anything, and 0 x NaN = NaN). The epilogue merges the two
+// warpgroups' states of each row (EPI_PARTS) in the narrow consumer's scratch.
+// (sized by its own constants, so that every variant compiles it; only wide ones call it)
+constexpr int WG_THREADS = 128;
+constexpr int WIDE_TOKENS = 64;                 // = TILE_TOKENS of a wide variant
+constexpr int WIDE_S_REGS = WIDE_TOKENS / 2;    // 64 rows x 64 positions f32 over a warpgroup
+constexpr int WIDE_O_REGS = HEAD_DIM / 2;       // 64 rows x HEAD_DIM f32
+constexpr int WIDE_K_STEPS = WIDE_TOKENS / 16;  // k16 steps of P V
+static_assert(!WIDE || TILE_TOKENS == WIDE_TOKENS, "wide tiles");
+
+// (a template, so that only the head dim's MMA is instantiated)
+template <int D>
+__device__ __forceinline__ void wgmma_pv(float (&o)[D / 2], const u32 (&a)[4], u64 v_desc) {
+    if constexpr (D == 128) {
+        wgmma_m64n128k16_rs<MMA_F16, 1>(o, a, v_desc, true);
+    } else if constexpr (D == 64) {
+        wgmma_m64n64k16_rs<MMA_F16, 1>(o, a, v_desc, true);
+    }
+}
+
+// The block's 64 query rows (columns, token-major) into the 128-byte swizzle by cp.async from
+// every consumer thread: chunk c of row r at box c / 8, row r, chunk (c % 8) ^ (r % 8). Rows past
+// the block's valid columns are zeros.
+__device__ __forceinline__ void stage_query_rows_wide(const PersistentParams& p, const Piece& pc, const Columns& cols,
+                                                      u32 q_base) {
+    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks a row
+    const int kv_head = pc.unit / p.col_blocks;
+    const u64 policy = l2_policy_evict_last();  // every block of the KV head reads the rows again
+    for (int i = threadIdx.x; i < GROUP_PAD * CHUNKS; i += CONSUMER_THREADS) {
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        const bool valid = r < cols.count;
+        const int row = cols.first_col + (valid ? r : 0);
+        const int token = row / p.group, h = row % p.group;
+        const u16* src = reinterpret_cast<const u16*>(p.q) + pc.batch * p.q_batch_stride +
+                         (long long)token * p.q_token_stride + (long long)(kv_head * p.group + h) * p.q_head_stride +
+                         c * 8;
+        cp_async_16(q_base + (c / 8) * WIDE_Q_BOX + r * 128 + (((c % 8) ^ (r % 8)) << 4), src, valid ? 16 : 0, policy);
+    }
+    cp_async_wait_all();
+}
+
+// One piece on the wide consumer, up to its warpgroups' states parked in the epilogue scratch
+// (warp_m / warp_l [part][row], merge [part][row][dim]) for the shared epilogue.
+__device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, const Piece& pc, const Columns& cols,
+                                                   unsigned char* smem, int n0, float score_scale) {
+    u64* k_full = reinterpret_cast<u64*>(smem + SharedPlan::full);
+    u64* v_full = k_full + STAGES;
+    u64* empty = reinterpret_cast<u64*>(smem + SharedPlan::empty);
+    float* warp_m = reinterpret_cast<float*>(smem + SharedPlan::warp_m);
+    float* warp_l = reinterpret_cast<float*>(smem + SharedPlan::warp_l);
+    float* merge = reinterpret_cast<float*>(smem + SharedPlan::merge);
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / WG_THREADS, 0);  // warp-uniform for ptxas
+    const int me = threadIdx.x % WG_THREADS;
+    const int lane = threadIdx.x % 32;
+    const int r0 = 16 * (me / 32) + lane / 4;  // and r0 + 8
+    const int pair = 2 * (lane % 4);           // first of the two accumulator columns of an n8 tile
+    const u32 ring_base = smem_addr(smem + SharedPlan::ring);
+    const u32 q_base = smem_addr(smem + SharedPlan::q);
+
+    // (the previous piece's products are done: both warpgroups waited for them before the
+    // epilogue's barriers)
+    stage_query_rows_wide(p, pc, cols, q_base);
+    fence_proxy_async_shared();
+    named_barrier_sync(1, CONSUMER_THREADS);
+    if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);
+    // K-major operands (Q, K): a k16 step is 32 bytes along the row, a box 64 k further
+    const u64 q_desc = smem_desc_sw128(q_base, 16, 1024);
+
+    float o[WIDE_O_REGS];
+#pragma unroll
+    for (int i = 0; i < WIDE_O_REGS; ++i) o[i] = 0.f;
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+    int low[2], high[2];  // positions each of the thread's rows sees: [low, high)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = r0 + 8 * i;
+        high[i] = r < cols.count ? cols.visible(r) : pc.len;
+        low[i] = r < cols.count ? cols.low(r) : 0;
+    }
+    const bool capped = p.softcap_log2 > 0.f;
+    const VisibleRange first_token = visible_range(pc.len, p.q_len, 0, p.window_left, p.window_right);
+    const int unit_low = first_token.low;
+    const int last_low = visible_range(pc.len, p.q_len, p.q_len - 1, p.window_left, p.window_right).low;
+
+    const int skip = ((wg - n0) % CONSUMER_GROUPS + CONSUMER_GROUPS) % CONSUMER_GROUPS;
+    for (int k = pc.first + skip; k < pc.end; k += CONSUMER_GROUPS) {
+        const int n = n0 + k - pc.first;
+        const int stage = n % STAGES;
+        const u32 parity = (n / STAGES) & 1;
+        const u32 k_tile = ring_base + stage * STAGE_BYTES, v_tile = k_tile + TILE_BYTES;
+        const int tile_begin = pc.tile_begin(k, TILE_TOKENS);
+        const bool masked = tile_begin + TILE_TOKENS > first_token.high || tile_begin < last_low;
+        mbarrier_wait(&k_full[stage], parity);
+        if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
+
+        // ---- S = Q K^T ----
+        float s[WIDE_S_REGS];
+        const u64 k_desc = smem_desc_sw128(k_tile, 16, 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D_TILES; ++kk)
+            wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * WIDE_Q_BOX + (kk % 4) * 32) >> 4),
+                                        k_desc + (((kk / 4) * BOX_BYTES + (kk % 4) * 32) >> 4), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(s);
+
+        // ---- online softmax of rows r0, r0 + 8 (base 2) ----
+#pragma unroll
+        for (int e = 0; e < WIDE_S_REGS; ++e) {
+            const float u = s[e] * score_scale;
+            s[e] = capped ? softcap(u, p.softcap_scale, p.softcap_log2) : u;
+        }
+        if (masked) {
+#pragma unroll
+            for (int j = 0; j < WIDE_TOKENS / 8; ++j)
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int t = tile_begin + 8 * j + pair + c;
+                        if (t < low[i] || t >= high[i]) s[4 * j + 2 * i + c] = neg_inf();
+                    }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float mx = neg_inf();
+#pragma unroll
+            for (int j = 0; j < WIDE_TOKENS / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_run[i], mx);
+            // a row that has seen only masked positions keeps m = -inf: subtract 0 then
+            const float m_use = m_new == neg_inf() ? 0.f : m_new;
+            alpha[i] = exp2_approx(m_run[i] - m_use);
+            m_run[i] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < WIDE_TOKENS / 8; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    float& v = s[4 * j + 2 * i + c];
+                    v = exp2_approx(v - m_use);
+                    sum += v;
+                }
+            l_run[i] = l_run[i] * alpha[i] + sum;  // this lane's positions; the epilogue adds the others
+        }
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; ++j) {
+            o[4 * j] *= alpha[0];
+            o[4 * j + 1] *= alpha[0];
+            o[4 * j + 2] *= alpha[1];
+            o[4 * j + 3] *= alpha[1];
+        }
+        // P as the A fragments of the k16 steps over positions: n8 tiles 2 ks and 2 ks + 1
+        u32 pa[WIDE_K_STEPS][4];
+#pragma unroll
+        for (int ks = 0; ks < WIDE_K_STEPS; ++ks)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) pa[ks][q] = pack_half2<MMA_F16>(s[8 * ks + 2 * q], s[8 * ks + 2 * q + 1]);
+
+        // ---- O += P V ----
+        mbarrier_wait(&v_full[stage], parity);
+        if (masked) {
+            // rows [0, below) and [from, TILE_TOKENS) of every box (whole 128-byte rows: the
+            // swizzle moves chunks within a row)
+            const int below = min(max(unit_low - tile_begin, 0), TILE_TOKENS);
+            const int from = max(min(pc.len - tile_begin, TILE_TOKENS), 0);
+            if (below > 0 || from < TILE_TOKENS) {
+                unsigned char* v_rows = smem + SharedPlan::ring + stage * STAGE_BYTES + TILE_BYTES;
+                for (int i = me; i < BOXES * TILE_TOKENS * 8; i += WG_THREADS) {
+                    const int box = i / (8 * TILE_TOKENS), t = (i / 8) % TILE_TOKENS;
+                    if (t < below || t >= from)
+                        *reinterpret_cast<uint4*>(v_rows + box * BOX_BYTES + t * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
+                }
+                fence_proxy_async_shared();
+                named_barrier_sync(2 + wg, WG_THREADS);
+            }
+        }
+        // V N-major: rows are positions (8 of them 1024 bytes apart), 64 dims a box
+        const u64 v_desc = smem_desc_sw128(v_tile, BOX_BYTES, 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < WIDE_K_STEPS; ++ks) wgmma_pv<HEAD_DIM>(o, pa[ks], v_desc + ((ks * 16 * 128) >> 4));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(o);
+        mbarrier_arrive(&empty[stage]);
+    }
+
+    // ---- the warpgroup's states into the epilogue scratch ----
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+        l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+    }
+    if (lane % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            warp_m[wg * GROUP_PAD + r0 + 8 * i] = m_run[i];
+            warp_l[wg * GROUP_PAD + r0 + 8 * i] = l_run[i];
+        }
+    }
+    named_barrier_sync(1, CONSUMER_THREADS);
+    // each warpgroup rescales its O to the CTA-wide max of the row and parks it
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int row = r0 + 8 * i;
+        float m_cta = neg_inf();
+#pragma unroll
+        for (int w = 0; w < EPI_PARTS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + row]);
+        const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
+        const float factor = exp2_approx(m_run[i] - m_use);
+        float* dst = merge + wg * MERGE_WARP_FLOATS + row * MERGE_ROW + pair;
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; ++j)
+            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * i] * factor, o[4 * j + 2 * i + 1] * factor);
+    }
+    named_barrier_sync(1, CONSUMER_THREADS);
+}
+
 }  // namespace kvs
 
 using namespace kvs;
@@ -775,223 +1031,228 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                 p.scale_log2 * kv_scale<KV_FP8>(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride, pc.batch, h);
             v_scale[r] = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, pc.batch, h);
         }
-        // this piece's query rows, loaded by the producer
-        const int q_buf = pieces_done % Q_BUFFERS;
-        const u32 q_base = q_base0 + q_buf * Q_BYTES;
-        mbarrier_wait(&q_full[q_buf], (pieces_done / Q_BUFFERS) & 1);
-        if constexpr (Kv::QUERY_PERMUTED) {
-            permute_query_rows<Kv, HEAD_DIM, SMEM_ROW, CONSUMER_THREADS, IS_F16>(q_base, cols.count);
-            named_barrier_sync(1, CONSUMER_THREADS);
-        }
-        if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);
-
-        float o_acc[D_TILES][N_TILES][4];
-        float m_run[N_TILES][2], l_run[N_TILES][2];
-        float score_scale[N_TILES][2];  // softmax scale x the K scale of each column's head
-        const bool capped = p.softcap_log2 > 0.f;
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                m_run[nt][j] = neg_inf();
-                l_run[nt][j] = 0.f;
-                const int c = nt * 8 + 2 * (lane % 4) + j;
-                score_scale[nt][j] = of_part(head_score_scale, cols.part(p, c));
+        if constexpr (WIDE) {
+            consume_wide_piece(p, pc, cols, smem, n0, head_score_scale[0]);
+        } else {
+            // this piece's query rows, loaded by the producer
+            const int q_buf = pieces_done % Q_BUFFERS;
+            const u32 q_base = q_base0 + q_buf * Q_BYTES;
+            mbarrier_wait(&q_full[q_buf], (pieces_done / Q_BUFFERS) & 1);
+            if constexpr (Kv::QUERY_PERMUTED) {
+                permute_query_rows<Kv, HEAD_DIM, SMEM_ROW, CONSUMER_THREADS, IS_F16>(q_base, cols.count);
+                named_barrier_sync(1, CONSUMER_THREADS);
             }
-#pragma unroll
-            for (int dt = 0; dt < D_TILES; ++dt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) o_acc[dt][nt][i] = 0.f;
-        }
+            if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);
 
-        // this group's tiles of the piece: CTA tile counts n = n0 + (k - first) = group (mod G)
-        const int skip = ((group - n0) % CONSUMER_GROUPS + CONSUMER_GROUPS) % CONSUMER_GROUPS;
-        for (int k = pc.first + skip; k < pc.end; k += CONSUMER_GROUPS) {
-            const int n = n0 + k - pc.first;
-            const int stage = n % STAGES;
-            const u32 parity = (n / STAGES) & 1;
-            mbarrier_wait(&k_full[stage], parity);
-            if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
-            const u32 k_tile = ring_base + stage * STAGE_BYTES;
-            const u32 v_tile = k_tile + TILE_BYTES;
-            const int tile_begin = pc.tile_begin(k, TILE_TOKENS);
-            // Every column of the piece sees positions within [unit_low, pc.len) and at least
-            // [max_low, min_high) of them (token 0 sees the least far, the last token the least
-            // far back): only tiles reaching past those bounds need masks, in the scores and in
-            // V (whose rows below unit_low, stale pages perhaps, are cleared like those past the
-            // length). Worked out per tile from the parameters: a few integer operations, no
-            // registers held across the loop.
-            const VisibleRange first_token = visible_range(pc.len, p.q_len, 0, p.window_left, p.window_right);
-            const int unit_low = first_token.low;
-            const bool masked =
-                tile_begin + TILE_TOKENS > first_token.high ||
-                tile_begin < visible_range(pc.len, p.q_len, p.q_len - 1, p.window_left, p.window_right).low;
-
+            float o_acc[D_TILES][N_TILES][4];
+            float m_run[N_TILES][2], l_run[N_TILES][2];
+            float score_scale[N_TILES][2];  // softmax scale x the K scale of each column's head
+            const bool capped = p.softcap_log2 > 0.f;
 #pragma unroll
-            for (int ms0 = 0; ms0 < M_SLICES; ms0 += SOFTMAX_SLICES) {
-                // ---- S^T = K Q^T for SOFTMAX_SLICES x 16 positions x GROUP_PAD columns ----
-                float s[SOFTMAX_SLICES][N_TILES][4];
+            for (int nt = 0; nt < N_TILES; ++nt) {
 #pragma unroll
-                for (int h = 0; h < SOFTMAX_SLICES; ++h) {
-                    const int slice_row = row0 + (ms0 + h) * 16;
-#pragma unroll
-                    for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) s[h][nt][i] = 0.f;
-#pragma unroll
-                    for (int kk = 0; kk < D_TILES; kk += 2) {
-                        u32 a0[4], a1[4];
-                        Kv::k_fragments(a0, a1, k_tile, slice_row, kk, lane);
-#pragma unroll
-                        for (int nt = 0; nt < N_TILES; ++nt) {
-                            u32 b[4];
-                            ldmatrix_x4(b, q_base + (nt * 8 + q_row) * SMEM_ROW + (kk * 16 + q_col) * 2);
-                            mma_m16n8k16<MMA_F16>(s[h][nt], a0, b[0], b[1]);
-                            mma_m16n8k16<MMA_F16>(s[h][nt], a1, b[2], b[3]);
-                        }
-                    }
+                for (int j = 0; j < 2; ++j) {
+                    m_run[nt][j] = neg_inf();
+                    l_run[nt][j] = 0.f;
+                    const int c = nt * 8 + 2 * (lane % 4) + j;
+                    score_scale[nt][j] = of_part(head_score_scale, cols.part(p, c));
                 }
-
-                // ---- online softmax over this warp's rows of the step (base 2) ----
-                u32 p_frag[SOFTMAX_SLICES][N_TILES][2];
 #pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt) {
-                    float x[SOFTMAX_SLICES][4];
+                for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) o_acc[dt][nt][i] = 0.f;
+            }
+
+            // this group's tiles of the piece: CTA tile counts n = n0 + (k - first) = group (mod G)
+            const int skip = ((group - n0) % CONSUMER_GROUPS + CONSUMER_GROUPS) % CONSUMER_GROUPS;
+            for (int k = pc.first + skip; k < pc.end; k += CONSUMER_GROUPS) {
+                const int n = n0 + k - pc.first;
+                const int stage = n % STAGES;
+                const u32 parity = (n / STAGES) & 1;
+                mbarrier_wait(&k_full[stage], parity);
+                if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
+                const u32 k_tile = ring_base + stage * STAGE_BYTES;
+                const u32 v_tile = k_tile + TILE_BYTES;
+                const int tile_begin = pc.tile_begin(k, TILE_TOKENS);
+                // Every column of the piece sees positions within [unit_low, pc.len) and at least
+                // [max_low, min_high) of them (token 0 sees the least far, the last token the least
+                // far back): only tiles reaching past those bounds need masks, in the scores and in
+                // V (whose rows below unit_low, stale pages perhaps, are cleared like those past the
+                // length). Worked out per tile from the parameters: a few integer operations, no
+                // registers held across the loop.
+                const VisibleRange first_token = visible_range(pc.len, p.q_len, 0, p.window_left, p.window_right);
+                const int unit_low = first_token.low;
+                const bool masked =
+                    tile_begin + TILE_TOKENS > first_token.high ||
+                    tile_begin < visible_range(pc.len, p.q_len, p.q_len - 1, p.window_left, p.window_right).low;
+
+#pragma unroll
+                for (int ms0 = 0; ms0 < M_SLICES; ms0 += SOFTMAX_SLICES) {
+                    // ---- S^T = K Q^T for SOFTMAX_SLICES x 16 positions x GROUP_PAD columns ----
+                    float s[SOFTMAX_SLICES][N_TILES][4];
 #pragma unroll
                     for (int h = 0; h < SOFTMAX_SLICES; ++h) {
-                        const int tok_lo = tile_begin + row0 + (ms0 + h) * 16 + lane / 4;  // rows of s[h][..][0..1]
+                        const int slice_row = row0 + (ms0 + h) * 16;
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const float u = s[h][nt][i] * score_scale[nt][i % 2];
-                            x[h][i] = capped ? softcap(u, p.softcap_scale, p.softcap_log2) : u;
-                        }
-                        if (masked) {
-                            // the bounds of this lane's two columns (dropped columns: the piece's)
+                        for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-                            for (int j = 0; j < 2; ++j) {
-                                const int c = nt * 8 + 2 * (lane % 4) + j;
-                                const int high = c < cols.count ? cols.visible(c) : pc.len;
-                                const int low = c < cols.count ? cols.low(c) : 0;
-                                if (tok_lo < low || tok_lo >= high) x[h][j] = neg_inf();
-                                if (tok_lo + 8 < low || tok_lo + 8 >= high) x[h][j + 2] = neg_inf();
+                            for (int i = 0; i < 4; ++i) s[h][nt][i] = 0.f;
+#pragma unroll
+                        for (int kk = 0; kk < D_TILES; kk += 2) {
+                            u32 a0[4], a1[4];
+                            Kv::k_fragments(a0, a1, k_tile, slice_row, kk, lane);
+#pragma unroll
+                            for (int nt = 0; nt < N_TILES; ++nt) {
+                                u32 b[4];
+                                ldmatrix_x4(b, q_base + (nt * 8 + q_row) * SMEM_ROW + (kk * 16 + q_col) * 2);
+                                mma_m16n8k16<MMA_F16>(s[h][nt], a0, b[0], b[1]);
+                                mma_m16n8k16<MMA_F16>(s[h][nt], a1, b[2], b[3]);
                             }
                         }
                     }
-                    float mx[2] = {fmaxf(x[0][0], x[0][2]), fmaxf(x[0][1], x[0][3])};
+
+                    // ---- online softmax over this warp's rows of the step (base 2) ----
+                    u32 p_frag[SOFTMAX_SLICES][N_TILES][2];
 #pragma unroll
-                    for (int h = 1; h < SOFTMAX_SLICES; ++h) {
-                        mx[0] = fmaxf(mx[0], fmaxf(x[h][0], x[h][2]));
-                        mx[1] = fmaxf(mx[1], fmaxf(x[h][1], x[h][3]));
-                    }
-#pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-                        for (int off = 4; off < 32; off *= 2)
-                            mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], off));
-                        const float m_new = fmaxf(m_run[nt][j], mx[j]);
-                        // a column that has seen only masked rows keeps m = -inf: subtract 0 then,
-                        // so that exp2 gives 0 rather than NaN
-                        const float m_use = m_new == neg_inf() ? 0.f : m_new;
-                        const float alpha = exp2_approx(m_run[nt][j] - m_use);
-                        m_run[nt][j] = m_new;
+                    for (int nt = 0; nt < N_TILES; ++nt) {
+                        float x[SOFTMAX_SLICES][4];
 #pragma unroll
                         for (int h = 0; h < SOFTMAX_SLICES; ++h) {
-                            x[h][j] = exp2_approx(x[h][j] - m_use);
-                            x[h][j + 2] = exp2_approx(x[h][j + 2] - m_use);
+                            const int tok_lo = tile_begin + row0 + (ms0 + h) * 16 + lane / 4;  // rows of s[h][..][0..1]
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const float u = s[h][nt][i] * score_scale[nt][i % 2];
+                                x[h][i] = capped ? softcap(u, p.softcap_scale, p.softcap_log2) : u;
+                            }
+                            if (masked) {
+                                // the bounds of this lane's two columns (dropped columns: the piece's)
+#pragma unroll
+                                for (int j = 0; j < 2; ++j) {
+                                    const int c = nt * 8 + 2 * (lane % 4) + j;
+                                    const int high = c < cols.count ? cols.visible(c) : pc.len;
+                                    const int low = c < cols.count ? cols.low(c) : 0;
+                                    if (tok_lo < low || tok_lo >= high) x[h][j] = neg_inf();
+                                    if (tok_lo + 8 < low || tok_lo + 8 >= high) x[h][j + 2] = neg_inf();
+                                }
+                            }
                         }
-                        float l = l_run[nt][j] * alpha + x[0][j] + x[0][j + 2];
+                        float mx[2] = {fmaxf(x[0][0], x[0][2]), fmaxf(x[0][1], x[0][3])};
 #pragma unroll
-                        for (int h = 1; h < SOFTMAX_SLICES; ++h) l += x[h][j] + x[h][j + 2];
-                        l_run[nt][j] = l;
+                        for (int h = 1; h < SOFTMAX_SLICES; ++h) {
+                            mx[0] = fmaxf(mx[0], fmaxf(x[h][0], x[h][2]));
+                            mx[1] = fmaxf(mx[1], fmaxf(x[h][1], x[h][3]));
+                        }
 #pragma unroll
-                        for (int dt = 0; dt < D_TILES; ++dt) {
-                            o_acc[dt][nt][j] *= alpha;
-                            o_acc[dt][nt][j + 2] *= alpha;
+                        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                            for (int off = 4; off < 32; off *= 2)
+                                mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], off));
+                            const float m_new = fmaxf(m_run[nt][j], mx[j]);
+                            // a column that has seen only masked rows keeps m = -inf: subtract 0 then,
+                            // so that exp2 gives 0 rather than NaN
+                            const float m_use = m_new == neg_inf() ? 0.f : m_new;
+                            const float alpha = exp2_approx(m_run[nt][j] - m_use);
+                            m_run[nt][j] = m_new;
+#pragma unroll
+                            for (int h = 0; h < SOFTMAX_SLICES; ++h) {
+                                x[h][j] = exp2_approx(x[h][j] - m_use);
+                                x[h][j + 2] = exp2_approx(x[h][j + 2] - m_use);
+                            }
+                            float l = l_run[nt][j] * alpha + x[0][j] + x[0][j + 2];
+#pragma unroll
+                            for (int h = 1; h < SOFTMAX_SLICES; ++h) l += x[h][j] + x[h][j + 2];
+                            l_run[nt][j] = l;
+#pragma unroll
+                            for (int dt = 0; dt < D_TILES; ++dt) {
+                                o_acc[dt][nt][j] *= alpha;
+                                o_acc[dt][nt][j + 2] *= alpha;
+                            }
+                        }
+                        // P^T as the B operand: the S^T accumulator halves are 8x8 blocks with
+                        // positions on rows; transposing each in registers gives the k-major fragment.
+#pragma unroll
+                        for (int h = 0; h < SOFTMAX_SLICES; ++h) {
+                            p_frag[h][nt][0] = movmatrix_trans(pack_half2<MMA_F16>(x[h][0], x[h][1]));
+                            p_frag[h][nt][1] = movmatrix_trans(pack_half2<MMA_F16>(x[h][2], x[h][3]));
                         }
                     }
-                    // P^T as the B operand: the S^T accumulator halves are 8x8 blocks with
-                    // positions on rows; transposing each in registers gives the k-major fragment.
+
+                    // ---- O^T += V^T P^T ----
+                    if (ms0 == 0) mbarrier_wait(&v_full[stage], parity);
 #pragma unroll
                     for (int h = 0; h < SOFTMAX_SLICES; ++h) {
-                        p_frag[h][nt][0] = movmatrix_trans(pack_half2<MMA_F16>(x[h][0], x[h][1]));
-                        p_frag[h][nt][1] = movmatrix_trans(pack_half2<MMA_F16>(x[h][2], x[h][3]));
+                        const int slice_row = row0 + (ms0 + h) * 16;
+                        // Positions past the length carry P = 0, but the V rows there may hold
+                        // anything (NaN included, and 0 * NaN = NaN): clear them in the request's
+                        // last tile, and those before the window in its first. Lane holds V^T
+                        // columns (positions) 2*(lane%4) + {0,1} in a[0..1] and 8 more in a[2..3].
+                        u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
+                        if (masked) {
+                            const int t0 = tile_begin + slice_row + 2 * (lane % 4);
+                            auto kept = [&](int t) { return t < pc.len && t >= unit_low; };
+                            keep_lo = (kept(t0) ? 0x0000ffffu : 0u) | (kept(t0 + 1) ? 0xffff0000u : 0u);
+                            keep_hi = (kept(t0 + 8) ? 0x0000ffffu : 0u) | (kept(t0 + 9) ? 0xffff0000u : 0u);
+                        }
+#pragma unroll
+                        for (int dt = 0; dt < D_TILES; dt += 2) {
+                            u32 a[2][4];
+                            Kv::v_fragments(a[0], a[1], v_tile, slice_row, dt, lane);
+                            accumulate_o<MMA_F16>(o_acc, dt, a, keep_lo, keep_hi, p_frag[h]);
+                        }
                     }
                 }
-
-                // ---- O^T += V^T P^T ----
-                if (ms0 == 0) mbarrier_wait(&v_full[stage], parity);
-#pragma unroll
-                for (int h = 0; h < SOFTMAX_SLICES; ++h) {
-                    const int slice_row = row0 + (ms0 + h) * 16;
-                    // Positions past the length carry P = 0, but the V rows there may hold
-                    // anything (NaN included, and 0 * NaN = NaN): clear them in the request's
-                    // last tile, and those before the window in its first. Lane holds V^T
-                    // columns (positions) 2*(lane%4) + {0,1} in a[0..1] and 8 more in a[2..3].
-                    u32 keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;
-                    if (masked) {
-                        const int t0 = tile_begin + slice_row + 2 * (lane % 4);
-                        auto kept = [&](int t) { return t < pc.len && t >= unit_low; };
-                        keep_lo = (kept(t0) ? 0x0000ffffu : 0u) | (kept(t0 + 1) ? 0xffff0000u : 0u);
-                        keep_hi = (kept(t0 + 8) ? 0x0000ffffu : 0u) | (kept(t0 + 9) ? 0xffff0000u : 0u);
-                    }
-#pragma unroll
-                    for (int dt = 0; dt < D_TILES; dt += 2) {
-                        u32 a[2][4];
-                        Kv::v_fragments(a[0], a[1], v_tile, slice_row, dt, lane);
-                        accumulate_o<MMA_F16>(o_acc, dt, a, keep_lo, keep_hi, p_frag[h]);
-                    }
-                }
+                mbarrier_arrive(&empty[stage]);
             }
-            mbarrier_arrive(&empty[stage]);
-        }
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(&q_empty[q_buf]);
-        if (TRACE && threadIdx.x == 0) trace_stamp(n0 == 0 ? TRACE_FIRST_LOOP : TRACE_LAST_LOOP);
-        n0 += pc.end - pc.first;
-        ++pieces_done;
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&q_empty[q_buf]);
+            if (TRACE && threadIdx.x == 0) trace_stamp(n0 == 0 ? TRACE_FIRST_LOOP : TRACE_LAST_LOOP);
 
-        // ============================ epilogue: merge the warps ============================
-        // Denominators were accumulated per lane over its own rows; finish them across the 8
-        // lanes that share a column.
+            // ============================ epilogue: merge the warps ============================
+            // Denominators were accumulated per lane over its own rows; finish them across the 8
+            // lanes that share a column.
 #pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt)
+            for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-            for (int j = 0; j < 2; ++j)
+                for (int j = 0; j < 2; ++j)
 #pragma unroll
-                for (int off = 4; off < 32; off *= 2)
-                    l_run[nt][j] += __shfl_xor_sync(0xffffffffu, l_run[nt][j], off);
-        if (lane < 4) {
+                    for (int off = 4; off < 32; off *= 2)
+                        l_run[nt][j] += __shfl_xor_sync(0xffffffffu, l_run[nt][j], off);
+            if (lane < 4) {
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const int col = nt * 8 + 2 * lane + j;
+                        warp_m[warp * GROUP_PAD + col] = m_run[nt][j];
+                        warp_l[warp * GROUP_PAD + col] = l_run[nt][j];
+                    }
+            }
+            named_barrier_sync(1, CONSUMER_THREADS);
+            // each warp rescales its O^T to the CTA-wide max and parks it in the scratch
 #pragma unroll
             for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
-                    const int col = nt * 8 + 2 * lane + j;
-                    warp_m[warp * GROUP_PAD + col] = m_run[nt][j];
-                    warp_l[warp * GROUP_PAD + col] = l_run[nt][j];
+                    const int col = nt * 8 + 2 * (lane % 4) + j;
+                    float m_cta = neg_inf();
+#pragma unroll
+                    for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + col]);
+                    const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
+                    const float factor = exp2_approx(m_run[nt][j] - m_use);
+                    float* dst = merge + warp * MERGE_WARP_FLOATS + col * MERGE_ROW;
+#pragma unroll
+                    for (int dt = 0; dt < D_TILES; ++dt) {
+                        dst[Kv::o_dim(dt, lane / 4)] = o_acc[dt][nt][j] * factor;
+                        dst[Kv::o_dim(dt, lane / 4 + 8)] = o_acc[dt][nt][j + 2] * factor;
+                    }
                 }
+            named_barrier_sync(1, CONSUMER_THREADS);
         }
-        named_barrier_sync(1, CONSUMER_THREADS);
-        // each warp rescales its O^T to the CTA-wide max and parks it in the scratch
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int col = nt * 8 + 2 * (lane % 4) + j;
-                float m_cta = neg_inf();
-#pragma unroll
-                for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + col]);
-                const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
-                const float factor = exp2_approx(m_run[nt][j] - m_use);
-                float* dst = merge + warp * MERGE_WARP_FLOATS + col * MERGE_ROW;
-#pragma unroll
-                for (int dt = 0; dt < D_TILES; ++dt) {
-                    dst[Kv::o_dim(dt, lane / 4)] = o_acc[dt][nt][j] * factor;
-                    dst[Kv::o_dim(dt, lane / 4 + 8)] = o_acc[dt][nt][j + 2] * factor;
-                }
-            }
-        named_barrier_sync(1, CONSUMER_THREADS);
+        n0 += pc.end - pc.first;
+        ++pieces_done;
 
-        // Sum the warps in a fixed order: four head-dim elements per thread per step.
+        // Sum the warps' (warpgroups') states in a fixed order: four head-dim elements per thread
+        // per step.
         const bool whole = pc.whole();
         const long long piece_start = pc.start + pc.first;
         const long long slot_row = whole ? 0 : (long long)piece_slot(p, sched, st.lane, piece_start) * GROUP_PAD;
@@ -1000,12 +1261,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             const int part = cols.part(p, g);
             float m_cta = neg_inf();
 #pragma unroll
-            for (int w = 0; w < CONSUMER_WARPS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + g]);
+            for (int w = 0; w < EPI_PARTS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + g]);
             const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
             float l_cta = 0.f;
             float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int w = 0; w < CONSUMER_WARPS; ++w) {
+            for (int w = 0; w < EPI_PARTS; ++w) {
                 l_cta += warp_l[w * GROUP_PAD + g] * exp2_approx(warp_m[w * GROUP_PAD + g] - m_use);
                 const float4 v =
                     *reinterpret_cast<const float4*>(merge + w * MERGE_WARP_FLOATS + g * MERGE_ROW + part * Q_DIM + d);

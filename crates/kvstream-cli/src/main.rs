@@ -97,6 +97,10 @@ pub struct ShapeArgs {
     /// read at about the same time.
     #[arg(long)]
     pub head_lanes: bool,
+    /// Persistent engine: column blocks of 64 query rows on the warpgroup MMA (more than 32
+    /// query rows a KV head, 2-byte caches, d 64 or 128).
+    #[arg(long)]
+    pub wide_columns: bool,
 }
 
 /// `--window LEFT[,RIGHT]` as a [`Window`].
@@ -216,6 +220,7 @@ impl ShapeArgs {
             engine: self.engine.as_deref().map(str::parse).transpose()?,
             persistent_column_lanes: self.column_lanes,
             persistent_head_lanes: self.head_lanes.then_some(true),
+            persistent_wide_columns: self.wide_columns.then_some(true),
             ..ring
         };
         Ok((p, opts))

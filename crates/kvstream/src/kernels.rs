@@ -341,6 +341,15 @@ pub fn max_n_tiles(head_dim: usize) -> usize {
 /// Query-row buffers of the persistent decode (`Q_BUFFERS` in decode.cu).
 const PERSISTENT_Q_BUFFERS: usize = 3;
 
+/// n8 tiles of the persistent decode's wide column blocks (decode.cu, "wide consumer"): 64
+/// query rows on the M dimension of the warpgroup MMA, for 2-byte caches of
+/// [`WIDE_HEAD_DIMS`], two warpgroups on tiles of [`WIDE_TILE_TOKENS`] positions.
+pub const WIDE_N_TILES: usize = 8;
+/// Head dims of the wide consumer.
+pub const WIDE_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Positions per ring stage of the wide consumer (the N of its S = Q K^T product).
+pub const WIDE_TILE_TOKENS: usize = 64;
+
 /// One specialisation of the persistent decode, `decode.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PersistentVariant {
@@ -354,7 +363,7 @@ pub struct PersistentVariant {
     /// KV heads side by side in one row (`KVS_HEADS_PER_ROW`): 1, or 2 where two adjacent
     /// d 64 (d 96) heads are streamed as one d 128 (d 192) row ([`crate::plan::can_pair_heads`]).
     pub heads_per_row: usize,
-    /// n8 tiles of query rows per column block (1..=[`MAX_N_TILES`]).
+    /// n8 tiles of query rows per column block (1..=[`MAX_N_TILES`], or [`WIDE_N_TILES`]).
     pub n_tiles: usize,
     /// KV positions per ring stage.
     pub tile_tokens: usize,
@@ -401,6 +410,11 @@ impl PersistentVariant {
         problem.columns().div_ceil(8 * self.n_tiles)
     }
 
+    /// Whether the variant runs the wide consumer ([`WIDE_N_TILES`]).
+    pub fn wide(&self) -> bool {
+        self.n_tiles == WIDE_N_TILES
+    }
+
     /// Threads per CTA: the consumer warps and the producer warps.
     pub fn threads(&self) -> u32 {
         ((self.consumer_groups * 4 + self.producer_warps) * 32) as u32
@@ -410,13 +424,25 @@ impl PersistentVariant {
     /// decode.cu (plus the slack that lets the kernel align its base to 1024 bytes).
     pub fn shared_bytes_with(&self, stages: usize) -> usize {
         let columns = self.n_tiles * 8;
-        let warps = self.consumer_groups * 4;
+        // softmax states per column the epilogue merges: a warp's, or a wide warpgroup's
+        let parts = if self.wide() {
+            self.consumer_groups
+        } else {
+            self.consumer_groups * 4
+        };
         let row = kv_tile_row_bytes(self.head_dim, self.kv_dtype.size(self.dtype));
         let ring = stages * 2 * self.tile_tokens * row;
-        let q = PERSISTENT_Q_BUFFERS * columns * (self.head_dim * 2 + 16);
-        let merge = warps * columns * (self.head_dim + 4) * 4;
+        let q = if self.wide() {
+            columns * self.head_dim * 2
+        } else {
+            PERSISTENT_Q_BUFFERS * columns * (self.head_dim * 2 + 16)
+        };
+        // the epilogue's scratch; merge_unit stages two floats a column and piece there
+        let merge = (parts * columns * (self.head_dim + 4))
+            .max(2 * plan::PERSISTENT_MAX_GRID * columns)
+            * 4;
         let barriers = 3 * 8 * stages + 2 * 8 * PERSISTENT_Q_BUFFERS;
-        let stats = 2 * 4 * warps * columns;
+        let stats = 2 * 4 * parts * columns;
         // per column: output offset and row (8 bytes each), visible positions (4 + 4)
         let tables = 24 * columns;
         // gather: each producer warp's copy of one chunk of page ids (one per position of a
@@ -860,6 +886,18 @@ pub fn all_variants() -> Vec<AnyVariant> {
                         out.push(AnyVariant::Persistent(plan::persistent_variant(
                             dtype, kv_dtype, head_dim, n_tiles, source,
                         )));
+                        if n_tiles == 1
+                            && kv_dtype == KvDType::AsQuery
+                            && WIDE_HEAD_DIMS.contains(&head_dim)
+                        {
+                            out.push(AnyVariant::Persistent(plan::persistent_variant(
+                                dtype,
+                                kv_dtype,
+                                head_dim,
+                                WIDE_N_TILES,
+                                source,
+                            )));
+                        }
                         let row = 2 * head_dim;
                         if plan::PAIRED_HEAD_DIMS.contains(&head_dim)
                             && n_tiles <= max_n_tiles(row)

@@ -73,13 +73,18 @@ pub fn persistent_variant(
     kv_source: KvSource,
 ) -> PersistentVariant {
     let (consumer_groups, max_stages) = default_ring(kv_dtype, head_dim, n_tiles);
+    let wide = n_tiles == crate::kernels::WIDE_N_TILES;
     let v = PersistentVariant {
         dtype,
         kv_dtype,
         head_dim,
         heads_per_row: 1,
         n_tiles,
-        tile_tokens: tile_tokens(head_dim),
+        tile_tokens: if wide {
+            crate::kernels::WIDE_TILE_TOKENS
+        } else {
+            tile_tokens(head_dim)
+        },
         stages: consumer_groups,
         consumer_groups,
         kv_source,
@@ -300,10 +305,30 @@ pub fn persistent_variant_forced(
         }
         v.softmax_slices = m;
     }
+    if v.wide() && (v.tile_tokens != crate::kernels::WIDE_TILE_TOKENS || v.softmax_slices != 1) {
+        return Err(Error::invalid(
+            "persistent_tile_tokens / persistent_softmax_slices",
+            format!("{} / {}", v.tile_tokens, v.softmax_slices),
+            format!(
+                "none with persistent_wide_columns (its consumer takes tiles of {} positions, one \
+                 softmax step a tile)",
+                crate::kernels::WIDE_TILE_TOKENS
+            ),
+        ));
+    }
     Ok(PersistentVariant {
         kv_l2: o.persistent_kv_l2.unwrap_or(v.kv_l2),
         ..v
     })
+}
+
+/// Whether the persistent engine's wide consumer can serve `problem` (decode.cu, "wide
+/// consumer"): a 2-byte cache of a head dim of [`crate::kernels::WIDE_HEAD_DIMS`] and more
+/// query rows a KV head than one narrow column block holds (32).
+pub fn can_take_wide_columns(problem: &DecodeProblem) -> bool {
+    problem.kv_dtype == KvDType::AsQuery
+        && crate::kernels::WIDE_HEAD_DIMS.contains(&problem.head_dim)
+        && problem.columns() > 8 * MAX_N_TILES
 }
 
 /// (consumer groups, deepest ring) of the persistent variant (see [`persistent_variant`]).
@@ -327,7 +352,10 @@ fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, u
         let (_, stages) = default_ring(KvDType::AsQuery, head_dim, n_tiles);
         return (groups, 2 * stages.max(groups));
     }
-    if head_dim >= 96 {
+    if n_tiles == crate::kernels::WIDE_N_TILES {
+        // two warpgroups, each with a stage in flight behind the one it computes on
+        (2, PERSISTENT_WIDE_MAX_STAGES)
+    } else if head_dim >= 96 {
         PERSISTENT_D128_RING
     } else if DecodeVariant::groups_fit(n_tiles, 2) {
         (2, PERSISTENT_MAX_STAGES)
@@ -335,6 +363,10 @@ fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, u
         (1, PERSISTENT_MAX_STAGES)
     }
 }
+
+/// Deepest ring of the wide consumer (cut to what fits: four 32 KB stages at d 128, eight 16 KB
+/// ones at d 64). Not yet measured.
+pub const PERSISTENT_WIDE_MAX_STAGES: usize = 8;
 
 /// Ring depth of the persistent engine for e4m3 caches at d 128: eight 16 KB stages (128 KB in
 /// flight, twice what 2-byte caches measured best) ran 0.4-2.4% faster than four on the
@@ -519,15 +551,37 @@ pub fn plan_persistent(
         }
         Some(p) => p,
     };
+    let wide = match options.persistent_wide_columns {
+        Some(true) if paired || !can_take_wide_columns(problem) => {
+            return Err(Error::invalid(
+                "persistent_wide_columns",
+                true,
+                format!(
+                    "false or none for this problem ({:?} cache, d {}, {} query rows per KV \
+                     head{}): the wide consumer takes 2-byte caches of d 64 or 128 with more \
+                     than 32 rows a KV head, heads not paired",
+                    problem.kv_dtype,
+                    problem.head_dim,
+                    problem.columns(),
+                    if paired { ", paired" } else { "" }
+                ),
+            ))
+        }
+        Some(w) => w,
+        None => false,
+    };
     let view = if paired {
         paired_view(problem)
     } else {
         problem.clone()
     };
-    let n_tiles = view
-        .columns()
-        .div_ceil(8)
-        .min(crate::kernels::max_n_tiles(view.head_dim));
+    let n_tiles = if wide {
+        crate::kernels::WIDE_N_TILES
+    } else {
+        view.columns()
+            .div_ceil(8)
+            .min(crate::kernels::max_n_tiles(view.head_dim))
+    };
     let source = persistent_kv_source(&view);
     let variant = persistent_variant_forced(
         if paired {
@@ -969,6 +1023,10 @@ impl PlanOptions {
                 "persistent_pair_heads",
                 self.persistent_pair_heads.is_some(),
             ),
+            (
+                "persistent_wide_columns",
+                self.persistent_wide_columns.is_some(),
+            ),
         ]
         .into_iter()
         .find_map(|(name, set)| set.then_some(name))
@@ -1215,6 +1273,12 @@ pub struct PlanOptions {
     /// for pools of small pages that measured slower (32/8 heads b32 L32768, pages of 1:
     /// 1477 -> 1565 us at d 128, 767 -> 778 at d 64; docs/tuning.md, "Lanes").
     pub persistent_head_lanes: Option<bool>,
+    /// Persistent engine, knob: `true` runs column blocks of 64 query rows on the wide consumer
+    /// (the rows on the M dimension of the warpgroup MMA, decode.cu "wide consumer"; an error
+    /// where [`can_take_wide_columns`] says it cannot), for large multi-token groups, which are
+    /// compute-bound on the narrow consumer. `false` or `None`: the narrow consumer's blocks
+    /// of up to 32 rows. Off by default until measured (bench/NOTES.md).
+    pub persistent_wide_columns: Option<bool>,
 }
 
 /// Shared memory of one H100/H200 SM, and what the hardware reserves per resident CTA.
@@ -2111,6 +2175,85 @@ mod tests {
         assert_eq!(engine(&b1(131_072, KvDType::Fp8E4m3)), "persistent x2");
         assert_eq!(engine(&b1(32_768, KvDType::Fp8E4m3)), "split");
         assert_eq!(engine(&b1(131_072, KvDType::AsQuery)), "split");
+    }
+
+    #[test]
+    fn wide_columns_only_where_asked_and_served() {
+        let mt = |hq, hkv, q_len, d| {
+            DecodeProblem::new(4, hq, hkv, d, 4096, DType::Bf16)
+                .and_then(|p| p.with_q_len(q_len))
+                .unwrap()
+        };
+        let wide = PlanOptions {
+            persistent_wide_columns: Some(true),
+            ..Default::default()
+        };
+        // 64 rows a KV head: one wide block; off by default (narrow blocks of 32, two lanes)
+        let p = mt(64, 8, 8, 128);
+        let narrow = persistent(&p, PlanOptions::default()).unwrap();
+        assert_eq!((narrow.variant.n_tiles, narrow.col_blocks), (4, 2));
+        let pp = persistent(&p, wide).unwrap();
+        let v = pp.variant;
+        assert!(v.wide());
+        assert_eq!((pp.col_blocks, pp.lanes), (1, 1));
+        assert_eq!((v.tile_tokens, v.consumer_groups, v.stages), (64, 2, 4));
+        assert!(v.shared_bytes() <= PERSISTENT_SHARED_BUDGET);
+        assert!(crate::kernels::Variant::name(&v).contains(".n8.t64.s4.g2"));
+        // 128 rows: two wide blocks in two lanes; d 64: eight stages
+        let pp = persistent(&mt(32, 2, 8, 128), wide).unwrap();
+        assert_eq!((pp.col_blocks, pp.lanes), (2, 2));
+        let pp = persistent(&mt(64, 8, 8, 64), wide).unwrap();
+        assert_eq!((pp.variant.stages, pp.variant.head_dim), (8, 64));
+        assert!(pp.variant.shared_bytes() <= PERSISTENT_SHARED_BUDGET);
+        // every refusal names the knob: 32 rows, d 256, e4m3, paired heads, a forced ring
+        let refused = |p: &DecodeProblem, o: PlanOptions| {
+            let msg = persistent(p, o).unwrap_err().to_string();
+            assert!(msg.contains("persistent_wide_columns"), "{msg}");
+        };
+        refused(&mt(32, 8, 8, 128).with_q_len(4).unwrap(), wide);
+        refused(&mt(32, 2, 8, 256), wide);
+        refused(
+            &mt(64, 8, 8, 128).with_kv_dtype(KvDType::Fp8E4m3).unwrap(),
+            wide,
+        );
+        refused(
+            &DecodeProblem::new(2, 16, 16, 64, 4096, DType::Bf16).unwrap(),
+            PlanOptions {
+                persistent_pair_heads: Some(true),
+                ..wide
+            },
+        );
+        let msg = persistent(
+            &p,
+            PlanOptions {
+                persistent_tile_tokens: Some(128),
+                ..wide
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(msg.contains("persistent_wide_columns"), "{msg}");
+        // every wide variant the plan can choose is compiled by `kvstream kernels` and CI
+        let all = crate::kernels::all_variants();
+        for d in crate::kernels::WIDE_HEAD_DIMS {
+            for source in KvSource::ALL {
+                let mut q = mt(64, 8, 8, d);
+                if source.paged() {
+                    let page = if source == KvSource::PagedGather {
+                        1
+                    } else {
+                        64
+                    };
+                    q = q.with_paged(page, 4 * 4096, None).unwrap();
+                }
+                let v = persistent(&q, wide).unwrap().variant;
+                assert_eq!(v.kv_source, source);
+                assert!(
+                    all.contains(&crate::kernels::AnyVariant::Persistent(v)),
+                    "{v:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -27,6 +27,8 @@ struct ModelCase {
     lanes: bool,
     /// Head lanes ([`PlanOptions::persistent_head_lanes`]): one lane per (KV head, column block).
     head_lanes: bool,
+    /// The wide consumer ([`PlanOptions::persistent_wide_columns`]): blocks of 64 rows.
+    wide: bool,
     data_seed: u64,
 }
 
@@ -56,6 +58,7 @@ impl ModelCase {
                 sinks: true,
                 lanes: false,
                 head_lanes: false,
+                wide: false,
                 data_seed: 0x5EED,
             };
         }
@@ -107,6 +110,7 @@ impl ModelCase {
             sinks: rng.below(2) == 0,
             lanes: false,
             head_lanes: false,
+            wide: false,
             data_seed: rng.next_u64(),
         }
     }
@@ -162,6 +166,7 @@ fn run_model_case_as<T: Half>(
         record_schedule: true,
         persistent_column_lanes: c.lanes.then_some(true),
         persistent_head_lanes: c.head_lanes.then_some(true),
+        persistent_wide_columns: c.wide.then_some(true),
         ..Default::default()
     };
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
@@ -275,6 +280,7 @@ fn column_lanes_match_reference() {
         sinks: false,
         lanes: true,
         head_lanes: false,
+        wide: false,
         data_seed: 0x1A4E5,
     };
     let cases = [
@@ -365,6 +371,100 @@ fn column_lanes_match_reference() {
             errors.lse
         );
     }
+}
+
+/// The wide consumer (blocks of 64 query rows on the warpgroup MMA): one block a KV head, two
+/// (with column lanes), a partial block, contiguous, paged by boxes and gathered, d 64 and 128,
+/// bf16 and f16, windows, sinks and softcap, zero lengths and lengths inside one tile; equal
+/// to the reference and the schedule model, bitwise reproducible; then a graph of it replayed
+/// with new lengths.
+/// Expected run time: a few seconds.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn wide_columns_match_reference() {
+    let (rt, stream) = open_gpu();
+    let base = ModelCase {
+        dtype: DType::Bf16,
+        fp8: false,
+        head_dim: 128,
+        hq: 64,
+        hkv: 8,
+        q_len: 8,
+        max_len: 1500,
+        lens: vec![1500, 0, 9, 777],
+        page_size: None,
+        window: Window::CAUSAL,
+        softcap: None,
+        sinks: false,
+        lanes: false,
+        head_lanes: false,
+        wide: true,
+        data_seed: 0x51DE,
+    };
+    let cases = [
+        base.clone(),
+        // 128 rows a KV head: two wide blocks, column lanes by default
+        ModelCase {
+            hq: 32,
+            hkv: 2,
+            ..base.clone()
+        },
+        ModelCase {
+            dtype: DType::F16,
+            head_dim: 64,
+            page_size: Some(16),
+            window: Window {
+                left: Some(100),
+                right: Some(0),
+            },
+            softcap: Some(20.0),
+            sinks: true,
+            ..base.clone()
+        },
+        // 80 rows: a whole block and one of 16; gathered pages of 1
+        ModelCase {
+            hq: 16,
+            hkv: 1,
+            q_len: 5,
+            lens: vec![1, 1500, 3, 64],
+            page_size: Some(1),
+            ..base.clone()
+        },
+        // 48 rows: one block, 16 of its rows empty; pages of 64 by boxes
+        ModelCase {
+            hq: 24,
+            hkv: 2,
+            q_len: 4,
+            lens: vec![0, 65, 1500, 1],
+            page_size: Some(64),
+            ..base.clone()
+        },
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        let errors =
+            run_model_case(&rt, &stream, c).unwrap_or_else(|e| panic!("case {i} {c:?}: {e}"));
+        println!(
+            "wide, case {i} (d {}, {} rows a KV head): max rel err {:.3e}, max lse err {:.3e}",
+            c.head_dim,
+            c.q_len * c.hq / c.hkv,
+            errors.rel,
+            errors.lse
+        );
+    }
+    let sets = vec![
+        vec![2048, 1, 0, 700],
+        vec![5, 2048, 64, 0],
+        vec![0, 0, 0, 0],
+        vec![2048, 2048, 2048, 2048],
+    ];
+    let p = DecodeProblem::new(4, 32, 2, 128, 2048, DType::Bf16)
+        .and_then(|p| p.with_q_len(4))
+        .unwrap();
+    let wide = PlanOptions {
+        persistent_wide_columns: Some(true),
+        ..Default::default()
+    };
+    graph_replay_case(&p, wide, &sets);
 }
 
 /// A graph captured once, replayed with new lengths, equals eager calls and the reference, for
