@@ -42,8 +42,9 @@
 // Query rows, j = the CTA's piece count, buffer b = j % Q_BUFFERS, parity (j / Q_BUFFERS) & 1:
 //   producer  at piece j - 1 (at the start for piece 0): wait q_empty[b] (from the second lap),
 //             the rows as bulk copies on q_full[b]
-//   consumer  wait q_full[b] before the KV loop; lane 0 of every warp arrives on q_empty[b]
-//             after it
+//   consumer  wait q_full[b] before the KV loop; every lane arrives on q_empty[b] after it
+//             (each releases its own reads, as on `empty`; e4m3 rows rewritten in place after a
+//             proxy fence)
 //
 // Compile-time configuration (NVRTC defines, chosen only by the host's plan module):
 //   KVS_IS_F16           0: bf16, 1: f16 (Q and out; K and V too unless KVS_KV_FP8)
@@ -954,7 +955,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         }
         for (int b = 0; b < Q_BUFFERS; ++b) {
             mbarrier_init(&q_full[b], 1);
-            mbarrier_init(&q_empty[b], CONSUMER_WARPS);
+            mbarrier_init(&q_empty[b], CONSUMER_THREADS);
         }
         fence_mbarrier_init();
     }
@@ -1203,8 +1204,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
                 }
                 mbarrier_arrive(&empty[stage]);
             }
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&q_empty[q_buf]);
+            // (rows rewritten in place, e4m3: ordered before the producer's bulk copies refill them)
+            if constexpr (Kv::QUERY_PERMUTED) fence_proxy_async_shared();
+            mbarrier_arrive(&q_empty[q_buf]);
             if (TRACE && threadIdx.x == 0) trace_stamp(n0 == 0 ? TRACE_FIRST_LOOP : TRACE_LAST_LOOP);
 
             // ============================ epilogue: merge the warps ============================
