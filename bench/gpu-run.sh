@@ -90,9 +90,9 @@ if want gputests; then
   # GPU_TESTS narrows the suite (test-name filters, e.g. the tests a change touched, first)
   KVSTREAM_GPU_SUMMARY=$O/gpu-summary.json timeout $(cap 400) $G --ignored --test-threads=1 ${GPU_TESTS:-} 2>&1 | tee $O/gpu-tests.log | tail -25
   for tool in ${SUITE_SANITIZERS-memcheck racecheck}; do  # SUITE_SANITIZERS= skips them, SANITIZE_TESTS narrows them
-    echo "== $tool on the GPU suite (24 random cases, graphs, zero lengths, cluster reduction, paged, multi-token, device plan, fp8, store_kv, paired heads, lanes, wide columns)"
+    echo "== $tool on the GPU suite (24 random cases, graphs, zero lengths, cluster reduction, paged, multi-token, device plan, fp8, store_kv, paired heads, lanes, wide columns, two CTAs an SM)"
     KVSTREAM_GPU_CASES=24 KVSTREAM_GPU_SERIALISED=1 timeout $(cap 400) compute-sanitizer --tool $tool $G --ignored --test-threads=1 \
-      ${SANITIZE_TESTS:-random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan resident fp8 store_kv paired_heads score_mods column_lanes wide_columns} > $O/$tool.txt 2>&1
+      ${SANITIZE_TESTS:-random_cases graph_capture zero_length cluster_reduction paged_cache multi_token device_plan resident fp8 store_kv paired_heads score_mods column_lanes wide_columns two_ctas} > $O/$tool.txt 2>&1
     grep -E '^test |SUMMARY' $O/$tool.txt | tail -30
   done
 fi
@@ -191,6 +191,12 @@ if want abdemo; then
   for a in "--batch 16 --hq 32 --hkv 32 --head-dim 96 --len 32768" "--batch 1 --hq 32 --hkv 32 --head-dim 96 --len 32768" \
            "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks"; do
     for o in "" "--ring h1" "" "--ring h1"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
+  done 2>&1 | tee -a $O/abdemo.txt
+  # two persistent CTAs per SM (a forced grid of 264) against one, on the batch rows where the
+  # engine trails cuDNN by 2-4% (bench/NOTES.md, "Open leads": b16 L32768 ~-2% predicted)
+  for a in "--batch 16 --hq 32 --hkv 8 --len 32768" "--batch 128 --hq 32 --hkv 8 --len 4096" \
+           "--batch 16 --hq 32 --hkv 8 --head-dim 64 --len 32768" "--batch 32 --hq 32 --hkv 8 --len 32768 --page-size 16"; do
+    for o in "" "--ctas 264" "" "--ctas 264"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
   done 2>&1 | tee -a $O/abdemo.txt
   # the wide consumer (64 query rows on the warpgroup MMA) against the narrow blocks
   for a in "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" \

@@ -3,7 +3,7 @@
 //   S^T [tokens x group] = K [tokens x d] * Q^T [d x group]     (mma m16n8k16, tokens on M)
 //   O^T [d x group]      = V^T [d x tokens] * P^T [tokens x group]
 //
-// One CTA per SM. Every CTA works out the call's schedule itself from the lengths (scheduler,
+// One CTA per SM by default (two where the plan is told to and they fit). Every CTA works out the call's schedule itself from the lengths (scheduler,
 // schedule.cuh): the KV tiles of all (request, KV head, column block) units form one sequence
 // and each working CTA streams an equal share of it, across unit and request boundaries, so a
 // CUDA graph replayed with any lengths stays balanced. A unit cut by CTA boundaries is merged
@@ -172,11 +172,15 @@ constexpr int EPI_PARTS = WIDE ? CONSUMER_GROUPS : CONSUMER_WARPS;
 // HEAD_DIM / 64 boxes of 64 rows x 128 bytes (the producer loads none)
 constexpr int WIDE_Q_BOX = GROUP_PAD * 128;
 constexpr int Q_REGION = WIDE ? GROUP_PAD * HEAD_DIM * 2 : Q_BUFFERS * Q_BYTES;
-// merge_unit stages two floats per column and piece in the epilogue scratch; a unit has at
-// most one piece per CTA of the grid
-constexpr int MAX_GRID = 132;
-constexpr int MERGE_FLOATS =
-    EPI_PARTS * MERGE_WARP_FLOATS > 2 * MAX_GRID * GROUP_PAD ? EPI_PARTS * MERGE_WARP_FLOATS : 2 * MAX_GRID * GROUP_PAD;
+// merge_unit stages two floats per column and piece in the epilogue scratch, which holds at
+// least a unit cut once per SM of a 132-SM GPU. A unit has at most one piece per CTA of the
+// grid, so the grid may have MERGE_MAX_PIECES CTAs (the host's `PersistentVariant::max_grid`:
+// more than one CTA per SM where the scratch the warps need anyway holds their pieces).
+constexpr int MIN_MERGE_PIECES = 132;
+constexpr int MERGE_FLOATS = EPI_PARTS * MERGE_WARP_FLOATS > 2 * MIN_MERGE_PIECES * GROUP_PAD
+                                 ? EPI_PARTS * MERGE_WARP_FLOATS
+                                 : 2 * MIN_MERGE_PIECES * GROUP_PAD;
+constexpr int MERGE_MAX_PIECES = MERGE_FLOATS / (2 * GROUP_PAD);
 
 struct SharedPlan {
     // from a 1024-byte aligned base (the 128-byte swizzle repeats every 1024 bytes; TMA expects it)
@@ -219,7 +223,7 @@ static_assert(!WIDE || (!KV_FP8 && HEADS_PER_ROW == 1 && (HEAD_DIM == 64 || HEAD
 static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
               "softmax steps of whole m16 slices of a warp's rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
-static_assert(2 * MAX_GRID * GROUP_PAD <= MERGE_FLOATS && EPI_PARTS * MERGE_WARP_FLOATS <= MERGE_FLOATS,
+static_assert(MERGE_MAX_PIECES >= MIN_MERGE_PIECES && EPI_PARTS * MERGE_WARP_FLOATS <= MERGE_FLOATS,
               "merge scratch");
 static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern boundary");
 static_assert(SMEM_ROW % 16 == 0 && Q_BYTES % 16 == 0, "bulk copies of query rows: 16-byte aligned");

@@ -101,6 +101,10 @@ pub struct ShapeArgs {
     /// query rows a KV head, 2-byte caches, d 64 or 128).
     #[arg(long)]
     pub wide_columns: bool,
+    /// Persistent engine: launch this many CTAs (default one per SM; up to two per SM where
+    /// the kernel allows it).
+    #[arg(long)]
+    pub ctas: Option<usize>,
 }
 
 /// `--window LEFT[,RIGHT]` as a [`Window`].
@@ -221,6 +225,7 @@ impl ShapeArgs {
             persistent_column_lanes: self.column_lanes,
             persistent_head_lanes: self.head_lanes.then_some(true),
             persistent_wide_columns: self.wide_columns.then_some(true),
+            persistent_ctas: self.ctas,
             ..ring
         };
         Ok((p, opts))

@@ -415,6 +415,29 @@ impl PersistentVariant {
         self.n_tiles == WIDE_N_TILES
     }
 
+    /// Softmax states per column the epilogue merges: a warp's, or a wide warpgroup's.
+    fn epilogue_parts(&self) -> usize {
+        if self.wide() {
+            self.consumer_groups
+        } else {
+            self.consumer_groups * 4
+        }
+    }
+
+    /// Floats of the epilogue scratch (`MERGE_FLOATS` in decode.cu): the warps' parked states,
+    /// and at least two statistics a column for a unit cut [`plan::PERSISTENT_MAX_GRID`] times.
+    fn merge_floats(&self) -> usize {
+        let columns = self.n_tiles * 8;
+        (self.epilogue_parts() * columns * (self.head_dim + 4))
+            .max(2 * plan::PERSISTENT_MAX_GRID * columns)
+    }
+
+    /// Most CTAs of a grid (`MERGE_MAX_PIECES` in decode.cu): a unit has at most one piece per
+    /// CTA, and the merge stages two statistics a column and piece in the epilogue scratch.
+    pub fn max_grid(&self) -> usize {
+        self.merge_floats() / (2 * self.n_tiles * 8)
+    }
+
     /// Threads per CTA: the consumer warps and the producer warps.
     pub fn threads(&self) -> u32 {
         ((self.consumer_groups * 4 + self.producer_warps) * 32) as u32
@@ -424,12 +447,7 @@ impl PersistentVariant {
     /// decode.cu (plus the slack that lets the kernel align its base to 1024 bytes).
     pub fn shared_bytes_with(&self, stages: usize) -> usize {
         let columns = self.n_tiles * 8;
-        // softmax states per column the epilogue merges: a warp's, or a wide warpgroup's
-        let parts = if self.wide() {
-            self.consumer_groups
-        } else {
-            self.consumer_groups * 4
-        };
+        let parts = self.epilogue_parts();
         let row = kv_tile_row_bytes(self.head_dim, self.kv_dtype.size(self.dtype));
         let ring = stages * 2 * self.tile_tokens * row;
         let q = if self.wide() {
@@ -437,10 +455,7 @@ impl PersistentVariant {
         } else {
             PERSISTENT_Q_BUFFERS * columns * (self.head_dim * 2 + 16)
         };
-        // the epilogue's scratch; merge_unit stages two floats a column and piece there
-        let merge = (parts * columns * (self.head_dim + 4))
-            .max(2 * plan::PERSISTENT_MAX_GRID * columns)
-            * 4;
+        let merge = self.merge_floats() * 4;
         let barriers = 3 * 8 * stages + 2 * 8 * PERSISTENT_Q_BUFFERS;
         let stats = 2 * 4 * parts * columns;
         // per column: output offset and row (8 bytes each), visible positions (4 + 4)

@@ -503,18 +503,24 @@ impl PersistentPlan {
     }
 }
 
-/// The grid of a persistent kernel: one CTA per SM, or `persistent_ctas`.
-fn persistent_grid(device: DeviceFacts, options: &PlanOptions) -> Result<usize> {
+/// The grid of a persistent kernel: one CTA per SM, or `persistent_ctas` up to `max` (the
+/// kernel's merge bound; the MLA decode's merge needs every CTA resident: one per SM).
+fn persistent_grid(device: DeviceFacts, options: &PlanOptions, max: usize) -> Result<usize> {
     match options.persistent_ctas {
         None => Ok(device.sm_count.clamp(1, PERSISTENT_MAX_GRID)),
-        Some(c) if (1..=PERSISTENT_MAX_GRID).contains(&c) => Ok(c),
+        Some(c) if (1..=max).contains(&c) => Ok(c),
         Some(c) => Err(Error::invalid(
             "persistent_ctas",
             c,
-            format!("1..={PERSISTENT_MAX_GRID}"),
+            format!("1..={max} for this kernel"),
         )),
     }
 }
+
+/// Most CTAs a forced grid of the GQA persistent decode may have
+/// ([`PlanOptions::persistent_ctas`]): two per SM, where the variant's merge scratch holds a
+/// unit cut that many times ([`PersistentVariant::max_grid`]).
+pub const PERSISTENT_MAX_FORCED_GRID: usize = 2 * PERSISTENT_MAX_GRID;
 
 /// The fewest tiles a working CTA of a persistent kernel takes: `default`, or the knob.
 fn min_tiles_per_cta(options: &PlanOptions, default: usize) -> Result<usize> {
@@ -607,7 +613,11 @@ pub fn plan_persistent(
             ));
         }
     }
-    let grid = persistent_grid(device, &options)?;
+    let grid = persistent_grid(
+        device,
+        &options,
+        variant.max_grid().min(PERSISTENT_MAX_FORCED_GRID),
+    )?;
     let min_tiles_per_cta = min_tiles_per_cta(&options, PERSISTENT_MIN_TILES_PER_CTA)?;
     let col_blocks = variant.column_blocks(problem);
     // a lane needs one CTA at least
@@ -751,7 +761,7 @@ pub fn plan_mla(
         n_tiles,
         problem.paged.is_some(),
     );
-    let grid = persistent_grid(device, &options)?;
+    let grid = persistent_grid(device, &options, PERSISTENT_MAX_GRID)?;
     let min_tiles_per_cta = min_tiles_per_cta(&options, MLA_MIN_TILES_PER_CTA)?;
     let col_blocks = columns.div_ceil(n_tiles * 8);
     Ok(MlaPlan {
@@ -1223,8 +1233,9 @@ pub struct PlanOptions {
     /// Tests: the persistent engine records the pieces each CTA streams, read back with
     /// [`crate::Decoder::last_schedule`].
     pub record_schedule: bool,
-    /// Persistent engine, tuning knob: launch this many CTAs (1..=[`PERSISTENT_MAX_GRID`])
-    /// instead of one per SM.
+    /// Persistent engine, tuning knob: launch this many CTAs instead of one per SM: up to
+    /// [`PERSISTENT_MAX_FORCED_GRID`] for GQA decode (two per SM; the variant's
+    /// [`PersistentVariant::max_grid`]), [`PERSISTENT_MAX_GRID`] for MLA decode.
     pub persistent_ctas: Option<usize>,
     /// Persistent engine, tuning knob: the fewest tiles a working CTA takes instead of
     /// [`PERSISTENT_MIN_TILES_PER_CTA`].
@@ -2178,6 +2189,45 @@ mod tests {
     }
 
     #[test]
+    fn forced_grids_reach_two_ctas_per_sm_where_the_merge_scratch_holds_them() {
+        let ctas = |p: &DecodeProblem, c: usize, wide: bool| {
+            persistent(
+                p,
+                PlanOptions {
+                    persistent_ctas: Some(c),
+                    persistent_wide_columns: wide.then_some(true),
+                    ..Default::default()
+                },
+            )
+            .map(|pp| (pp.grid, pp.variant.max_grid()))
+        };
+        let b16 = DecodeProblem::new(16, 32, 8, 128, 32768, DType::Bf16).unwrap();
+        assert_eq!(ctas(&b16, 264, false).unwrap(), (264, 264));
+        let msg = ctas(&b16, 265, false).unwrap_err().to_string();
+        assert!(
+            msg.contains("persistent_ctas") && msg.contains("1..=264"),
+            "{msg}"
+        );
+        // the wide consumer's scratch holds a unit cut once per SM only
+        let mt = DecodeProblem::new(16, 64, 8, 128, 4096, DType::Bf16)
+            .and_then(|p| p.with_q_len(8))
+            .unwrap();
+        assert_eq!(ctas(&mt, 132, true).unwrap(), (132, 132));
+        assert!(ctas(&mt, 133, true).is_err());
+        // a forced grid keeps the workspace's slots at two per CTA
+        let pp = persistent(
+            &b16,
+            PlanOptions {
+                persistent_ctas: Some(264),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let (_, ml, _, _) = pp.workspace_offsets(&b16);
+        assert!(ml >= 2 * 264 * 8 * 128 * 4);
+    }
+
+    #[test]
     fn wide_columns_only_where_asked_and_served() {
         let mt = |hq, hkv, q_len, d| {
             DecodeProblem::new(4, hq, hkv, d, 4096, DType::Bf16)
@@ -2364,7 +2414,7 @@ mod tests {
             (ring(Some(3), None, None), "persistent_groups"),
             (
                 PlanOptions {
-                    persistent_ctas: Some(133),
+                    persistent_ctas: Some(PERSISTENT_MAX_FORCED_GRID + 1),
                     ..Default::default()
                 },
                 "persistent_ctas",

@@ -1364,6 +1364,50 @@ fn resident_cta_cap_changes_nothing_but_placement() {
     }
 }
 
+/// Two persistent CTAs per SM (a forced grid of twice the SMs, units cut up to 264 times, the
+/// merge's statistics filling the epilogue scratch): equal to the reference with ragged
+/// lengths (a zero, a long request cut by most CTAs), bitwise the same twice, for d 128 and d 64
+/// (two consumer groups), contiguous and paged. Expected run time: a second.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn two_ctas_per_sm_match_reference() {
+    let (rt, stream) = open_gpu();
+    for (head_dim, page) in [(128, None), (64, None), (128, Some(16))] {
+        let mut p =
+            DecodeProblem::new(6, 32, 8, head_dim, 20000, DType::Bf16).expect("a valid problem");
+        if let Some(page) = page {
+            p = p
+                .with_paged(page, pool_pages(6, 20000, page), None)
+                .unwrap();
+        }
+        let lens = vec![20000, 0, 3, 777, 12345, 64];
+        let mut rng = SplitMix64::new(0x2C7A);
+        let x = make_inputs::<bf16>(&mut rng, &p, &lens);
+        let dev = match p.paged {
+            None => DeviceInputs::upload(&stream, &x, Some(&lens)),
+            Some(_) => {
+                DeviceInputs::upload_paged(&stream, &x, &page_inputs(&mut rng, &p, &x), Some(&lens))
+            }
+        };
+        let want = reference(&p, &x, &lens);
+        let grid = kvstream::plan::PERSISTENT_MAX_FORCED_GRID;
+        let opts = PlanOptions {
+            engine: Some(kvstream::Engine::Persistent),
+            persistent_ctas: Some(grid),
+            ..Default::default()
+        };
+        let dec = make_decoder(&rt, &p, opts);
+        let what = format!("d {head_dim}, pages {page:?}, {grid} CTAs");
+        let mut o = Outputs::<bf16>::new(&stream, &p, true);
+        let first =
+            run_poisoned(&stream, &dec, &dev, &mut o).unwrap_or_else(|e| panic!("{what}: {e}"));
+        check_output(&p, &first, &want).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let second =
+            run_poisoned(&stream, &dec, &dev, &mut o).unwrap_or_else(|e| panic!("{what}: {e}"));
+        same_bits(&first, &second, &what).unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
 /// Cluster reduction (splits merged through distributed shared memory, one launch) against the
 /// kernel reduction and the reference: ragged lengths with zeros, every cluster size (2 to 16),
 /// several group sizes and both head dims; cluster results are bitwise reproducible.
