@@ -198,6 +198,14 @@ if want abdemo; then
            "--batch 16 --hq 32 --hkv 8 --head-dim 64 --len 32768" "--batch 32 --hq 32 --hkv 8 --len 32768 --page-size 16"; do
     for o in "" "--ctas 264" "" "--ctas 264"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
   done 2>&1 | tee -a $O/abdemo.txt
+  # one-tile units (gpt-oss's window of 128): one consumer group a CTA, two CTAs an SM, so that
+  # one CTA's epilogue overlaps the other's tile
+  for a in "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks" \
+           "--batch 16 --hq 64 --hkv 8 --head-dim 64 --len 4096 --window 127 --sinks"; do
+    for o in "" "--ring g1s2 --ctas 264" "--ctas 264" "" "--ring g1s2 --ctas 264"; do
+      echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3
+    done
+  done 2>&1 | tee -a $O/abdemo.txt
   # the wide consumer (64 query rows on the warpgroup MMA) against the narrow blocks
   for a in "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" \
            "--batch 16 --hq 64 --hkv 8 --head-dim 64 --q-len 8 --len 32768" "--batch 1 --hq 32 --hkv 2 --q-len 8 --len 32768"; do

@@ -173,10 +173,10 @@ constexpr int EPI_PARTS = WIDE ? CONSUMER_GROUPS : CONSUMER_WARPS;
 constexpr int WIDE_Q_BOX = GROUP_PAD * 128;
 constexpr int Q_REGION = WIDE ? GROUP_PAD * HEAD_DIM * 2 : Q_BUFFERS * Q_BYTES;
 // merge_unit stages two floats per column and piece in the epilogue scratch, which holds at
-// least a unit cut once per SM of a 132-SM GPU. A unit has at most one piece per CTA of the
-// grid, so the grid may have MERGE_MAX_PIECES CTAs (the host's `PersistentVariant::max_grid`:
-// more than one CTA per SM where the scratch the warps need anyway holds their pieces).
-constexpr int MIN_MERGE_PIECES = 132;
+// least a unit cut twice per SM of a 132-SM GPU (once for the wide consumer, whose rows would
+// cost its ring a stage). A unit has at most one piece per CTA of the grid, so the grid may have
+// MERGE_MAX_PIECES CTAs (the host's `PersistentVariant::max_grid`).
+constexpr int MIN_MERGE_PIECES = WIDE ? 132 : 264;
 constexpr int MERGE_FLOATS = EPI_PARTS * MERGE_WARP_FLOATS > 2 * MIN_MERGE_PIECES * GROUP_PAD
                                  ? EPI_PARTS * MERGE_WARP_FLOATS
                                  : 2 * MIN_MERGE_PIECES * GROUP_PAD;

@@ -425,11 +425,16 @@ impl PersistentVariant {
     }
 
     /// Floats of the epilogue scratch (`MERGE_FLOATS` in decode.cu): the warps' parked states,
-    /// and at least two statistics a column for a unit cut [`plan::PERSISTENT_MAX_GRID`] times.
+    /// and at least two statistics a column for a unit cut twice per SM
+    /// ([`plan::PERSISTENT_MAX_FORCED_GRID`] times; the wide consumer: once per SM).
     fn merge_floats(&self) -> usize {
         let columns = self.n_tiles * 8;
-        (self.epilogue_parts() * columns * (self.head_dim + 4))
-            .max(2 * plan::PERSISTENT_MAX_GRID * columns)
+        let pieces = if self.wide() {
+            plan::PERSISTENT_MAX_GRID
+        } else {
+            plan::PERSISTENT_MAX_FORCED_GRID
+        };
+        (self.epilogue_parts() * columns * (self.head_dim + 4)).max(2 * pieces * columns)
     }
 
     /// Most CTAs of a grid (`MERGE_MAX_PIECES` in decode.cu): a unit has at most one piece per
