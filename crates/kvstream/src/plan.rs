@@ -1053,7 +1053,7 @@ pub const TARGET_CTAS_PER_SM: (usize, usize) = (1, 2);
 /// Streaming CTAs per SM for an e4m3 cache: a CTA consumes positions at the 2-byte rate, so it
 /// pulls half the bytes, and twice the CTAs are needed for the same bandwidth (with the 2-byte
 /// target, batch-b4-L32768 ran 96.9 us on 64 CTAs where the persistent engine took 74.2;
-/// bench/NOTES.md, "FP8 on the split engine").
+/// docs/tuning.md, "FP8 caches").
 pub const FP8_TARGET_CTAS_PER_SM: usize = 1;
 /// Streaming CTAs per SM for multi-token decode: q_len x group query rows per CTA multiply the
 /// MMA and softmax work per byte (q_len 4 at 32/8 heads: one CTA per (request, KV head) pulled
