@@ -35,6 +35,29 @@ struct ModelCase {
 const HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 
 impl ModelCase {
+    /// A large multi-token group: 64/8 heads x 8 new tokens (64 query rows a KV head), d 128,
+    /// bf16, ragged lengths with a zero; no modifier, no lanes.
+    fn multi_token(data_seed: u64) -> ModelCase {
+        ModelCase {
+            dtype: DType::Bf16,
+            fp8: false,
+            head_dim: 128,
+            hq: 64,
+            hkv: 8,
+            q_len: 8,
+            max_len: 1500,
+            lens: vec![1500, 0, 9, 777],
+            page_size: None,
+            window: Window::CAUSAL,
+            softcap: None,
+            sinks: false,
+            lanes: false,
+            head_lanes: false,
+            wide: false,
+            data_seed,
+        }
+    }
+
     /// Case 0 is the combination the features must survive together (window + sinks +
     /// softcap + pages + e4m3 + four new tokens, lengths zero, inside and beyond the window);
     /// the others are drawn, every head dim in turn.
@@ -266,22 +289,8 @@ fn score_mods_and_head_dims_match_reference() {
 fn column_lanes_match_reference() {
     let (rt, stream) = open_gpu();
     let base = ModelCase {
-        dtype: DType::Bf16,
-        fp8: false,
-        head_dim: 128,
-        hq: 64,
-        hkv: 8,
-        q_len: 8,
-        max_len: 1500,
-        lens: vec![1500, 0, 9, 777],
-        page_size: None,
-        window: Window::CAUSAL,
-        softcap: None,
-        sinks: false,
         lanes: true,
-        head_lanes: false,
-        wide: false,
-        data_seed: 0x1A4E5,
+        ..ModelCase::multi_token(0x1A4E5)
     };
     let cases = [
         base.clone(),
@@ -384,22 +393,8 @@ fn column_lanes_match_reference() {
 fn wide_columns_match_reference() {
     let (rt, stream) = open_gpu();
     let base = ModelCase {
-        dtype: DType::Bf16,
-        fp8: false,
-        head_dim: 128,
-        hq: 64,
-        hkv: 8,
-        q_len: 8,
-        max_len: 1500,
-        lens: vec![1500, 0, 9, 777],
-        page_size: None,
-        window: Window::CAUSAL,
-        softcap: None,
-        sinks: false,
-        lanes: false,
-        head_lanes: false,
         wide: true,
-        data_seed: 0x51DE,
+        ..ModelCase::multi_token(0x51DE)
     };
     let cases = [
         base.clone(),
