@@ -198,6 +198,13 @@ if want abdemo; then
            "--batch 16 --hq 32 --hkv 8 --head-dim 64 --len 32768" "--batch 32 --hq 32 --hkv 8 --len 32768 --page-size 16"; do
     for o in "" "--ctas 264" "" "--ctas 264"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
   done 2>&1 | tee -a $O/abdemo.txt
+  # e4m3 at batch (1.04-1.14x of the fp8 floor): its default ring (g2s8, 128 KB) leaves no room
+  # for a second CTA; shallower rings that do, two an SM
+  for a in "--batch 16 --hq 32 --hkv 8 --len 32768 --kv-dtype fp8_e4m3" "--batch 128 --hq 32 --hkv 8 --len 4096 --kv-dtype fp8_e4m3"; do
+    for o in "" "--ring g1s4 --ctas 264" "--ring g1s4" "" "--ring g1s4 --ctas 264"; do
+      echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3
+    done
+  done 2>&1 | tee -a $O/abdemo.txt
   # one-tile units (gpt-oss's window of 128): one consumer group a CTA, two CTAs an SM, so that
   # one CTA's epilogue overlaps the other's tile
   for a in "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks" \
