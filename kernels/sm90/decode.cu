@@ -181,12 +181,18 @@ constexpr int MERGE_FLOATS = EPI_PARTS * MERGE_WARP_FLOATS > 2 * MIN_MERGE_PIECE
                                  ? EPI_PARTS * MERGE_WARP_FLOATS
                                  : 2 * MIN_MERGE_PIECES * GROUP_PAD;
 constexpr int MERGE_MAX_PIECES = MERGE_FLOATS / (2 * GROUP_PAD);
+// The wide consumer with an e4m3 cache: each warpgroup widens its ring tile into f16 K and V
+// tiles of its own, in the 2-byte layout (rows of 128 bytes, 64 dims a box), which its warpgroup
+// MMAs read (a wgmma operand in shared memory is 16-bit here)
+using WideTile = KvHalf<HEAD_DIM, 64, true>;
+constexpr int WIDE_STAGING = WIDE && KV_FP8 ? CONSUMER_GROUPS * 2 * WideTile::TILE_BYTES : 0;
 
 struct SharedPlan {
     // from a 1024-byte aligned base (the 128-byte swizzle repeats every 1024 bytes; TMA expects it)
     static constexpr int align = 1024;
     static constexpr int ring = 0;
-    static constexpr int q = STAGES * STAGE_BYTES;
+    static constexpr int staging = STAGES * STAGE_BYTES;  // the wide consumer's f16 tiles (e4m3)
+    static constexpr int q = staging + WIDE_STAGING;
     // the epilogue's scratch has its own space: the producer is filling the ring with the next
     // piece's tiles while the consumers finish this one
     static constexpr int merge = q + Q_REGION;
@@ -217,9 +223,9 @@ static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM ==
               "head dim");
 static_assert((N_TILES >= 1 && N_TILES <= (HEAD_DIM > 128 ? 2 : 4)) || WIDE,
               "column blocks of up to 32 rows (16 at d 256: the O^T accumulators fill the registers)");
-static_assert(!WIDE || (!KV_FP8 && HEADS_PER_ROW == 1 && (HEAD_DIM == 64 || HEAD_DIM == 128) &&
-                        CONSUMER_GROUPS == 2 && TILE_TOKENS == 64 && SOFTMAX_SLICES == 1),
-              "wide column blocks: 2-byte caches of d 64 or 128, two warpgroups on 64-position tiles");
+static_assert(!WIDE || (HEADS_PER_ROW == 1 && (HEAD_DIM == 64 || HEAD_DIM == 128) && CONSUMER_GROUPS == 2 &&
+                        TILE_TOKENS == 64 && SOFTMAX_SLICES == 1),
+              "wide column blocks: d 64 or 128, two warpgroups on 64-position tiles");
 static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
               "softmax steps of whole m16 slices of a warp's rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
@@ -700,8 +706,11 @@ __device__ __forceinline__ void write_empty_requests(const PersistentParams& p) 
 //   O += P V     P packed in pairs from the S accumulator is the A fragment (no trip through
 //                shared memory), V the ring's tile as the N-major B operand.
 // Positions outside [unit_low, len) of a masked tile get P = 0, and their V rows are cleared in
-// shared memory first (they may hold anything, and 0 x NaN = NaN). The epilogue merges the two
-// warpgroups' states of each row (EPI_PARTS) in the narrow consumer's scratch.
+// shared memory first (they may hold anything, and 0 x NaN = NaN). An e4m3 cache: the
+// warpgroup widens the ring's tile into its own f16 K and V tiles (exact; those positions as
+// zeros), hands the stage back at once, and both products read the f16 tiles, with the query
+// rows staged in f16 too (the MMAs' type, as in the narrow consumer). The epilogue merges the
+// two warpgroups' states of each row (EPI_PARTS) in the narrow consumer's scratch.
 // (sized by its own constants, so that every variant compiles it; only wide ones call it)
 constexpr int WG_THREADS = 128;
 constexpr int WIDE_TOKENS = 64;                 // = TILE_TOKENS of a wide variant
@@ -709,6 +718,30 @@ constexpr int WIDE_S_REGS = WIDE_TOKENS / 2;    // 64 rows x 64 positions f32 ov
 constexpr int WIDE_O_REGS = HEAD_DIM / 2;       // 64 rows x HEAD_DIM f32
 constexpr int WIDE_K_STEPS = WIDE_TOKENS / 16;  // k16 steps of P V
 static_assert(!WIDE || TILE_TOKENS == WIDE_TOKENS, "wide tiles");
+constexpr int WIDE_BOX = WIDE_TOKENS * 128;    // a box of a 2-byte (or widened) tile
+static_assert(!WIDE || KV_FP8 || BOX_BYTES == WIDE_BOX, "2-byte wide tiles are read in place");
+
+// e4m3: the ring's tile (K then V) widened to f16 into `dst` (K tile, then V tile), by the 128
+// threads of one warpgroup (index `me`); positions outside [below, from) as zeros.
+__device__ __forceinline__ void widen_wide_tile(u32 src, u32 dst, int below, int from, int me) {
+    constexpr int CHUNKS = HEAD_DIM / 16;  // 16-byte e4m3 chunks a position
+    for (int i = me; i < WIDE_TOKENS * CHUNKS; i += WG_THREADS) {
+        const int t = i / CHUNKS, c = i % CHUNKS;
+        const bool keep = t >= below && t < from;
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+            u32 in[4] = {0u, 0u, 0u, 0u};
+            if (keep) ld_shared_v4(in, Kv::Rows::chunk(src + kv * TILE_BYTES, t, c));
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // 8 e4m3 bytes -> one 16-byte chunk of f16
+                u32 out[4];
+                e4m3x4_to_f16x2(in[2 * h], out[0], out[1]);
+                e4m3x4_to_f16x2(in[2 * h + 1], out[2], out[3]);
+                st_shared_v4(WideTile::Rows::chunk(dst + kv * WideTile::TILE_BYTES, t, 2 * c + h), out);
+            }
+        }
+    }
+}
 
 // (a template, so that only the head dim's MMA is instantiated)
 template <int D>
@@ -739,6 +772,24 @@ __device__ __forceinline__ void stage_query_rows_wide(const PersistentParams& p,
         cp_async_16(q_base + (c / 8) * WIDE_Q_BOX + r * 128 + (((c % 8) ^ (r % 8)) << 4), src, valid ? 16 : 0, policy);
     }
     cp_async_wait_all();
+    if constexpr (MMA_F16 && !IS_F16) {
+        // bf16 rows for f16 MMAs (an e4m3 cache): converted in place, beyond f16's range
+        // saturated to +-65504, once every thread's copies have landed
+        named_barrier_sync(1, CONSUMER_THREADS);
+        for (int i = threadIdx.x; i < GROUP_PAD * CHUNKS; i += CONSUMER_THREADS) {
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            const u32 at = q_base + (c / 8) * WIDE_Q_BOX + r * 128 + (((c % 8) ^ (r % 8)) << 4);
+            u32 w[4];
+            ld_shared_v4(w, at);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float lo, hi;
+                unpack_half2<false>(w[j], lo, hi);
+                w[j] = pack_half2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
+            }
+            st_shared_v4(at, w);
+        }
+    }
 }
 
 // One piece on the wide consumer, up to its warpgroups' states parked in the epilogue scratch
@@ -789,11 +840,25 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
         const int n = n0 + k - pc.first;
         const int stage = n % STAGES;
         const u32 parity = (n / STAGES) & 1;
-        const u32 k_tile = ring_base + stage * STAGE_BYTES, v_tile = k_tile + TILE_BYTES;
         const int tile_begin = pc.tile_begin(k, TILE_TOKENS);
         const bool masked = tile_begin + TILE_TOKENS > first_token.high || tile_begin < last_low;
+        // the tile's positions outside [unit_low, len): [0, below) and [from, TILE_TOKENS)
+        const int below = min(max(unit_low - tile_begin, 0), TILE_TOKENS);
+        const int from = max(min(pc.len - tile_begin, TILE_TOKENS), 0);
+        u32 k_tile = ring_base + stage * STAGE_BYTES, v_tile = k_tile + TILE_BYTES;
         mbarrier_wait(&k_full[stage], parity);
         if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
+        if constexpr (KV_FP8) {
+            // (this warpgroup's f16 tiles are free: its last P V was waited for)
+            const u32 mine = ring_base + SharedPlan::staging + wg * 2 * WideTile::TILE_BYTES;
+            mbarrier_wait(&v_full[stage], parity);
+            widen_wide_tile(k_tile, mine, below, from, me);
+            fence_proxy_async_shared();
+            mbarrier_arrive(&empty[stage]);
+            named_barrier_sync(2 + wg, WG_THREADS);
+            k_tile = mine;
+            v_tile = mine + WideTile::TILE_BYTES;
+        }
 
         // ---- S = Q K^T ----
         float s[WIDE_S_REGS];
@@ -802,7 +867,7 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
 #pragma unroll
         for (int kk = 0; kk < D_TILES; ++kk)
             wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * WIDE_Q_BOX + (kk % 4) * 32) >> 4),
-                                        k_desc + (((kk / 4) * BOX_BYTES + (kk % 4) * 32) >> 4), kk > 0);
+                                        k_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_hold(s);
@@ -863,32 +928,30 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
             for (int q = 0; q < 4; ++q) pa[ks][q] = pack_half2<MMA_F16>(s[8 * ks + 2 * q], s[8 * ks + 2 * q + 1]);
 
         // ---- O += P V ----
-        mbarrier_wait(&v_full[stage], parity);
-        if (masked) {
+        if (!KV_FP8) mbarrier_wait(&v_full[stage], parity);
+        if (!KV_FP8 && masked) {
             // rows [0, below) and [from, TILE_TOKENS) of every box (whole 128-byte rows: the
             // swizzle moves chunks within a row)
-            const int below = min(max(unit_low - tile_begin, 0), TILE_TOKENS);
-            const int from = max(min(pc.len - tile_begin, TILE_TOKENS), 0);
             if (below > 0 || from < TILE_TOKENS) {
                 unsigned char* v_rows = smem + SharedPlan::ring + stage * STAGE_BYTES + TILE_BYTES;
                 for (int i = me; i < BOXES * TILE_TOKENS * 8; i += WG_THREADS) {
                     const int box = i / (8 * TILE_TOKENS), t = (i / 8) % TILE_TOKENS;
                     if (t < below || t >= from)
-                        *reinterpret_cast<uint4*>(v_rows + box * BOX_BYTES + t * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
+                        *reinterpret_cast<uint4*>(v_rows + box * WIDE_BOX + t * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
                 }
                 fence_proxy_async_shared();
                 named_barrier_sync(2 + wg, WG_THREADS);
             }
         }
         // V N-major: rows are positions (8 of them 1024 bytes apart), 64 dims a box
-        const u64 v_desc = smem_desc_sw128(v_tile, BOX_BYTES, 1024);
+        const u64 v_desc = smem_desc_sw128(v_tile, WIDE_BOX, 1024);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < WIDE_K_STEPS; ++ks) wgmma_pv<HEAD_DIM>(o, pa[ks], v_desc + ((ks * 16 * 128) >> 4));
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_hold(o);
-        mbarrier_arrive(&empty[stage]);
+        if (!KV_FP8) mbarrier_arrive(&empty[stage]);
     }
 
     // ---- the warpgroup's states into the epilogue scratch ----

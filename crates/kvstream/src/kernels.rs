@@ -342,8 +342,9 @@ pub fn max_n_tiles(head_dim: usize) -> usize {
 const PERSISTENT_Q_BUFFERS: usize = 3;
 
 /// n8 tiles of the persistent decode's wide column blocks (decode.cu, "wide consumer"): 64
-/// query rows on the M dimension of the warpgroup MMA, for 2-byte caches of
-/// [`WIDE_HEAD_DIMS`], two warpgroups on tiles of [`WIDE_TILE_TOKENS`] positions.
+/// query rows on the M dimension of the warpgroup MMA, for head dims of [`WIDE_HEAD_DIMS`]
+/// (2-byte caches, or e4m3 widened to f16 by the consumers), two warpgroups on tiles of
+/// [`WIDE_TILE_TOKENS`] positions.
 pub const WIDE_N_TILES: usize = 8;
 /// Head dims of the wide consumer.
 pub const WIDE_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -461,6 +462,12 @@ impl PersistentVariant {
             PERSISTENT_Q_BUFFERS * columns * (self.head_dim * 2 + 16)
         };
         let merge = self.merge_floats() * 4;
+        // the wide consumer with an e4m3 cache: each warpgroup's f16 K and V tiles
+        let staging = if self.wide() && self.kv_dtype == KvDType::Fp8E4m3 {
+            self.consumer_groups * 2 * self.tile_tokens * self.head_dim * 2
+        } else {
+            0
+        };
         let barriers = 3 * 8 * stages + 2 * 8 * PERSISTENT_Q_BUFFERS;
         let stats = 2 * 4 * parts * columns;
         // per column: output offset and row (8 bytes each), visible positions (4 + 4)
@@ -472,7 +479,7 @@ impl PersistentVariant {
         } else {
             0
         };
-        1024 + ring + q + merge + barriers + stats + tables + 64 + page_ids
+        1024 + ring + staging + q + merge + barriers + stats + tables + 64 + page_ids
     }
 
     /// [`Self::shared_bytes_with`] its own ring depth.
@@ -906,10 +913,7 @@ pub fn all_variants() -> Vec<AnyVariant> {
                         out.push(AnyVariant::Persistent(plan::persistent_variant(
                             dtype, kv_dtype, head_dim, n_tiles, source,
                         )));
-                        if n_tiles == 1
-                            && kv_dtype == KvDType::AsQuery
-                            && WIDE_HEAD_DIMS.contains(&head_dim)
-                        {
+                        if n_tiles == 1 && WIDE_HEAD_DIMS.contains(&head_dim) {
                             out.push(AnyVariant::Persistent(plan::persistent_variant(
                                 dtype,
                                 kv_dtype,

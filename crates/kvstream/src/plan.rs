@@ -323,11 +323,10 @@ pub fn persistent_variant_forced(
 }
 
 /// Whether the persistent engine's wide consumer can serve `problem` (decode.cu, "wide
-/// consumer"): a 2-byte cache of a head dim of [`crate::kernels::WIDE_HEAD_DIMS`] and more
-/// query rows a KV head than one narrow column block holds (32).
+/// consumer"): a head dim of [`crate::kernels::WIDE_HEAD_DIMS`] (2-byte or e4m3 cache) and
+/// more query rows a KV head than one narrow column block holds (32).
 pub fn can_take_wide_columns(problem: &DecodeProblem) -> bool {
-    problem.kv_dtype == KvDType::AsQuery
-        && crate::kernels::WIDE_HEAD_DIMS.contains(&problem.head_dim)
+    crate::kernels::WIDE_HEAD_DIMS.contains(&problem.head_dim)
         && problem.columns() > 8 * MAX_N_TILES
 }
 
@@ -339,6 +338,10 @@ pub fn can_take_wide_columns(problem: &DecodeProblem) -> bool {
 /// caches"). Head dims 96 and 256 take d 128's rules (rows of 128 bytes as well; the ring is
 /// cut to what fits), not yet measured on their own.
 fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, usize) {
+    if n_tiles == crate::kernels::WIDE_N_TILES {
+        // two warpgroups, each with a stage in flight behind the one it computes on
+        return (2, PERSISTENT_WIDE_MAX_STAGES);
+    }
     if kv_dtype == KvDType::Fp8E4m3 {
         // two groups hold twice the O^T accumulators: at most 256 head dims x 8 columns a thread
         let groups = if DecodeVariant::groups_fit(n_tiles, 2) && head_dim * n_tiles <= 256 {
@@ -352,10 +355,7 @@ fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, u
         let (_, stages) = default_ring(KvDType::AsQuery, head_dim, n_tiles);
         return (groups, 2 * stages.max(groups));
     }
-    if n_tiles == crate::kernels::WIDE_N_TILES {
-        // two warpgroups, each with a stage in flight behind the one it computes on
-        (2, PERSISTENT_WIDE_MAX_STAGES)
-    } else if head_dim >= 96 {
+    if head_dim >= 96 {
         PERSISTENT_D128_RING
     } else if DecodeVariant::groups_fit(n_tiles, 2) {
         (2, PERSISTENT_MAX_STAGES)
@@ -563,10 +563,9 @@ pub fn plan_persistent(
                 "persistent_wide_columns",
                 true,
                 format!(
-                    "false or none for this problem ({:?} cache, d {}, {} query rows per KV \
-                     head{}): the wide consumer takes 2-byte caches of d 64 or 128 with more \
-                     than 32 rows a KV head, heads not paired",
-                    problem.kv_dtype,
+                    "false or none for this problem (d {}, {} query rows per KV head{}): the \
+                     wide consumer takes d 64 or 128 with more than 32 rows a KV head, heads \
+                     not paired",
                     problem.head_dim,
                     problem.columns(),
                     if paired { ", paired" } else { "" }
@@ -2255,17 +2254,22 @@ mod tests {
         let pp = persistent(&mt(64, 8, 8, 64), wide).unwrap();
         assert_eq!((pp.variant.stages, pp.variant.head_dim), (8, 64));
         assert!(pp.variant.shared_bytes() <= PERSISTENT_SHARED_BUDGET);
-        // every refusal names the knob: 32 rows, d 256, e4m3, paired heads, a forced ring
+        // every refusal names the knob: 32 rows, d 256, paired heads, a forced ring (an e4m3
+        // cache is served: its tiles widened to f16 by the consumers)
         let refused = |p: &DecodeProblem, o: PlanOptions| {
             let msg = persistent(p, o).unwrap_err().to_string();
             assert!(msg.contains("persistent_wide_columns"), "{msg}");
         };
         refused(&mt(32, 8, 8, 128).with_q_len(4).unwrap(), wide);
         refused(&mt(32, 2, 8, 256), wide);
-        refused(
+        let fp8 = persistent(
             &mt(64, 8, 8, 128).with_kv_dtype(KvDType::Fp8E4m3).unwrap(),
             wide,
-        );
+        )
+        .unwrap()
+        .variant;
+        assert!(fp8.wide() && fp8.shared_bytes() <= PERSISTENT_SHARED_BUDGET);
+        assert_eq!((fp8.tile_tokens, fp8.stages), (64, 4));
         refused(
             &DecodeProblem::new(2, 16, 16, 64, 4096, DType::Bf16).unwrap(),
             PlanOptions {
@@ -2285,9 +2289,12 @@ mod tests {
         assert!(msg.contains("persistent_wide_columns"), "{msg}");
         // every wide variant the plan can choose is compiled by `kvstream kernels` and CI
         let all = crate::kernels::all_variants();
-        for d in crate::kernels::WIDE_HEAD_DIMS {
+        for (d, kv) in crate::kernels::WIDE_HEAD_DIMS
+            .into_iter()
+            .flat_map(|d| [(d, KvDType::AsQuery), (d, KvDType::Fp8E4m3)])
+        {
             for source in KvSource::ALL {
-                let mut q = mt(64, 8, 8, d);
+                let mut q = mt(64, 8, 8, d).with_kv_dtype(kv).unwrap();
                 if source.paged() {
                     let page = if source == KvSource::PagedGather {
                         1

@@ -384,7 +384,8 @@ fn column_lanes_match_reference() {
 
 /// The wide consumer (blocks of 64 query rows on the warpgroup MMA): one block a KV head, two
 /// (with column lanes), a partial block, contiguous, paged by boxes and gathered, d 64 and 128,
-/// bf16 and f16, windows, sinks and softcap, zero lengths and lengths inside one tile; equal
+/// bf16 and f16, 2-byte and e4m3 caches, windows, sinks and softcap, zero lengths and lengths
+/// inside one tile; equal
 /// to the reference and the schedule model, bitwise reproducible; then a graph of it replayed
 /// with new lengths.
 /// Expected run time: a few seconds.
@@ -432,6 +433,33 @@ fn wide_columns_match_reference() {
             q_len: 4,
             lens: vec![0, 65, 1500, 1],
             page_size: Some(64),
+            ..base.clone()
+        },
+        // e4m3 caches (tiles widened to f16 by the warpgroups): bf16 queries (converted to f16),
+        // two blocks, a window with sinks; f16 at d 64, gathered pages of 1
+        ModelCase {
+            fp8: true,
+            hq: 32,
+            hkv: 2,
+            window: Window {
+                left: Some(300),
+                right: Some(0),
+            },
+            sinks: true,
+            ..base.clone()
+        },
+        ModelCase {
+            fp8: true,
+            dtype: DType::F16,
+            head_dim: 64,
+            page_size: Some(1),
+            softcap: Some(30.0),
+            ..base.clone()
+        },
+        ModelCase {
+            fp8: true,
+            page_size: Some(16),
+            lens: vec![64, 1, 0, 1499],
             ..base.clone()
         },
     ];
