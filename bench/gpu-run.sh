@@ -215,7 +215,8 @@ if want abdemo; then
   done 2>&1 | tee -a $O/abdemo.txt
   # the wide consumer (64 query rows on the warpgroup MMA) against the narrow blocks
   for a in "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" \
-           "--batch 16 --hq 64 --hkv 8 --head-dim 64 --q-len 8 --len 32768" "--batch 1 --hq 32 --hkv 2 --q-len 8 --len 32768"; do
+           "--batch 16 --hq 64 --hkv 8 --head-dim 64 --q-len 8 --len 32768" "--batch 1 --hq 32 --hkv 2 --q-len 8 --len 32768" \
+           "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768 --kv-dtype fp8_e4m3"; do
     for o in "" --wide-columns "" --wide-columns; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
   done 2>&1 | tee -a $O/abdemo.txt
 fi
