@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
+# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -192,19 +192,21 @@ if want abdemo; then
            "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks"; do
     for o in "" "--ring h1" "" "--ring h1"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
   done 2>&1 | tee -a $O/abdemo.txt
+fi
+if want abctas; then
   # two persistent CTAs per SM (a forced grid of 264) against one, on the batch rows where the
   # engine trails cuDNN by 2-4% (bench/NOTES.md, "Open leads": b16 L32768 ~-2% predicted)
   for a in "--batch 16 --hq 32 --hkv 8 --len 32768" "--batch 128 --hq 32 --hkv 8 --len 4096" \
            "--batch 16 --hq 32 --hkv 8 --head-dim 64 --len 32768" "--batch 32 --hq 32 --hkv 8 --len 32768 --page-size 16"; do
     for o in "" "--ctas 264" "" "--ctas 264"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
-  done 2>&1 | tee -a $O/abdemo.txt
+  done 2>&1 | tee -a $O/abctas.txt
   # e4m3 at batch (1.04-1.14x of the fp8 floor): its default ring (g2s8, 128 KB) leaves no room
   # for a second CTA; shallower rings that do, two an SM
   for a in "--batch 16 --hq 32 --hkv 8 --len 32768 --kv-dtype fp8_e4m3" "--batch 128 --hq 32 --hkv 8 --len 4096 --kv-dtype fp8_e4m3"; do
     for o in "" "--ring g1s4 --ctas 264" "--ring g1s4" "" "--ring g1s4 --ctas 264"; do
       echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3
     done
-  done 2>&1 | tee -a $O/abdemo.txt
+  done 2>&1 | tee -a $O/abctas.txt
   # one-tile units (gpt-oss's window of 128): one consumer group a CTA, two CTAs an SM, so that
   # one CTA's epilogue overlaps the other's tile
   for a in "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks" \
@@ -212,13 +214,15 @@ if want abdemo; then
     for o in "" "--ring g1s2 --ctas 264" "--ctas 264" "" "--ring g1s2 --ctas 264"; do
       echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3
     done
-  done 2>&1 | tee -a $O/abdemo.txt
+  done 2>&1 | tee -a $O/abctas.txt
+fi
+if want abwide; then
   # the wide consumer (64 query rows on the warpgroup MMA) against the narrow blocks
   for a in "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" \
            "--batch 16 --hq 64 --hkv 8 --head-dim 64 --q-len 8 --len 32768" "--batch 1 --hq 32 --hkv 2 --q-len 8 --len 32768" \
            "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768 --kv-dtype fp8_e4m3"; do
     for o in "" --wide-columns "" --wide-columns; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
-  done 2>&1 | tee -a $O/abdemo.txt
+  done 2>&1 | tee -a $O/abwide.txt
 fi
 if want storekv; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
