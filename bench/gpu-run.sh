@@ -207,11 +207,11 @@ if want abctas; then
       echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3
     done
   done 2>&1 | tee -a $O/abctas.txt
-  # one-tile units (gpt-oss's window of 128): one consumer group a CTA, two CTAs an SM, so that
-  # one CTA's epilogue overlaps the other's tile
+  # one-tile units (gpt-oss's window of 128): one consumer group a CTA and two CTAs an SM (one
+  # CTA's epilogue under the other's tile), or 64-position tiles (both groups on every unit)
   for a in "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks" \
            "--batch 16 --hq 64 --hkv 8 --head-dim 64 --len 4096 --window 127 --sinks"; do
-    for o in "" "--ring g1s2 --ctas 264" "--ctas 264" "" "--ring g1s2 --ctas 264"; do
+    for o in "" "--ring g1s2 --ctas 264" "--ring p64" "--ctas 264" "" "--ring g1s2 --ctas 264" "--ring p64"; do
       echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3
     done
   done 2>&1 | tee -a $O/abctas.txt
