@@ -64,6 +64,8 @@
 //                        2 evict_last
 //   KVS_SOFTMAX_SLICES   m16 slices of a warp's rows per online-softmax step (1 or 2): one max
 //                        reduction, one rescale of O^T per step
+//   KVS_SHARED_BYTES     the dynamic shared memory the host launches with (checked against the
+//                        layout below at compile time)
 //
 // Score modifiers (score_mods.cuh) are parameters, not builds: a sliding window bounds each
 // column's positions below as well (the schedule streams only the window's tiles), the softcap
@@ -229,6 +231,8 @@ static_assert(!WIDE || (HEADS_PER_ROW == 1 && (HEAD_DIM == 64 || HEAD_DIM == 128
 static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
               "softmax steps of whole m16 slices of a warp's rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
+// the host's mirror of this layout (PersistentVariant::shared_bytes) sizes the launch
+static_assert(SharedPlan::bytes + SharedPlan::align <= KVS_SHARED_BYTES, "shared memory the host launches with");
 static_assert(MERGE_MAX_PIECES >= MIN_MERGE_PIECES && EPI_PARTS * MERGE_WARP_FLOATS <= MERGE_FLOATS,
               "merge scratch");
 static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern boundary");

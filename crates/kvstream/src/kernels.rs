@@ -553,6 +553,8 @@ impl Variant for PersistentVariant {
         d.push(("KVS_PRODUCER_WARPS".into(), self.producer_warps.to_string()));
         d.push(("KVS_SOFTMAX_SLICES".into(), self.softmax_slices.to_string()));
         d.push(("KVS_HEADS_PER_ROW".into(), self.heads_per_row.to_string()));
+        // the launch's dynamic shared memory, which the kernel checks its layout against
+        d.push(("KVS_SHARED_BYTES".into(), self.shared_bytes().to_string()));
         d
     }
 }
