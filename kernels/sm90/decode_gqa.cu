@@ -62,6 +62,8 @@
 //                    TMA box (kv_chunk), two producer warps (K and V), and for split requests
 //                    the first pages warmed in L2 before the PDL wait (WARMS_PAGES)
 //   KVS_PRODUCER_WARPS  2 with joined halves, 1 otherwise (the host sizes the CTA from it)
+//   KVS_SHARED_BYTES the dynamic shared memory the host launches with (checked against the
+//                    layout below at compile time)
 //   KVS_TRACE        1: debug build with the phase trace (see below); never in a plan
 #include "ptx.cuh"
 #include "params.cuh"
@@ -163,6 +165,8 @@ struct SharedPlan {
 };
 
 static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
+// the host's mirror of this layout (DecodeVariant::shared_bytes) sizes the launch
+static_assert(SharedPlan::bytes + SharedPlan::align <= KVS_SHARED_BYTES, "shared memory the host launches with");
 static_assert(STAGES % CONSUMER_GROUPS == 0, "a stage must always feed the same group");
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim");
 static_assert(N_TILES >= 1 && N_TILES <= 4, "group up to 32");

@@ -74,6 +74,8 @@
 //                     scored by two; 128: eight slices, one warp each)
 //   KVS_STAGES        ring depth
 //   KVS_PAGED         0: contiguous cache [batch, max_len, 576]; 1: page pool [pages, page_size, 576]
+//   KVS_SHARED_BYTES  the dynamic shared memory the host launches with (checked against the
+//                     layout below at compile time)
 #include "ptx.cuh"
 #include "decode_params.cuh"
 #include "kv_format.cuh"
@@ -219,6 +221,8 @@ static_assert(CONSUMER_WARPS % SLICES == 0 && N_TILES % COL_SPLIT == 0 && K_STEP
               "warps cover slices x parts of the dims and of the columns");
 static_assert(V_DIM % (16 * CONSUMER_WARPS) == 0 && O_TILES % 2 == 0, "O^T m-tiles in pairs per warp");
 static_assert(N_TILES == 2 || N_TILES == 4 || N_TILES == 8, "column blocks of 16, 32 or 64 rows");
+// the host's mirror of this layout (MlaVariant::shared_bytes) sizes the launch
+static_assert(SharedPlan::bytes + SharedPlan::align <= KVS_SHARED_BYTES, "shared memory the host launches with");
 static_assert(!WIDE || (TILE_TOKENS == WIDE_TOKENS && CONSUMER_WARPS == 8 && STAGES == 2 && WIDE_BOX == 8192),
               "wide: tiles of 64 positions (64 dims a box once 2-byte), two consumer warpgroups, two stages");
 static_assert(!WIDE || (SharedPlan::p % 1024 == 0 && SharedPlan::q % 1024 == 0 && WideShared::staging % 1024 == 0),

@@ -240,6 +240,9 @@ impl Variant for DecodeVariant {
                 "KVS_PRODUCER_WARPS".into(),
                 self.producer_warps().to_string(),
             ),
+            // the launch's dynamic shared memory (before any residency padding), which the
+            // kernel checks its layout against
+            ("KVS_SHARED_BYTES".into(), self.shared_bytes().to_string()),
         ]);
         d
     }
@@ -673,6 +676,8 @@ impl Variant for MlaVariant {
             ("KVS_TILE_TOKENS".into(), self.tile_tokens.to_string()),
             ("KVS_STAGES".into(), self.stages.to_string()),
             ("KVS_PAGED".into(), u8::from(self.paged).to_string()),
+            // the launch's dynamic shared memory, which the kernel checks its layout against
+            ("KVS_SHARED_BYTES".into(), self.shared_bytes().to_string()),
         ]
     }
 }
