@@ -3,10 +3,11 @@
 //   S^T [tokens x group] = K [tokens x d] * Q^T [d x group]     (mma m16n8k16, tokens on M)
 //   O^T [d x group]      = V^T [d x tokens] * P^T [tokens x group]
 //
-// One CTA per SM by default (two where the plan is told to and they fit). Every CTA works out the call's schedule itself from the lengths (scheduler,
-// schedule.cuh): the KV tiles of all (request, KV head, column block) units form one sequence
-// and each working CTA streams an equal share of it, across unit and request boundaries, so a
-// CUDA graph replayed with any lengths stays balanced. A unit cut by CTA boundaries is merged
+// One CTA per SM by default (two where the plan is told to and they fit). Every CTA works out
+// the call's schedule itself from the lengths (scheduler, schedule.cuh): the KV tiles of all
+// (request, KV head, column block) units form one sequence and each working CTA streams an
+// equal share of it, across unit and request boundaries, so a CUDA graph replayed with any
+// lengths stays balanced. A unit cut by CTA boundaries is merged
 // by the CTA whose piece arrives last (an arrival counter it resets itself: nothing is zeroed
 // between calls); the merge order is fixed, so results are bitwise reproducible.
 // With lanes (p.lanes > 1) the grid is dealt into one lane per column block (column lanes: L2
@@ -72,8 +73,8 @@
 // is a warp-uniform branch, and the epilogue reads p.sinks where they are set. Masks are
 // applied only in the tiles that cross a column's bound, so a modifier that is off costs nothing.
 //
-// Wide column blocks (KVS_N_TILES 8: 64 query rows a block, 2-byte caches, d 64 and 128, large
-// multi-token groups) take another consumer on the same scheduler, producer, ring and epilogue:
+// Wide column blocks (KVS_N_TILES 8: 64 query rows a block, d 64 and 128, large multi-token
+// groups) take another consumer on the same scheduler, producer, ring and epilogue:
 // the query rows are the M dimension of the warpgroup MMA (wgmma.cuh), as in decode_mla.cu, so
 // neither product re-reads the rows per tile (see "wide consumer" below).
 //
@@ -764,7 +765,7 @@ __device__ __forceinline__ void stage_query_rows_wide(const PersistentParams& p,
                                                       u32 q_base) {
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks a row
     const int kv_head = pc.unit / p.col_blocks;
-    const u64 policy = l2_policy_evict_last();  // every block of the KV head reads the rows again
+    const u64 policy = l2_policy_evict_last();  // every piece of a cut unit reads the rows
     for (int i = threadIdx.x; i < GROUP_PAD * CHUNKS; i += CONSUMER_THREADS) {
         const int r = i / CHUNKS, c = i % CHUNKS;
         const bool valid = r < cols.count;
@@ -941,7 +942,8 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
                 for (int i = me; i < BOXES * TILE_TOKENS * 8; i += WG_THREADS) {
                     const int box = i / (8 * TILE_TOKENS), t = (i / 8) % TILE_TOKENS;
                     if (t < below || t >= from)
-                        *reinterpret_cast<uint4*>(v_rows + box * WIDE_BOX + t * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
+                        *reinterpret_cast<uint4*>(v_rows + box * WIDE_BOX + t * 128 + (i % 8) * 16) =
+                            make_uint4(0, 0, 0, 0);
                 }
                 fence_proxy_async_shared();
                 named_barrier_sync(2 + wg, WG_THREADS);
@@ -984,7 +986,8 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
         float* dst = merge + wg * MERGE_WARP_FLOATS + row * MERGE_ROW + pair;
 #pragma unroll
         for (int j = 0; j < HEAD_DIM / 8; ++j)
-            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * i] * factor, o[4 * j + 2 * i + 1] * factor);
+            *reinterpret_cast<float2*>(dst + 8 * j) =
+                make_float2(o[4 * j + 2 * i] * factor, o[4 * j + 2 * i + 1] * factor);
     }
     named_barrier_sync(1, CONSUMER_THREADS);
 }
