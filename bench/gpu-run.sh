@@ -215,6 +215,11 @@ if want abctas; then
       echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3
     done
   done 2>&1 | tee -a $O/abctas.txt
+  # ragged batches (short pieces: one CTA's epilogue under the other's tiles) and pools of 1,
+  # as `kvstream bench` times them under one replayed graph, default grid against 264 CTAs
+  timeout $(cap 200) $B bench --matrix bench/serving.json --no-plots --ctas 264 \
+    --ids ragged-b128-L4096,ragged-b64-L32768,contig-d128-b32-L32768,paged1-d128-b32-L32768 \
+    --json $O/abctas-serving.json 2>&1 | tail -14 | tee -a $O/abctas.txt
 fi
 if want abwide; then
   # the wide consumer (64 query rows on the warpgroup MMA) against the narrow blocks
