@@ -51,7 +51,8 @@ if [ -n "${TRACE:-}" ]; then
   done
 fi
 if [ "${WHEEL:-1}" != 0 ]; then
-  [ -n "$(ls target/wheels/kvstream-*.whl 2>/dev/null)" ] || bash scripts/build-wheel.sh
+  # always rebuilt: the wheel embeds the kernels and the plan, so an older one would test them
+  bash scripts/build-wheel.sh
   cp target/wheels/kvstream-*.whl .carry/wheels/
 fi
 if [ -n "${AB_REFS:-}" ]; then
