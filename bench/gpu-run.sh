@@ -186,11 +186,11 @@ if want abdemo; then
   # (each pair twice; the batch-16 and -64 rows build and check caches of several GB on the
   # host: 30 s was too short for them)
   for a in "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768"; do
-    for o in "" "--column-lanes false" "" "--column-lanes false"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
+    for o in "" "--column-lanes false" "" "--column-lanes false"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'; done
   done 2>&1 | tee $O/abdemo.txt
   for a in "--batch 16 --hq 32 --hkv 32 --head-dim 96 --len 32768" "--batch 1 --hq 32 --hkv 32 --head-dim 96 --len 32768" \
            "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks"; do
-    for o in "" "--ring h1" "" "--ring h1"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
+    for o in "" "--ring h1" "" "--ring h1"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'; done
   done 2>&1 | tee -a $O/abdemo.txt
 fi
 if want abctas; then
@@ -198,13 +198,13 @@ if want abctas; then
   # engine trails cuDNN by 2-4% (bench/NOTES.md, "Open leads": b16 L32768 ~-2% predicted)
   for a in "--batch 16 --hq 32 --hkv 8 --len 32768" "--batch 128 --hq 32 --hkv 8 --len 4096" \
            "--batch 16 --hq 32 --hkv 8 --head-dim 64 --len 32768" "--batch 32 --hq 32 --hkv 8 --len 32768 --page-size 16"; do
-    for o in "" "--ctas 264" "" "--ctas 264"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
+    for o in "" "--ctas 264" "" "--ctas 264"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'; done
   done 2>&1 | tee -a $O/abctas.txt
   # e4m3 at batch (1.04-1.14x of the fp8 floor): its default ring (g2s8, 128 KB) leaves no room
   # for a second CTA; shallower rings that do, two an SM
   for a in "--batch 16 --hq 32 --hkv 8 --len 32768 --kv-dtype fp8_e4m3" "--batch 128 --hq 32 --hkv 8 --len 4096 --kv-dtype fp8_e4m3"; do
     for o in "" "--ring g1s4 --ctas 264" "--ring g1s4" "" "--ring g1s4 --ctas 264"; do
-      echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3
+      echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'
     done
   done 2>&1 | tee -a $O/abctas.txt
   # one-tile units (gpt-oss's window of 128): one consumer group a CTA and two CTAs an SM (one
@@ -212,7 +212,7 @@ if want abctas; then
   for a in "--batch 64 --hq 64 --hkv 8 --head-dim 64 --len 32768 --window 127 --sinks" \
            "--batch 16 --hq 64 --hkv 8 --head-dim 64 --len 4096 --window 127 --sinks"; do
     for o in "" "--ring g1s2 --ctas 264" "--ring p64" "--ctas 264" "" "--ring g1s2 --ctas 264" "--ring p64"; do
-      echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3
+      echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'
     done
   done 2>&1 | tee -a $O/abctas.txt
   # ragged batches (short pieces: one CTA's epilogue under the other's tiles) and pools of 1,
@@ -226,7 +226,7 @@ if want abwide; then
   for a in "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" \
            "--batch 16 --hq 64 --hkv 8 --head-dim 64 --q-len 8 --len 32768" "--batch 1 --hq 32 --hkv 2 --q-len 8 --len 32768" \
            "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768 --kv-dtype fp8_e4m3"; do
-    for o in "" --wide-columns "" --wide-columns; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | tail -3; done
+    for o in "" --wide-columns "" --wide-columns; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'; done
   done 2>&1 | tee -a $O/abwide.txt
 fi
 if want storekv; then
