@@ -150,6 +150,43 @@ __device__ __forceinline__ float kv_scale(const float* scale, int batch_stride, 
     return KV_FP8 && scale ? ld_global_l2(scale + (long long)b * batch_stride + (long long)h * head_stride) : 1.f;
 }
 
+// Two 16-bit values (bf16 when !IS_F16) as f16, beyond f16's range saturated to +-65504: query
+// rows for the f16 MMAs of an e4m3 cache.
+template <bool IS_F16>
+__device__ __forceinline__ u32 to_f16x2_saturated(u32 x) {
+    float lo, hi;
+    unpack_half2<IS_F16>(x, lo, hi);
+    return pack_half2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
+}
+
+// ROWS rows of COLS 2-byte elements as a wgmma operand in shared memory, staged from global
+// memory by THREADS threads without a register round trip (cp.async): the 128-byte swizzle,
+// COLS / 64 boxes of [ROWS][128 bytes], chunk c of row r at box c / 8, row r, chunk
+// (c % 8) ^ (r % 8). `row(r)` is row r's address; rows from `count` on are zeros. TO_F16: bf16
+// rows made f16 in place (to_f16x2_saturated), each thread converting the chunks it copied.
+// The caller fences (the MMAs read through the async proxy) and synchronises the threads.
+template <int ROWS, int COLS, int THREADS, bool TO_F16, class Row>
+__device__ __forceinline__ void stage_rows_sw128(u32 base, int count, Row row, u64 policy) {
+    constexpr int CHUNKS = COLS / 8;  // 16-byte chunks a row
+    static_assert(COLS % 64 == 0, "whole boxes of 64 elements");
+    auto at = [&](int r, int c) { return base + (c / 8) * (ROWS * 128) + r * 128 + (((c % 8) ^ (r % 8)) << 4); };
+    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        cp_async_16(at(r, c), row(r < count ? r : 0) + c * 8, r < count ? 16 : 0, policy);
+    }
+    cp_async_wait_all();
+    if constexpr (TO_F16) {
+        for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            u32 w[4];
+            ld_shared_v4(w, at(r, c));
+#pragma unroll
+            for (int j = 0; j < 4; ++j) w[j] = to_f16x2_saturated<false>(w[j]);
+            st_shared_v4(at(r, c), w);
+        }
+    }
+}
+
 // The consumers' pass over the staged query rows (`count` rows of SMEM_ROW bytes from q_base,
 // THREADS threads) where the K fragments want them in another type or order
 // (Fmt::QUERY_PERMUTED): every 16-dim k-step of every row becomes f16 pairs in the order
@@ -164,11 +201,7 @@ __device__ __forceinline__ void permute_query_rows(u32 q_base, int count) {
         ld_shared_v4(in, at);
         ld_shared_v4(in + 4, at + 16);
 #pragma unroll
-        for (int pr = 0; pr < 8; ++pr) {
-            float lo, hi;
-            unpack_half2<IS_F16>(in[Fmt::query_pair(pr)], lo, hi);
-            out[pr] = pack_half2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
-        }
+        for (int pr = 0; pr < 8; ++pr) out[pr] = to_f16x2_saturated<IS_F16>(in[Fmt::query_pair(pr)]);
         st_shared_v4(at, out);
         st_shared_v4(at + 16, out + 4);
     }

@@ -171,9 +171,7 @@ constexpr int MERGE_WARP_FLOATS = GROUP_PAD * MERGE_ROW;
 // Softmax states per column the epilogue merges: one per consumer warp, or one per warpgroup of
 // the wide consumer (each holds whole rows)
 constexpr int EPI_PARTS = WIDE ? CONSUMER_GROUPS : CONSUMER_WARPS;
-// The wide consumer's query rows, staged by itself in the 128-byte swizzle of a wgmma operand:
-// HEAD_DIM / 64 boxes of 64 rows x 128 bytes (the producer loads none)
-constexpr int WIDE_Q_BOX = GROUP_PAD * 128;
+// (the wide consumer stages its query rows itself, as a wgmma operand: the producer loads none)
 constexpr int Q_REGION = WIDE ? GROUP_PAD * HEAD_DIM * 2 : Q_BUFFERS * Q_BYTES;
 // merge_unit stages two floats per column and piece in the epilogue scratch, which holds at
 // least a unit cut twice per SM of a 132-SM GPU (once for the wide consumer, whose rows would
@@ -723,7 +721,9 @@ constexpr int WIDE_S_REGS = WIDE_TOKENS / 2;    // 64 rows x 64 positions f32 ov
 constexpr int WIDE_O_REGS = HEAD_DIM / 2;       // 64 rows x HEAD_DIM f32
 constexpr int WIDE_K_STEPS = WIDE_TOKENS / 16;  // k16 steps of P V
 static_assert(!WIDE || TILE_TOKENS == WIDE_TOKENS, "wide tiles");
-constexpr int WIDE_BOX = WIDE_TOKENS * 128;    // a box of a 2-byte (or widened) tile
+// a box of a 2-byte (or widened) tile and of the staged query rows: 64 rows x 128 bytes
+constexpr int WIDE_BOX = WideTile::BOX_BYTES;
+static_assert(WIDE_BOX == GROUP_PAD * 128 || !WIDE, "query rows and tiles share the box");
 static_assert(!WIDE || KV_FP8 || BOX_BYTES == WIDE_BOX, "2-byte wide tiles are read in place");
 
 // e4m3: the ring's tile (K then V) widened to f16 into `dst` (K tile, then V tile), by the 128
@@ -758,43 +758,20 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[D / 2], const u32 (&a)[4], u
     }
 }
 
-// The block's 64 query rows (columns, token-major) into the 128-byte swizzle by cp.async from
-// every consumer thread: chunk c of row r at box c / 8, row r, chunk (c % 8) ^ (r % 8). Rows past
-// the block's valid columns are zeros.
+// The block's 64 query rows (columns, token-major) as the A operand of S = Q K^T (the layout of
+// a widened tile: rows of 128 bytes, 64 dims a box), f16 for an e4m3 cache's MMAs; rows past the
+// block's valid columns are zeros.
 __device__ __forceinline__ void stage_query_rows_wide(const PersistentParams& p, const Piece& pc, const Columns& cols,
                                                       u32 q_base) {
-    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks a row
     const int kv_head = pc.unit / p.col_blocks;
-    const u64 policy = l2_policy_evict_last();  // every piece of a cut unit reads the rows
-    for (int i = threadIdx.x; i < GROUP_PAD * CHUNKS; i += CONSUMER_THREADS) {
-        const int r = i / CHUNKS, c = i % CHUNKS;
-        const bool valid = r < cols.count;
-        const int row = cols.first_col + (valid ? r : 0);
-        const int token = row / p.group, h = row % p.group;
-        const u16* src = reinterpret_cast<const u16*>(p.q) + pc.batch * p.q_batch_stride +
-                         (long long)token * p.q_token_stride + (long long)(kv_head * p.group + h) * p.q_head_stride +
-                         c * 8;
-        cp_async_16(q_base + (c / 8) * WIDE_Q_BOX + r * 128 + (((c % 8) ^ (r % 8)) << 4), src, valid ? 16 : 0, policy);
-    }
-    cp_async_wait_all();
-    if constexpr (MMA_F16 && !IS_F16) {
-        // bf16 rows for f16 MMAs (an e4m3 cache): converted in place, beyond f16's range
-        // saturated to +-65504, once every thread's copies have landed
-        named_barrier_sync(1, CONSUMER_THREADS);
-        for (int i = threadIdx.x; i < GROUP_PAD * CHUNKS; i += CONSUMER_THREADS) {
-            const int r = i / CHUNKS, c = i % CHUNKS;
-            const u32 at = q_base + (c / 8) * WIDE_Q_BOX + r * 128 + (((c % 8) ^ (r % 8)) << 4);
-            u32 w[4];
-            ld_shared_v4(w, at);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                float lo, hi;
-                unpack_half2<false>(w[j], lo, hi);
-                w[j] = pack_half2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
-            }
-            st_shared_v4(at, w);
-        }
-    }
+    stage_rows_sw128<GROUP_PAD, HEAD_DIM, CONSUMER_THREADS, MMA_F16 && !IS_F16>(
+        q_base, cols.count,
+        [&](int r) {
+            const int row = cols.first_col + r, token = row / p.group, h = row % p.group;
+            return reinterpret_cast<const u16*>(p.q) + pc.batch * p.q_batch_stride +
+                   (long long)token * p.q_token_stride + (long long)(kv_head * p.group + h) * p.q_head_stride;
+        },
+        l2_policy_evict_last());  // every piece of a cut unit reads the rows
 }
 
 // One piece on the wide consumer, up to its warpgroups' states parked in the epilogue scratch
@@ -871,7 +848,7 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D_TILES; ++kk)
-            wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * WIDE_Q_BOX + (kk % 4) * 32) >> 4),
+            wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4),
                                         k_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();

@@ -838,32 +838,14 @@ __device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsig
 // widen exactly), saturated to +-65504. The caller fences and syncs.
 __device__ __forceinline__ void stage_query_rows_wide(const PersistentParams& p, const Piece& pc,
                                                       unsigned char* q, int count) {
-    constexpr int CHUNKS = MLA_DIM * 2 / 16;
-    const u64 policy = l2_policy_evict_normal();
-    const u32 base = smem_addr(q);
-    auto at = [&](int r, int c) { return base + (c / 8) * WIDE_BOX + r * 128 + (((c % 8) ^ (r % 8)) << 4); };
-    for (int i = threadIdx.x; i < WIDE_ROWS * CHUNKS; i += CONSUMER_THREADS) {
-        const int r = i / CHUNKS, c = i % CHUNKS;
-        const Column col = column_of(p, pc.unit, r < count ? r : 0);
-        const u16* src = reinterpret_cast<const u16*>(p.q) + pc.batch * p.q_batch_stride +
-                         (long long)col.token * p.q_token_stride + (long long)col.head * p.q_head_stride;
-        cp_async_16(at(r, c), src + c * 8, r < count ? 16 : 0, policy);
-    }
-    cp_async_wait_all();
-    if constexpr (KV_FP8 && !IS_F16) {
-        for (int i = threadIdx.x; i < WIDE_ROWS * CHUNKS; i += CONSUMER_THREADS) {
-            const int r = i / CHUNKS, c = i % CHUNKS;
-            u32 w[4];
-            ld_shared_v4(w, at(r, c));
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                float lo, hi;
-                unpack_half2<false>(w[j], lo, hi);
-                w[j] = pack_half2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
-            }
-            st_shared_v4(at(r, c), w);
-        }
-    }
+    stage_rows_sw128<WIDE_ROWS, MLA_DIM, CONSUMER_THREADS, KV_FP8 && !IS_F16>(
+        smem_addr(q), count,
+        [&](int r) {
+            const Column col = column_of(p, pc.unit, r);
+            return reinterpret_cast<const u16*>(p.q) + pc.batch * p.q_batch_stride +
+                   (long long)col.token * p.q_token_stride + (long long)col.head * p.q_head_stride;
+        },
+        l2_policy_evict_normal());
 }
 
 // Zeroes the V part (dims 0..511) of a 2-byte tile's positions [from, WIDE_TOKENS), by the
