@@ -360,31 +360,12 @@ fn kernels(
         "variant", "regs", "stack", "spill_st", "spill_ld", "smem_dyn"
     );
     // compiled `jobs` at a time, reported in the list's order
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut done: Vec<_> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..jobs.min(variants.len()))
-            .map(|_| {
-                s.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(v) = variants.get(i) else { break };
-                        let t = Instant::now();
-                        mine.push((i, jit::cubin(v.as_variant()), t.elapsed()));
-                    }
-                    mine
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| w.join().expect("a compile thread panicked"))
-            .collect()
+    let done = jit::par_map(&variants, jobs, |v| {
+        let t = Instant::now();
+        (jit::cubin(v.as_variant()), t.elapsed())
     });
-    done.sort_by_key(|(i, _, _)| *i);
     let mut failures = 0;
-    for (i, result, took) in done {
-        let v = variants[i];
+    for (&v, (result, took)) in variants.iter().zip(done) {
         let var = v.as_variant();
         match result {
             Ok((c, origin)) => {

@@ -40,3 +40,42 @@ pub fn cubin(variant: &dyn Variant) -> Result<(Compiled, Origin)> {
     let _ = cache::store(&dir, &name, &key, &compiled);
     Ok((compiled, Origin::Compiled))
 }
+
+/// `f` over every item on `threads` threads (at least one), results in item order: each NVRTC
+/// compile is single-threaded and NVRTC is thread-safe, so compiling many variants scales with
+/// the cores (`kvstream kernels --jobs`, the every-variant tests). A panic in any call is
+/// resumed in the caller.
+///
+/// ```
+/// let squares = kvstream::jit::par_map(&[1, 2, 3], 2, |x| x * x);
+/// assert_eq!(squares, [1, 4, 9]);
+/// ```
+pub fn par_map<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let threads = threads.clamp(1, items.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut out: Vec<(usize, R)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(item) = items.get(i) else { break };
+                        mine.push((i, f(item)));
+                    }
+                    mine
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    });
+    out.sort_by_key(|(i, _)| *i);
+    out.into_iter().map(|(_, r)| r).collect()
+}
