@@ -168,7 +168,7 @@ __device__ __forceinline__ u32 to_f16x2_saturated(u32 x) {
 template <int ROWS, int COLS, int THREADS, bool TO_F16, class Row>
 __device__ __forceinline__ void stage_rows_sw128(u32 base, int count, Row row, u64 policy) {
     constexpr int CHUNKS = COLS / 8;  // 16-byte chunks a row
-    static_assert(COLS % 64 == 0, "whole boxes of 64 elements");
+    static_assert(COLS % 8 == 0, "rows of whole 16-byte chunks (the last box may be part-filled)");
     auto at = [&](int r, int c) { return base + (c / 8) * (ROWS * 128) + r * 128 + (((c % 8) ^ (r % 8)) << 4); };
     for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
         const int r = i / CHUNKS, c = i % CHUNKS;
