@@ -97,10 +97,10 @@ pub struct ShapeArgs {
     /// read at about the same time.
     #[arg(long)]
     pub head_lanes: bool,
-    /// Persistent engine: column blocks of 64 query rows on the warpgroup MMA (more than 32
-    /// query rows a KV head, 2-byte caches, d 64 or 128).
+    /// Persistent engine: column blocks of 64 query rows on the warpgroup MMA: true or false
+    /// (default: on where it serves: more than 32 query rows a KV head, d 64 or 128).
     #[arg(long)]
-    pub wide_columns: bool,
+    pub wide_columns: Option<bool>,
     /// Persistent engine: launch this many CTAs (default one per SM; up to two per SM where
     /// the kernel allows it).
     #[arg(long)]
@@ -224,7 +224,7 @@ impl ShapeArgs {
             engine: self.engine.as_deref().map(str::parse).transpose()?,
             persistent_column_lanes: self.column_lanes,
             persistent_head_lanes: self.head_lanes.then_some(true),
-            persistent_wide_columns: self.wide_columns.then_some(true),
+            persistent_wide_columns: self.wide_columns,
             persistent_ctas: self.ctas,
             ..ring
         };

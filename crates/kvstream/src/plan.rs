@@ -573,7 +573,15 @@ pub fn plan_persistent(
             ))
         }
         Some(w) => w,
-        None => false,
+        // a forced tile or softmax step the wide consumer does not take asks for narrow blocks
+        None => {
+            !paired
+                && can_take_wide_columns(problem)
+                && options
+                    .persistent_tile_tokens
+                    .map_or(true, |t| t == crate::kernels::WIDE_TILE_TOKENS)
+                && options.persistent_softmax_slices.map_or(true, |m| m == 1)
+        }
     };
     let view = if paired {
         paired_view(problem)
@@ -1286,8 +1294,9 @@ pub struct PlanOptions {
     /// Persistent engine, knob: `true` runs column blocks of 64 query rows on the wide consumer
     /// (the rows on the M dimension of the warpgroup MMA, decode.cu "wide consumer"; an error
     /// where [`can_take_wide_columns`] says it cannot), for large multi-token groups, which are
-    /// compute-bound on the narrow consumer. `false` or `None`: the narrow consumer's blocks
-    /// of up to 32 rows. Off by default until measured (bench/NOTES.md).
+    /// compute-bound on the narrow consumer. `None`: wide wherever it can serve (32/2 heads q 8
+    /// b16 L32768: 553 -> 224 us; 64/8 heads q 8 b16 L4096: 151 -> 95 us, H100, docs/tuning.md
+    /// "Wide consumer"). `false`: the narrow consumer's blocks of up to 32 rows.
     pub persistent_wide_columns: Option<bool>,
 }
 
@@ -2237,11 +2246,21 @@ mod tests {
             persistent_wide_columns: Some(true),
             ..Default::default()
         };
-        // 64 rows a KV head: one wide block; off by default (narrow blocks of 32, two lanes)
+        // 64 rows a KV head: one wide block by default; `false`: narrow blocks of 32, two lanes
         let p = mt(64, 8, 8, 128);
-        let narrow = persistent(&p, PlanOptions::default()).unwrap();
+        let off = PlanOptions {
+            persistent_wide_columns: Some(false),
+            ..Default::default()
+        };
+        let narrow = persistent(&p, off).unwrap();
         assert_eq!((narrow.variant.n_tiles, narrow.col_blocks), (4, 2));
+        assert!(!narrow.variant.wide());
         let pp = persistent(&p, wide).unwrap();
+        let engine = PlanOptions {
+            engine: Some(Engine::Persistent),
+            ..Default::default()
+        };
+        assert_eq!(pp.variant, persistent(&p, engine).unwrap().variant);
         let v = pp.variant;
         assert!(v.wide());
         assert_eq!((pp.col_blocks, pp.lanes), (1, 1));
@@ -2287,6 +2306,14 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(msg.contains("persistent_wide_columns"), "{msg}");
+        // unasked, a forced narrow tile keeps the narrow consumer; 32 rows never go wide
+        let forced = PlanOptions {
+            persistent_tile_tokens: Some(128),
+            ..Default::default()
+        };
+        assert!(!persistent(&p, forced).unwrap().variant.wide());
+        let q4 = mt(32, 8, 8, 128).with_q_len(4).unwrap();
+        assert!(!persistent(&q4, engine).unwrap().variant.wide());
         // every wide variant the plan can choose is compiled by `kvstream kernels` and CI
         let all = crate::kernels::all_variants();
         for (d, kv) in crate::kernels::WIDE_HEAD_DIMS
@@ -2315,15 +2342,19 @@ mod tests {
 
     #[test]
     fn column_lanes_follow_the_knob_and_the_column_blocks() {
-        // 64/8 heads x 8 new tokens: 64 rows a KV head, two blocks of 32
+        // 64/8 heads x 8 new tokens: 64 rows a KV head, two narrow blocks of 32
         let p = DecodeProblem::new(4, 64, 8, 128, 4096, DType::Bf16)
             .unwrap()
             .with_q_len(8)
             .unwrap();
+        let narrow = PlanOptions {
+            persistent_wide_columns: Some(false),
+            ..Default::default()
+        };
         let lanes = |p: &DecodeProblem, on: Option<bool>| {
             let o = PlanOptions {
                 persistent_column_lanes: on,
-                ..Default::default()
+                ..narrow
             };
             let plan = persistent(p, o).unwrap();
             (plan.col_blocks, plan.lanes)
@@ -2340,7 +2371,7 @@ mod tests {
             let o = PlanOptions {
                 persistent_column_lanes: column,
                 persistent_head_lanes: head,
-                ..Default::default()
+                ..narrow
             };
             let plan = persistent(p, o).unwrap();
             (plan.col_blocks, plan.lanes, plan.variant.heads_per_row)
