@@ -691,17 +691,29 @@ REF_KEYS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "ca
             "attention_chunk")
 
 
+def reference(kw):
+    """fa3_reference of a case's call (on copies of its caches), varlen calls request by
+    request."""
+    if "cu_seqlens_q" in kw or "cu_seqlens_k_new" in kw:
+        return varlen_reference(kw)
+    return fa3_reference(**{key: kw[key] for key in REF_KEYS if key in kw})
+
+
+def as_reference_rows(kw, out, lse):
+    """(q, out, lse) of a call shaped as reference() stacks its rows: a varlen-q call's
+    total_q queries as one request."""
+    q = kw["q"]
+    if "cu_seqlens_q" in kw:
+        return q[None], out[None], None if lse is None else lse[None]
+    return q, out, lse
+
+
 def run_case(kw, label, tol=1e-2):
     """flash_attn_with_kvcache on a case against fa3_reference (on copies of its caches)."""
-    varlen = "cu_seqlens_q" in kw
-    ref = (varlen_reference(kw) if varlen or "cu_seqlens_k_new" in kw
-           else fa3_reference(**{key: kw[key] for key in REF_KEYS if key in kw}))
+    ref = reference(kw)
     res = FN(**kw)
     out, lse = res if kw.get("return_softmax_lse") else (res, None)
-    q = kw["q"]
-    if varlen:  # one request of total_q queries, as the reference concatenates them
-        q, out = q[None], out[None]
-        lse = None if lse is None else lse[None]
+    q, out, lse = as_reference_rows(kw, out, lse)
     err = check_against_reference(out, lse, ref, q, label, tol)
     rotary = kw.get("rotary_cos") is not None
     check_caches(kw["k_cache"], ref[3], rotary, f"{label} k_cache")

@@ -23,11 +23,11 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_compat import (  # noqa: E402
-    REF_KEYS,
+    as_reference_rows,
     build_case,
     check_against_reference,
     check_caches,
-    fa3_reference,
+    reference,
     run_case,
 )
 
@@ -192,34 +192,36 @@ FA3 = _fa3()
 @pytest.mark.parametrize("i", range(24))
 def test_same_call_as_flashattention3(i):
     """The same call through FA3 and through kvstream.compat: outputs, LSEs of the rows that see
-    a position and the appended caches agree (bf16, contiguous caches: the options every FA3
-    build has)."""
+    a position and the appended caches agree (bf16 caches, no attention chunks: the options
+    every FA3 build has; the fa3-fwd wheel is built without local attention)."""
     rng = random.Random(12000 + i)
-    c = gpu_case(rng, dtype=torch.bfloat16, fp8=False, window=(-1, -1),
+    c = gpu_case(rng, dtype=torch.bfloat16, fp8=False, window=(-1, -1), chunk=0,
                  layout=rng.choice(["contiguous", "batch_idx", "batch_idx_strided"]))
     kw, label = build_case(c, torch, "cuda")
 
     def copy(cache):  # the same values in the same layout (a strided slice stays one)
         if cache.is_contiguous():
             return cache.clone()
-        return torch.empty_like(cache.base)[:, : cache.shape[1]].copy_(cache)
+        return torch.empty_like(cache._base)[:, : cache.shape[1]].copy_(cache)
 
     fa_kw = dict(kw, k_cache=copy(kw["k_cache"]), v_cache=copy(kw["v_cache"]))
     assert fa_kw["k_cache"].stride() == kw["k_cache"].stride()
-    ref = fa3_reference(**{key: kw[key] for key in REF_KEYS if key in kw})
+    ref = reference(kw)
     theirs = FA3(**fa_kw)
     ours = flash_attn_with_kvcache(**kw)
     if kw["return_softmax_lse"]:
         (fa_out, fa_lse), (out, lse) = theirs[:2], ours
     else:
         fa_out, fa_lse, out, lse = theirs, None, ours, None
-    err = check_against_reference(out, lse, ref, kw["q"], f"kvstream {label}")
+    q, out, lse = as_reference_rows(kw, out, lse)
+    _, fa_out, fa_lse = as_reference_rows(kw, fa_out, fa_lse)
+    err = check_against_reference(out, lse, ref, q, f"kvstream {label}")
     # FA3 against the same reference (which checks the reference too); FA3 gives +inf as the
     # LSE of a row that sees nothing, so only the live rows' LSEs are compared
     live = ref[2]
     fa_lse_live = None if fa_lse is None else torch.where(live[:, None, :], fa_lse,
                                                           torch.full_like(fa_lse, float("-inf")))
-    fa_err = check_against_reference(fa_out, fa_lse_live, ref, kw["q"], f"FA3 {label}")
+    fa_err = check_against_reference(fa_out, fa_lse_live, ref, q, f"FA3 {label}")
     rotary = kw.get("rotary_cos") is not None
     check_caches(kw["k_cache"], fa_kw["k_cache"], rotary, f"{label} k_cache vs FA3")
     check_caches(kw["v_cache"], fa_kw["v_cache"], rotary, f"{label} v_cache vs FA3")
