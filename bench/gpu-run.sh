@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
+# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide racediag serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -232,6 +232,19 @@ if want abwide; then
   for a in "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768 --kv-dtype fp8_e4m3" "--batch 16 --hq 64 --hkv 8 --head-dim 64 --q-len 8 --len 32768"; do
     for o in "" "--wide-columns false"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'; done
   done 2>&1 | tee -a $O/abwide.txt
+fi
+if want racediag; then
+  # racecheck's hazards on the wide consumer: the report with thread and block ids on small
+  # wide demos (2-byte and e4m3), and the same shape on a narrow two-group ring (256 consumer
+  # threads on the same named barriers, no warpgroup MMA) for comparison
+  # (the narrow consumer takes two groups for at most 16 rows a block: one new token there)
+  shape="--batch 2 --hq 32 --hkv 2 --len 1000 --engine persistent --rounds 0"
+  for o in "--q-len 8 --wide-columns true" "--q-len 8 --wide-columns true --kv-dtype fp8_e4m3" "--ring g2s4"; do
+    echo "== racecheck demo $shape $o"
+    timeout $(cap 150) compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 30 \
+      $B demo $shape $o > "$O/racediag-${o//[ -]/_}.txt" 2>&1
+    grep -E 'check vs|RACECHECK SUMMARY|ERROR SUMMARY' "$O/racediag-${o//[ -]/_}.txt" | tail -3
+  done
 fi
 if want storekv; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
