@@ -222,15 +222,13 @@ if want abctas; then
     --json $O/abctas-serving.json 2>&1 | tail -14 | tee -a $O/abctas.txt
 fi
 if want abwide; then
-  # the wide consumer (64 query rows on the warpgroup MMA, the default for > 32 rows a KV head)
-  # against the narrow blocks; at batch 1 the split engine (narrow) against the persistent one
-  for a in "--batch 1 --hq 32 --hkv 2 --q-len 8 --len 32768" "--batch 1 --hq 64 --hkv 8 --q-len 8 --len 4096"; do
-    for o in "" "--engine persistent" "--engine persistent --wide-columns false" "" "--engine persistent"; do
+  # the wide consumer's blocks of 128 rows (both warpgroups on every tile, each tile read once)
+  # against two blocks of 64 in two lanes (the default), on 128 and 256 rows a KV head
+  for a in "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 4096" "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" \
+           "--batch 16 --hq 32 --hkv 2 --head-dim 64 --q-len 8 --len 32768" "--batch 4 --hq 32 --hkv 1 --q-len 8 --len 32768"; do
+    for o in "" "--wide-rows 128" "" "--wide-rows 128"; do
       echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'
     done
-  done 2>&1 | tee -a $O/abwide.txt
-  for a in "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768 --kv-dtype fp8_e4m3" "--batch 16 --hq 64 --hkv 8 --head-dim 64 --q-len 8 --len 32768"; do
-    for o in "" "--wide-columns false"; do echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'; done
   done 2>&1 | tee -a $O/abwide.txt
 fi
 if want racediag; then

@@ -38,8 +38,8 @@
 //             empty[s]: each lane releases its own shared-memory reads, an order that
 //             compute-sanitizer's racecheck can follow (a warp barrier and one lane's arrive is
 //             as correct but reported as a race against the gathered refills; both time the same)
-//   (STAGES is a multiple of CONSUMER_GROUPS: a stage always feeds the same group, whose four
-//   warps' lanes its `empty` barrier counts)
+//   (STAGES is a multiple of TILE_GROUPS: a stage always feeds the same group(s), whose warps'
+//   lanes its `empty` barrier counts: one group's, or both groups' on 128-row wide blocks)
 // Query rows, j = the CTA's piece count, buffer b = j % Q_BUFFERS, parity (j / Q_BUFFERS) & 1:
 //   producer  at piece j - 1 (at the start for piece 0): wait q_empty[b] (from the second lap),
 //             the rows as bulk copies on q_full[b]
@@ -54,7 +54,8 @@
 //                        to 128 in shared memory, kv_format.cuh); 128 or 192: a row of paired heads
 //   KVS_HEADS_PER_ROW    1, or 2: two adjacent d 64 (d 96) KV heads side by side in one d 128
 //                        (d 192) row (see "Paired heads")
-//   KVS_N_TILES          n8 tiles of query rows per column block (1..4; 8: the wide consumer)
+//   KVS_N_TILES          n8 tiles of query rows per column block (1..4; 8 or 16: the wide
+//                        consumer's blocks of 64 or 128 rows)
 //   KVS_TILE_TOKENS      KV positions per ring stage (multiple of 64)
 //   KVS_STAGES           ring depth
 //   KVS_CONSUMER_GROUPS  1 or 2 groups of four consumer warps
@@ -125,7 +126,9 @@ constexpr int Q_DIM = HEAD_DIM / HEADS_PER_ROW;  // head dim of q, out and of on
 static_assert(HEADS_PER_ROW == 1 || (HEADS_PER_ROW == 2 && (HEAD_DIM == 128 || HEAD_DIM == 192)),
               "paired heads: two d 64 or two d 96 heads");
 constexpr int N_TILES = KVS_N_TILES;
-constexpr bool WIDE = N_TILES == 8;  // the wide consumer: 64 query rows on the wgmma M dimension
+// the wide consumer: query rows on the wgmma M dimension, blocks of 64 (N_TILES 8) or 128
+// (N_TILES 16: each warpgroup takes 64 of the rows on every tile)
+constexpr bool WIDE = N_TILES == 8 || N_TILES == 16;
 constexpr int TILE_TOKENS = KVS_TILE_TOKENS;
 constexpr int STAGES = KVS_STAGES;
 constexpr int CONSUMER_GROUPS = KVS_CONSUMER_GROUPS;
@@ -168,20 +171,25 @@ constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;   // one piece's query rows
 constexpr int Q_BUFFERS = 3;
 constexpr int MERGE_ROW = HEAD_DIM + 4;         // epilogue scratch rows, padded likewise
 constexpr int MERGE_WARP_FLOATS = GROUP_PAD * MERGE_ROW;
-// Softmax states per column the epilogue merges: one per consumer warp, or one per warpgroup of
-// the wide consumer (each holds whole rows)
-constexpr int EPI_PARTS = WIDE ? CONSUMER_GROUPS : CONSUMER_WARPS;
+// The wide consumer's warpgroups split a block's rows (WIDE_ROW_GROUPS of 64 rows, all on every
+// tile) and take alternate tiles (TILE_GROUPS): 1 x 2 for blocks of 64 rows, 2 x 1 for 128.
+constexpr int WIDE_ROW_GROUPS = WIDE ? GROUP_PAD / 64 : 1;
+constexpr int TILE_GROUPS = CONSUMER_GROUPS / WIDE_ROW_GROUPS;
+// Softmax states per column the epilogue merges: one per consumer warp, or one per tile group
+// of the wide consumer (each warpgroup holds whole rows)
+constexpr int EPI_PARTS = WIDE ? TILE_GROUPS : CONSUMER_WARPS;
 // (the wide consumer stages its query rows itself, as a wgmma operand: the producer loads none)
 constexpr int Q_REGION = WIDE ? GROUP_PAD * HEAD_DIM * 2 : Q_BUFFERS * Q_BYTES;
-// merge_unit stages two floats per column and piece in the epilogue scratch, which holds at
-// least a unit cut twice per SM of a 132-SM GPU (once for the wide consumer, whose rows would
-// cost its ring a stage). A unit has at most one piece per CTA of the grid, so the grid may have
-// MERGE_MAX_PIECES CTAs (the host's `PersistentVariant::max_grid`).
+// merge_unit stages two floats per column and piece in the epilogue scratch, MERGE_COLS columns
+// at a time, which holds at least a unit cut twice per SM of a 132-SM GPU (once for the wide
+// consumer, whose rows would cost its ring a stage). A unit has at most one piece per CTA of the
+// grid, so the grid may have MERGE_MAX_PIECES CTAs (the host's `PersistentVariant::max_grid`).
 constexpr int MIN_MERGE_PIECES = WIDE ? 132 : 264;
-constexpr int MERGE_FLOATS = EPI_PARTS * MERGE_WARP_FLOATS > 2 * MIN_MERGE_PIECES * GROUP_PAD
+constexpr int MERGE_COLS = GROUP_PAD < 64 ? GROUP_PAD : 64;
+constexpr int MERGE_FLOATS = EPI_PARTS * MERGE_WARP_FLOATS > 2 * MIN_MERGE_PIECES * MERGE_COLS
                                  ? EPI_PARTS * MERGE_WARP_FLOATS
-                                 : 2 * MIN_MERGE_PIECES * GROUP_PAD;
-constexpr int MERGE_MAX_PIECES = MERGE_FLOATS / (2 * GROUP_PAD);
+                                 : 2 * MIN_MERGE_PIECES * MERGE_COLS;
+constexpr int MERGE_MAX_PIECES = MERGE_FLOATS / (2 * MERGE_COLS);
 // The wide consumer with an e4m3 cache: each warpgroup widens its ring tile into f16 K and V
 // tiles of its own, in the 2-byte layout (rows of 128 bytes, 64 dims a box), which its warpgroup
 // MMAs read (a wgmma operand in shared memory is 16-bit here)
@@ -218,7 +226,7 @@ struct SharedPlan {
 
 static_assert(TILE_TOKENS % (16 * GROUP_WARPS) == 0, "tile must split into m16 slices");
 static_assert(TILE_TOKENS % 32 == 0, "producer lanes take whole rounds of page runs");
-static_assert(STAGES % CONSUMER_GROUPS == 0, "a stage must always feed the same group");
+static_assert(STAGES % TILE_GROUPS == 0, "a stage must always feed the same group");
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256 ||
                   (HEAD_DIM == 192 && HEADS_PER_ROW == 2),
               "head dim");
@@ -227,6 +235,7 @@ static_assert((N_TILES >= 1 && N_TILES <= (HEAD_DIM > 128 ? 2 : 4)) || WIDE,
 static_assert(!WIDE || (HEADS_PER_ROW == 1 && (HEAD_DIM == 64 || HEAD_DIM == 128) && CONSUMER_GROUPS == 2 &&
                         TILE_TOKENS == 64 && SOFTMAX_SLICES == 1),
               "wide column blocks: d 64 or 128, two warpgroups on 64-position tiles");
+static_assert(WIDE_ROW_GROUPS == 1 || !KV_FP8, "128-row wide blocks: 2-byte caches (e4m3 tiles are widened per warpgroup)");
 static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
               "softmax steps of whole m16 slices of a warp's rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
@@ -604,12 +613,12 @@ __device__ __forceinline__ void store_normalised(const PersistentParams& p, cons
 
 // The unit's cut pieces, merged in CTA order by the CTA that parked the last of them. Piece i
 // of the unit is that of the CTA at place c0 + i of the lane; only the first can sit in its
-// CTA's second slot. The pieces'
-// statistics go to shared memory first (the epilogue scratch, free again: the caller has
-// synchronised). Then `split` adjacent threads share each group of four head dims (as many
-// as the threads allow, up to a warp), thread j of them summing pieces j, j + split, ...
-// with MERGE_LOADS loads in flight, and a butterfly over the `split` lanes adds their sums in
-// a fixed order: one L2 round trip per MERGE_LOADS x split pieces, bitwise reproducible.
+// CTA's second slot. MERGE_COLS columns at a time, the pieces' statistics go to shared memory
+// first (the epilogue scratch, free again: the caller has synchronised). Then `split` adjacent
+// threads share each group of four head dims (as many as the threads allow, up to a warp),
+// thread j of them summing pieces j, j + split, ... with MERGE_LOADS loads in flight, and a
+// butterfly over the `split` lanes adds their sums in a fixed order: one L2 round trip per
+// MERGE_LOADS x split pieces, bitwise reproducible.
 constexpr int MERGE_LOADS = 16;
 __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Schedule& s, const Piece& pc,
                                            int lane, const Columns& cols,
@@ -617,62 +626,70 @@ __device__ __forceinline__ void merge_unit(const PersistentParams& p, const Sche
     const int c0 = s.cta_of(pc.start), pieces = s.cta_of(pc.start + pc.tiles - 1) - c0 + 1;
     const int first_slot = lane_slot(s.slot(c0, pc.start), p.lanes, lane);
     auto slot_of = [&](int i) { return i == 0 ? first_slot : lane_slot(2 * (c0 + i), p.lanes, lane); };
-    float* piece_m = scratch;                        // [count][pieces]
-    float* piece_l = scratch + cols.count * pieces;  // [count][pieces]
-    for (int j = threadIdx.x; j < cols.count * pieces; j += CONSUMER_THREADS) {
-        const int g = j / pieces, i = j % pieces;
-        const long long row = (long long)slot_of(i) * GROUP_PAD + g;
-        piece_m[j] = ld_global_l2(p.ml_partial + row * 2);
-        piece_l[j] = ld_global_l2(p.ml_partial + row * 2 + 1);
-    }
-    named_barrier_sync(1, CONSUMER_THREADS);
-    const int elements = cols.count * (Q_DIM / 4);
-    int split = 1;
-    while (split < 32 && split * 2 * elements <= CONSUMER_THREADS && split < pieces) split *= 2;
-    const int part = threadIdx.x % split;
-    // every thread of a group of `split` runs the same trips, so the butterfly's lanes match
-    for (int e0 = threadIdx.x / split; e0 < (elements + CONSUMER_THREADS / split - 1) / (CONSUMER_THREADS / split) *
-                                                (CONSUMER_THREADS / split);
-         e0 += CONSUMER_THREADS / split) {
-        const bool valid = e0 < elements;
-        const int e = valid ? e0 : 0;
-        const int g = e / (Q_DIM / 4), d = (e % (Q_DIM / 4)) * 4;
-        const float* m = piece_m + g * pieces;
-        const float* l = piece_l + g * pieces;
-        float m_max = neg_inf();
-        for (int i = 0; i < pieces; ++i) m_max = fmaxf(m_max, m[i]);
-        const float m_use = m_max == neg_inf() ? 0.f : m_max;
-        float l_sum = 0.f;
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int i0 = part; i0 < pieces; i0 += MERGE_LOADS * split) {
-            // every load leaves before the first use: a piece index past the end reads the last
-            // piece again and gets weight 0
-            float4 v[MERGE_LOADS];
-#pragma unroll
-            for (int u = 0; u < MERGE_LOADS; ++u) {
-                const int i = min(i0 + u * split, pieces - 1);
-                v[u] = ld_global_l2(reinterpret_cast<const float4*>(
-                    p.o_partial + ((long long)slot_of(i) * GROUP_PAD + g) * Q_DIM + d));
-            }
-#pragma unroll
-            for (int u = 0; u < MERGE_LOADS; ++u) {
-                const int i = i0 + u * split;
-                const float w = i < pieces ? exp2_approx(m[min(i, pieces - 1)] - m_use) : 0.f;
-                l_sum += w * l[min(i, pieces - 1)];
-                o.x += w * v[u].x;
-                o.y += w * v[u].y;
-                o.z += w * v[u].z;
-                o.w += w * v[u].w;
-            }
+    // MERGE_COLS columns at a time (every column of a narrow block, 64 of a 128-row wide one)
+    // (one pass wherever a block fits: a bound the compiler sees)
+    const int passes = MERGE_COLS >= GROUP_PAD ? 1 : (cols.count + MERGE_COLS - 1) / MERGE_COLS;
+    for (int g0 = 0; g0 < passes * MERGE_COLS; g0 += MERGE_COLS) {
+        const int count = min(MERGE_COLS, cols.count - g0);
+        float* piece_m = scratch;                   // [count][pieces]
+        float* piece_l = scratch + count * pieces;  // [count][pieces]
+        if (g0 > 0) named_barrier_sync(1, CONSUMER_THREADS);  // the previous columns' are read
+        for (int j = threadIdx.x; j < count * pieces; j += CONSUMER_THREADS) {
+            const int g = g0 + j / pieces, i = j % pieces;
+            const long long row = (long long)slot_of(i) * GROUP_PAD + g;
+            piece_m[j] = ld_global_l2(p.ml_partial + row * 2);
+            piece_l[j] = ld_global_l2(p.ml_partial + row * 2 + 1);
         }
-        for (int off = 1; off < split; off *= 2) {
-            l_sum += __shfl_xor_sync(0xffffffffu, l_sum, off);
-            o.x += __shfl_xor_sync(0xffffffffu, o.x, off);
-            o.y += __shfl_xor_sync(0xffffffffu, o.y, off);
-            o.z += __shfl_xor_sync(0xffffffffu, o.z, off);
-            o.w += __shfl_xor_sync(0xffffffffu, o.w, off);
+        named_barrier_sync(1, CONSUMER_THREADS);
+        const int elements = count * (Q_DIM / 4);
+        int split = 1;
+        while (split < 32 && split * 2 * elements <= CONSUMER_THREADS && split < pieces) split *= 2;
+        const int part = threadIdx.x % split;
+        // every thread of a group of `split` runs the same trips, so the butterfly's lanes match
+        for (int e0 = threadIdx.x / split; e0 < (elements + CONSUMER_THREADS / split - 1) / (CONSUMER_THREADS / split) *
+                                                    (CONSUMER_THREADS / split);
+             e0 += CONSUMER_THREADS / split) {
+            const bool valid = e0 < elements;
+            const int e = valid ? e0 : 0;
+            const int c = e / (Q_DIM / 4), d = (e % (Q_DIM / 4)) * 4, g = g0 + c;
+            const float* m = piece_m + c * pieces;
+            const float* l = piece_l + c * pieces;
+            float m_max = neg_inf();
+            for (int i = 0; i < pieces; ++i) m_max = fmaxf(m_max, m[i]);
+            const float m_use = m_max == neg_inf() ? 0.f : m_max;
+            float l_sum = 0.f;
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int i0 = part; i0 < pieces; i0 += MERGE_LOADS * split) {
+                // every load leaves before the first use: a piece index past the end reads the
+                // last piece again and gets weight 0
+                float4 v[MERGE_LOADS];
+#pragma unroll
+                for (int u = 0; u < MERGE_LOADS; ++u) {
+                    const int i = min(i0 + u * split, pieces - 1);
+                    v[u] = ld_global_l2(reinterpret_cast<const float4*>(
+                        p.o_partial + ((long long)slot_of(i) * GROUP_PAD + g) * Q_DIM + d));
+                }
+#pragma unroll
+                for (int u = 0; u < MERGE_LOADS; ++u) {
+                    const int i = i0 + u * split;
+                    const float w = i < pieces ? exp2_approx(m[min(i, pieces - 1)] - m_use) : 0.f;
+                    l_sum += w * l[min(i, pieces - 1)];
+                    o.x += w * v[u].x;
+                    o.y += w * v[u].y;
+                    o.z += w * v[u].z;
+                    o.w += w * v[u].w;
+                }
+            }
+            for (int off = 1; off < split; off *= 2) {
+                l_sum += __shfl_xor_sync(0xffffffffu, l_sum, off);
+                o.x += __shfl_xor_sync(0xffffffffu, o.x, off);
+                o.y += __shfl_xor_sync(0xffffffffu, o.y, off);
+                o.z += __shfl_xor_sync(0xffffffffu, o.z, off);
+                o.w += __shfl_xor_sync(0xffffffffu, o.w, off);
+            }
+            if (valid && part == 0)
+                store_normalised(p, cols, g, d, o, m_max, l_sum, of_part(v_scale, cols.part(p, g)));
         }
-        if (valid && part == 0) store_normalised(p, cols, g, d, o, m_max, l_sum, of_part(v_scale, cols.part(p, g)));
     }
 }
 
@@ -696,11 +713,13 @@ __device__ __forceinline__ void write_empty_requests(const PersistentParams& p) 
 }
 
 // ================================ wide consumer ============================================
-// Column blocks of 64 query rows (KVS_N_TILES 8) where a KV head has that many (large
-// multi-token groups: the op is compute-bound there, and the narrow consumer re-reads its rows
-// from shared memory on every tile). Warpgroup g (warps 4 g .. 4 g + 3) takes the tiles of
-// group g as the four-warp groups of the narrow consumer do, with its own online softmax over
-// whole rows:
+// Column blocks of 64 or 128 query rows (KVS_N_TILES 8 or 16) where a KV head has more than 32
+// (large multi-token groups: the op is compute-bound there, and the narrow consumer re-reads its
+// rows from shared memory on every tile). Blocks of 64: warpgroup g (warps 4 g .. 4 g + 3)
+// takes the tiles of group g as the four-warp groups of the narrow consumer do; blocks of 128
+// (2-byte caches): both warpgroups take every tile, warpgroup g rows 64 g .. 64 g + 63, so a
+// tile is read once for all of them and both release its stage. Either way a warpgroup keeps
+// its own online softmax over whole rows:
 //   S = Q K^T    64 rows x 64 positions (m64n64k16 over the head dims), both operands in shared
 //                memory: the rows as the consumers staged them, K as the ring holds it;
 //   softmax      thread t (warp w of its warpgroup, lane l) holds rows r0 = 16 w + l / 4 and
@@ -713,7 +732,8 @@ __device__ __forceinline__ void write_empty_requests(const PersistentParams& p) 
 // warpgroup widens the ring's tile into its own f16 K and V tiles (exact; those positions as
 // zeros), hands the stage back at once, and both products read the f16 tiles, with the query
 // rows staged in f16 too (the MMAs' type, as in the narrow consumer). The epilogue merges the
-// two warpgroups' states of each row (EPI_PARTS) in the narrow consumer's scratch.
+// tile groups' states of each row (EPI_PARTS: two on blocks of 64, one on blocks of 128) in the
+// narrow consumer's scratch.
 // (sized by its own constants, so that every variant compiles it; only wide ones call it)
 constexpr int WG_THREADS = 128;
 constexpr int WIDE_TOKENS = 64;                 // = TILE_TOKENS of a wide variant
@@ -721,9 +741,14 @@ constexpr int WIDE_S_REGS = WIDE_TOKENS / 2;    // 64 rows x 64 positions f32 ov
 constexpr int WIDE_O_REGS = HEAD_DIM / 2;       // 64 rows x HEAD_DIM f32
 constexpr int WIDE_K_STEPS = WIDE_TOKENS / 16;  // k16 steps of P V
 static_assert(!WIDE || TILE_TOKENS == WIDE_TOKENS, "wide tiles");
-// a box of a 2-byte (or widened) tile and of the staged query rows: 64 rows x 128 bytes
+// a box of a 2-byte (or widened) tile: 64 positions x 128 bytes
 constexpr int WIDE_BOX = WideTile::BOX_BYTES;
-static_assert(WIDE_BOX == GROUP_PAD * 128 || !WIDE, "query rows and tiles share the box");
+// a box of the staged query rows: the block's rows x 128 bytes (a warpgroup's 64 start at row
+// 64 x its row group)
+constexpr int Q_BOX = GROUP_PAD * 128;
+static_assert(WIDE_BOX == 64 * 128, "64-position tiles of 128-byte rows");
+// the threads that share each tile: one warpgroup, or both where they split the rows
+constexpr int TILE_THREADS = WG_THREADS * WIDE_ROW_GROUPS;
 static_assert(!WIDE || KV_FP8 || BOX_BYTES == WIDE_BOX, "2-byte wide tiles are read in place");
 
 // e4m3: the ring's tile (K then V) widened to f16 into `dst` (K tile, then V tile), by the 128
@@ -786,6 +811,9 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
     float* merge = reinterpret_cast<float*>(smem + SharedPlan::merge);
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / WG_THREADS, 0);  // warp-uniform for ptxas
     const int me = threadIdx.x % WG_THREADS;
+    const int tile_group = wg / WIDE_ROW_GROUPS;            // the tiles it takes
+    const int row_base = (wg % WIDE_ROW_GROUPS) * 64;       // the block's rows it holds
+    const int tile_thread = (wg % WIDE_ROW_GROUPS) * WG_THREADS + me;  // of TILE_THREADS
     const int lane = threadIdx.x % 32;
     const int r0 = 16 * (me / 32) + lane / 4;  // and r0 + 8
     const int pair = 2 * (lane % 4);           // first of the two accumulator columns of an n8 tile
@@ -799,7 +827,7 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
     named_barrier_sync(1, CONSUMER_THREADS);
     if (TRACE && threadIdx.x == 0 && n0 == 0) trace_stamp(TRACE_Q_STAGED);
     // K-major operands (Q, K): a k16 step is 32 bytes along the row, a box 64 k further
-    const u64 q_desc = smem_desc_sw128(q_base, 16, 1024);
+    const u64 q_desc = smem_desc_sw128(q_base + row_base * 128, 16, 1024);
 
     float o[WIDE_O_REGS];
 #pragma unroll
@@ -808,7 +836,7 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
     int low[2], high[2];  // positions each of the thread's rows sees: [low, high)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const int r = r0 + 8 * i;
+        const int r = row_base + r0 + 8 * i;
         high[i] = r < cols.count ? cols.visible(r) : pc.len;
         low[i] = r < cols.count ? cols.low(r) : 0;
     }
@@ -817,8 +845,8 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
     const int unit_low = first_token.low;
     const int last_low = visible_range(pc.len, p.q_len, p.q_len - 1, p.window_left, p.window_right).low;
 
-    const int skip = ((wg - n0) % CONSUMER_GROUPS + CONSUMER_GROUPS) % CONSUMER_GROUPS;
-    for (int k = pc.first + skip; k < pc.end; k += CONSUMER_GROUPS) {
+    const int skip = ((tile_group - n0) % TILE_GROUPS + TILE_GROUPS) % TILE_GROUPS;
+    for (int k = pc.first + skip; k < pc.end; k += TILE_GROUPS) {
         const int n = n0 + k - pc.first;
         const int stage = n % STAGES;
         const u32 parity = (n / STAGES) & 1;
@@ -848,7 +876,7 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D_TILES; ++kk)
-            wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4),
+            wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * Q_BOX + (kk % 4) * 32) >> 4),
                                         k_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
@@ -916,14 +944,14 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
             // swizzle moves chunks within a row)
             if (below > 0 || from < TILE_TOKENS) {
                 unsigned char* v_rows = smem + SharedPlan::ring + stage * STAGE_BYTES + TILE_BYTES;
-                for (int i = me; i < BOXES * TILE_TOKENS * 8; i += WG_THREADS) {
+                for (int i = tile_thread; i < BOXES * TILE_TOKENS * 8; i += TILE_THREADS) {
                     const int box = i / (8 * TILE_TOKENS), t = (i / 8) % TILE_TOKENS;
                     if (t < below || t >= from)
                         *reinterpret_cast<uint4*>(v_rows + box * WIDE_BOX + t * 128 + (i % 8) * 16) =
                             make_uint4(0, 0, 0, 0);
                 }
                 fence_proxy_async_shared();
-                named_barrier_sync(2 + wg, WG_THREADS);
+                named_barrier_sync(2 + tile_group, TILE_THREADS);  // (uniform: a tile's mask)
             }
         }
         // V N-major: rows are positions (8 of them 1024 bytes apart), 64 dims a box
@@ -946,21 +974,21 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
     if (lane % 4 == 0) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            warp_m[wg * GROUP_PAD + r0 + 8 * i] = m_run[i];
-            warp_l[wg * GROUP_PAD + r0 + 8 * i] = l_run[i];
+            warp_m[tile_group * GROUP_PAD + row_base + r0 + 8 * i] = m_run[i];
+            warp_l[tile_group * GROUP_PAD + row_base + r0 + 8 * i] = l_run[i];
         }
     }
     named_barrier_sync(1, CONSUMER_THREADS);
     // each warpgroup rescales its O to the CTA-wide max of the row and parks it
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const int row = r0 + 8 * i;
+        const int row = row_base + r0 + 8 * i;
         float m_cta = neg_inf();
 #pragma unroll
         for (int w = 0; w < EPI_PARTS; ++w) m_cta = fmaxf(m_cta, warp_m[w * GROUP_PAD + row]);
         const float m_use = m_cta == neg_inf() ? 0.f : m_cta;
         const float factor = exp2_approx(m_run[i] - m_use);
-        float* dst = merge + wg * MERGE_WARP_FLOATS + row * MERGE_ROW + pair;
+        float* dst = merge + tile_group * MERGE_WARP_FLOATS + row * MERGE_ROW + pair;
 #pragma unroll
         for (int j = 0; j < HEAD_DIM / 8; ++j)
             *reinterpret_cast<float2*>(dst + 8 * j) =
@@ -1002,7 +1030,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(&k_full[s], GATHER ? 32 * PRODUCER_WARPS : 1);
             mbarrier_init(&v_full[s], GATHER ? 32 * PRODUCER_WARPS : 1);
-            mbarrier_init(&empty[s], 32 * GROUP_WARPS);
+            mbarrier_init(&empty[s], 32 * GROUP_WARPS * WIDE_ROW_GROUPS);  // every group the stage feeds
         }
         for (int b = 0; b < Q_BUFFERS; ++b) {
             mbarrier_init(&q_full[b], 1);

@@ -101,6 +101,10 @@ pub struct ShapeArgs {
     /// (default: on where it serves: more than 32 query rows a KV head, d 64 or 128).
     #[arg(long)]
     pub wide_columns: Option<bool>,
+    /// Persistent engine: query rows of a wide column block, 64 or 128 (128: 2-byte caches
+    /// with more than 64 rows a KV head, both warpgroups on every tile; default 64).
+    #[arg(long)]
+    pub wide_rows: Option<usize>,
     /// Persistent engine: launch this many CTAs (default one per SM; up to two per SM where
     /// the kernel allows it).
     #[arg(long)]
@@ -225,6 +229,7 @@ impl ShapeArgs {
             persistent_column_lanes: self.column_lanes,
             persistent_head_lanes: self.head_lanes.then_some(true),
             persistent_wide_columns: self.wide_columns,
+            persistent_wide_rows: self.wide_rows,
             persistent_ctas: self.ctas,
             ..ring
         };

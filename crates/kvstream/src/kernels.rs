@@ -346,9 +346,14 @@ const PERSISTENT_Q_BUFFERS: usize = 3;
 
 /// n8 tiles of the persistent decode's wide column blocks (decode.cu, "wide consumer"): 64
 /// query rows on the M dimension of the warpgroup MMA, for head dims of [`WIDE_HEAD_DIMS`]
-/// (2-byte caches, or e4m3 widened to f16 by the consumers), two warpgroups on tiles of
-/// [`WIDE_TILE_TOKENS`] positions.
+/// (2-byte caches, or e4m3 widened to f16 by the consumers), two warpgroups on alternate tiles
+/// of [`WIDE_TILE_TOKENS`] positions.
 pub const WIDE_N_TILES: usize = 8;
+/// n8 tiles of the wide consumer's blocks of 128 query rows (2-byte caches): both warpgroups on
+/// every tile, 64 of the rows each, so that a tile is read once for all of them.
+pub const WIDE_SPLIT_N_TILES: usize = 16;
+/// Every wide block's n8 tiles.
+pub const WIDE_BLOCK_N_TILES: [usize; 2] = [WIDE_N_TILES, WIDE_SPLIT_N_TILES];
 /// Head dims of the wide consumer.
 pub const WIDE_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Positions per ring stage of the wide consumer (the N of its S = Q K^T product).
@@ -367,11 +372,12 @@ pub struct PersistentVariant {
     /// KV heads side by side in one row (`KVS_HEADS_PER_ROW`): 1, or 2 where two adjacent
     /// d 64 (d 96) heads are streamed as one d 128 (d 192) row ([`crate::plan::can_pair_heads`]).
     pub heads_per_row: usize,
-    /// n8 tiles of query rows per column block (1..=[`MAX_N_TILES`], or [`WIDE_N_TILES`]).
+    /// n8 tiles of query rows per column block (1..=[`MAX_N_TILES`], or [`WIDE_N_TILES`] /
+    /// [`WIDE_SPLIT_N_TILES`]).
     pub n_tiles: usize,
     /// KV positions per ring stage.
     pub tile_tokens: usize,
-    /// Ring depth (a multiple of `consumer_groups`).
+    /// Ring depth (a multiple of [`Self::tile_groups`]).
     pub stages: usize,
     /// Groups of four consumer warps working on alternate tiles (1 or 2).
     pub consumer_groups: usize,
@@ -414,22 +420,37 @@ impl PersistentVariant {
         problem.columns().div_ceil(8 * self.n_tiles)
     }
 
-    /// Whether the variant runs the wide consumer ([`WIDE_N_TILES`]).
+    /// Whether the variant runs the wide consumer ([`WIDE_N_TILES`], [`WIDE_SPLIT_N_TILES`]).
     pub fn wide(&self) -> bool {
-        self.n_tiles == WIDE_N_TILES
+        WIDE_BLOCK_N_TILES.contains(&self.n_tiles)
     }
 
-    /// Softmax states per column the epilogue merges: a warp's, or a wide warpgroup's.
+    /// Consumer groups that take alternate tiles (`TILE_GROUPS` in decode.cu): every group, but
+    /// one where the wide consumer's warpgroups split a block's 128 rows on every tile.
+    pub fn tile_groups(&self) -> usize {
+        if self.n_tiles == WIDE_SPLIT_N_TILES {
+            self.consumer_groups / 2
+        } else {
+            self.consumer_groups
+        }
+    }
+
+    /// Softmax states per column the epilogue merges: a warp's, or a wide tile group's.
     fn epilogue_parts(&self) -> usize {
         if self.wide() {
-            self.consumer_groups
+            self.tile_groups()
         } else {
             self.consumer_groups * 4
         }
     }
 
+    /// Columns whose pieces' statistics the merge stages at a time (`MERGE_COLS`).
+    fn merge_columns(&self) -> usize {
+        (self.n_tiles * 8).min(64)
+    }
+
     /// Floats of the epilogue scratch (`MERGE_FLOATS` in decode.cu): the warps' parked states,
-    /// and at least two statistics a column for a unit cut twice per SM
+    /// and at least two statistics a merged column for a unit cut twice per SM
     /// ([`plan::PERSISTENT_MAX_FORCED_GRID`] times; the wide consumer: once per SM).
     fn merge_floats(&self) -> usize {
         let columns = self.n_tiles * 8;
@@ -438,13 +459,14 @@ impl PersistentVariant {
         } else {
             plan::PERSISTENT_MAX_FORCED_GRID
         };
-        (self.epilogue_parts() * columns * (self.head_dim + 4)).max(2 * pieces * columns)
+        (self.epilogue_parts() * columns * (self.head_dim + 4))
+            .max(2 * pieces * self.merge_columns())
     }
 
     /// Most CTAs of a grid (`MERGE_MAX_PIECES` in decode.cu): a unit has at most one piece per
     /// CTA, and the merge stages two statistics a column and piece in the epilogue scratch.
     pub fn max_grid(&self) -> usize {
-        self.merge_floats() / (2 * self.n_tiles * 8)
+        self.merge_floats() / (2 * self.merge_columns())
     }
 
     /// Threads per CTA: the consumer warps and the producer warps.
@@ -928,6 +950,15 @@ pub fn all_variants() -> Vec<AnyVariant> {
                                 WIDE_N_TILES,
                                 source,
                             )));
+                            if kv_dtype == KvDType::AsQuery {
+                                out.push(AnyVariant::Persistent(plan::persistent_variant(
+                                    dtype,
+                                    kv_dtype,
+                                    head_dim,
+                                    WIDE_SPLIT_N_TILES,
+                                    source,
+                                )));
+                            }
                         }
                         let row = 2 * head_dim;
                         if plan::PAIRED_HEAD_DIMS.contains(&head_dim)

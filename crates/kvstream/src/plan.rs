@@ -73,7 +73,11 @@ pub fn persistent_variant(
     kv_source: KvSource,
 ) -> PersistentVariant {
     let (consumer_groups, max_stages) = default_ring(kv_dtype, head_dim, n_tiles);
-    let wide = n_tiles == crate::kernels::WIDE_N_TILES;
+    let wide = [
+        crate::kernels::WIDE_N_TILES,
+        crate::kernels::WIDE_SPLIT_N_TILES,
+    ]
+    .contains(&n_tiles);
     let v = PersistentVariant {
         dtype,
         kv_dtype,
@@ -330,6 +334,32 @@ pub fn can_take_wide_columns(problem: &DecodeProblem) -> bool {
         && problem.columns() > 8 * MAX_N_TILES
 }
 
+/// n8 tiles of `problem`'s wide column blocks ([`PlanOptions::persistent_wide_rows`]): blocks
+/// of 64 rows unless 128 are asked for, which need a 2-byte cache (e4m3 tiles are widened to f16
+/// per warpgroup) and more than 64 rows a KV head. docs/tuning.md, "Wide consumer".
+pub fn wide_n_tiles(problem: &DecodeProblem, rows: Option<usize>) -> Result<usize> {
+    match rows {
+        None | Some(64) => Ok(crate::kernels::WIDE_N_TILES),
+        Some(128) if problem.columns() > 64 && problem.kv_dtype == KvDType::AsQuery => {
+            Ok(crate::kernels::WIDE_SPLIT_N_TILES)
+        }
+        Some(r) => Err(Error::invalid(
+            "persistent_wide_rows",
+            r,
+            format!(
+                "64, or 128 for a 2-byte cache with more than 64 query rows a KV head (this \
+                 problem: {} rows, {} cache)",
+                problem.columns(),
+                if problem.kv_dtype == KvDType::AsQuery {
+                    "2-byte"
+                } else {
+                    "e4m3"
+                }
+            ),
+        )),
+    }
+}
+
 /// (consumer groups, deepest ring) of the persistent variant (see [`persistent_variant`]).
 /// fp8 caches: the same tiles (a larger one spills at four column tiles), two consumer groups
 /// where they fit (twice the elements per byte to compute: one group streamed 6% slower at
@@ -338,8 +368,13 @@ pub fn can_take_wide_columns(problem: &DecodeProblem) -> bool {
 /// caches"). Head dims 96 and 256 take d 128's rules (rows of 128 bytes as well; the ring is
 /// cut to what fits), not yet measured on their own.
 fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, usize) {
-    if n_tiles == crate::kernels::WIDE_N_TILES {
-        // two warpgroups, each with a stage in flight behind the one it computes on
+    if [
+        crate::kernels::WIDE_N_TILES,
+        crate::kernels::WIDE_SPLIT_N_TILES,
+    ]
+    .contains(&n_tiles)
+    {
+        // two warpgroups, as many stages in flight as fit
         return (2, PERSISTENT_WIDE_MAX_STAGES);
     }
     if kv_dtype == KvDType::Fp8E4m3 {
@@ -364,8 +399,8 @@ fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, u
     }
 }
 
-/// Deepest ring of the wide consumer (cut to what fits: four 32 KB stages at d 128, eight 16 KB
-/// ones at d 64). Not yet measured.
+/// Deepest ring of the wide consumer (cut to what fits: blocks of 64 rows four 32 KB stages at
+/// d 128, eight 16 KB ones at d 64; blocks of 128 three and seven). Not swept.
 pub const PERSISTENT_WIDE_MAX_STAGES: usize = 8;
 
 /// Ring depth of the persistent engine for e4m3 caches at d 128: eight 16 KB stages (128 KB in
@@ -376,7 +411,7 @@ pub const PERSISTENT_FP8_D128_STAGES: usize = 8;
 /// `v` with the deepest ring of at most `max_stages` stages (a multiple of its consumer groups)
 /// that fits one SM's shared memory; one lap of its groups at least.
 fn with_deepest_ring(mut v: PersistentVariant, max_stages: usize) -> PersistentVariant {
-    let groups = v.consumer_groups;
+    let groups = v.tile_groups();
     let mut stages = (max_stages / groups * groups).max(groups);
     while stages > groups && v.shared_bytes_with(stages) > PERSISTENT_SHARED_BUDGET {
         stages -= groups;
@@ -414,14 +449,25 @@ pub fn persistent_variant_with_ring(
         v.tile_tokens = t;
     }
     if let Some(g) = groups {
-        if !(1..=2).contains(&g) || !DecodeVariant::groups_fit(v.n_tiles, g) {
+        let fits = if v.wide() {
+            g == 2
+        } else {
+            (1..=2).contains(&g) && DecodeVariant::groups_fit(v.n_tiles, g)
+        };
+        if !fits {
             return Err(Error::invalid(
                 "persistent_groups",
                 g,
-                format!(
-                    "1, or 2 for at most 16 query rows per column block (this problem has {})",
-                    v.n_tiles * 8
-                ),
+                if v.wide() {
+                    "2 with the wide consumer (its two warpgroups; persistent_wide_columns \
+                     false for narrow blocks)"
+                        .to_string()
+                } else {
+                    format!(
+                        "1, or 2 for at most 16 query rows per column block (this problem has {})",
+                        v.n_tiles * 8
+                    )
+                },
             ));
         }
         v.consumer_groups = g;
@@ -432,13 +478,16 @@ pub fn persistent_variant_with_ring(
             default_ring(v.kv_dtype, v.head_dim, v.n_tiles).1,
         )),
         Some(s) => {
-            let g = v.consumer_groups;
+            let g = v.tile_groups();
             v.stages = s;
             if s == 0 || s % g != 0 || s > PERSISTENT_MAX_FORCED_STAGES {
                 return Err(Error::invalid(
                     "persistent_stages",
                     s,
-                    format!("a multiple of the {g} consumer group(s) up to {PERSISTENT_MAX_FORCED_STAGES}"),
+                    format!(
+                        "a multiple of the {g} group(s) that take alternate tiles, up to \
+                         {PERSISTENT_MAX_FORCED_STAGES}"
+                    ),
                 ));
             }
             if v.shared_bytes() > PERSISTENT_SHARED_BUDGET {
@@ -573,7 +622,8 @@ pub fn plan_persistent(
             ))
         }
         Some(w) => w,
-        // a forced tile or softmax step the wide consumer does not take asks for narrow blocks
+        // a forced tile, softmax step or group count the wide consumer does not take asks for
+        // narrow blocks
         None => {
             !paired
                 && can_take_wide_columns(problem)
@@ -581,6 +631,7 @@ pub fn plan_persistent(
                     .persistent_tile_tokens
                     .map_or(true, |t| t == crate::kernels::WIDE_TILE_TOKENS)
                 && options.persistent_softmax_slices.map_or(true, |m| m == 1)
+                && options.persistent_groups.map_or(true, |g| g == 2)
         }
     };
     let view = if paired {
@@ -589,7 +640,14 @@ pub fn plan_persistent(
         problem.clone()
     };
     let n_tiles = if wide {
-        crate::kernels::WIDE_N_TILES
+        wide_n_tiles(&view, options.persistent_wide_rows)?
+    } else if let Some(rows) = options.persistent_wide_rows {
+        return Err(Error::invalid(
+            "persistent_wide_rows",
+            rows,
+            "none without the wide consumer (persistent_wide_columns; d 64 or 128, more than 32 \
+             query rows a KV head, heads not paired)",
+        ));
     } else {
         view.columns()
             .div_ceil(8)
@@ -1044,6 +1102,7 @@ impl PlanOptions {
                 "persistent_wide_columns",
                 self.persistent_wide_columns.is_some(),
             ),
+            ("persistent_wide_rows", self.persistent_wide_rows.is_some()),
         ]
         .into_iter()
         .find_map(|(name, set)| set.then_some(name))
@@ -1298,6 +1357,11 @@ pub struct PlanOptions {
     /// b16 L32768: 553 -> 224 us; 64/8 heads q 8 b16 L4096: 151 -> 95 us, H100, docs/tuning.md
     /// "Wide consumer"). `false`: the narrow consumer's blocks of up to 32 rows.
     pub persistent_wide_columns: Option<bool>,
+    /// Persistent engine, knob: query rows of a wide column block, 64 or 128. 128 (2-byte
+    /// caches, more than 64 rows a KV head): both warpgroups on every tile, 64 of the rows each,
+    /// so that each tile is read once for all 128 (not yet measured; bench/NOTES.md predicts
+    /// 32/2 heads q 8 b16 L32768 224 -> ~190 us). `None`: 64.
+    pub persistent_wide_rows: Option<usize>,
 }
 
 /// Shared memory of one H100/H200 SM, and what the hardware reserves per resident CTA.
@@ -2267,12 +2331,65 @@ mod tests {
         assert_eq!((v.tile_tokens, v.consumer_groups, v.stages), (64, 2, 4));
         assert!(v.shared_bytes() <= PERSISTENT_SHARED_BUDGET);
         assert!(crate::kernels::Variant::name(&v).contains(".n8.t64.s4.g2"));
-        // 128 rows: two wide blocks in two lanes; d 64: eight stages
+        // 128 rows: two blocks of 64 in two lanes by default; asked, one block of 128 with both
+        // warpgroups on every tile (one tile group, three stages); 256 rows: two in two lanes;
+        // e4m3: blocks of 64 only
         let pp = persistent(&mt(32, 2, 8, 128), wide).unwrap();
-        assert_eq!((pp.col_blocks, pp.lanes), (2, 2));
+        assert_eq!((pp.col_blocks, pp.lanes, pp.variant.n_tiles), (2, 2, 8));
+        let rows128 = PlanOptions {
+            persistent_wide_rows: Some(128),
+            ..wide
+        };
+        let pp = persistent(&mt(32, 2, 8, 128), rows128).unwrap();
+        let v = pp.variant;
+        assert_eq!((pp.col_blocks, pp.lanes, v.n_tiles), (1, 1, 16));
+        assert_eq!((v.consumer_groups, v.tile_groups(), v.stages), (2, 1, 3));
+        assert!(v.shared_bytes() <= PERSISTENT_SHARED_BUDGET);
+        assert!(v.max_grid() >= PERSISTENT_MAX_GRID);
+        assert!(crate::kernels::Variant::name(&v).contains(".n16.t64.s3.g2"));
+        let pp = persistent(&mt(32, 1, 8, 128), rows128).unwrap();
+        assert_eq!((pp.col_blocks, pp.lanes, pp.variant.n_tiles), (2, 2, 16));
+        let e4m3 = mt(32, 2, 8, 128).with_kv_dtype(KvDType::Fp8E4m3).unwrap();
+        let msg = persistent(&e4m3, rows128).unwrap_err().to_string();
+        assert!(
+            msg.contains("persistent_wide_rows") && msg.contains("e4m3"),
+            "{msg}"
+        );
+        let msg = persistent(&p, rows128).unwrap_err().to_string();
+        assert!(
+            msg.contains("persistent_wide_rows") && msg.contains("64 rows"),
+            "{msg}"
+        );
+        let narrow_128 = PlanOptions {
+            persistent_wide_columns: Some(false),
+            ..rows128
+        };
+        let msg = persistent(&p, narrow_128).unwrap_err().to_string();
+        assert!(msg.contains("persistent_wide_rows"), "{msg}");
+        // d 64: eight stages of 64-row blocks, seven or more of 128-row ones
         let pp = persistent(&mt(64, 8, 8, 64), wide).unwrap();
         assert_eq!((pp.variant.stages, pp.variant.head_dim), (8, 64));
         assert!(pp.variant.shared_bytes() <= PERSISTENT_SHARED_BUDGET);
+        let pp = persistent(&mt(32, 2, 8, 64), rows128).unwrap();
+        assert_eq!(pp.variant.n_tiles, 16);
+        assert!(pp.variant.stages >= 7 && pp.variant.shared_bytes() <= PERSISTENT_SHARED_BUDGET);
+        // the wide consumer's two warpgroups: a forced group count of 1 is refused when asked
+        // for, and keeps narrow blocks when not
+        let g1 = PlanOptions {
+            persistent_groups: Some(1),
+            ..Default::default()
+        };
+        let msg = persistent(
+            &p,
+            PlanOptions {
+                persistent_groups: Some(1),
+                ..wide
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(msg.contains("persistent_groups"), "{msg}");
+        assert!(!persistent(&p, g1).unwrap().variant.wide());
         // every refusal names the knob: 32 rows, d 256, paired heads, a forced ring (an e4m3
         // cache is served: its tiles widened to f16 by the consumers)
         let refused = |p: &DecodeProblem, o: PlanOptions| {
@@ -2320,8 +2437,9 @@ mod tests {
             .into_iter()
             .flat_map(|d| [(d, KvDType::AsQuery), (d, KvDType::Fp8E4m3)])
         {
-            for source in KvSource::ALL {
-                let mut q = mt(64, 8, 8, d).with_kv_dtype(kv).unwrap();
+            for (source, hkv) in KvSource::ALL.into_iter().flat_map(|s| [(s, 8), (s, 2)]) {
+                // 64 and 128 rows a KV head
+                let mut q = mt(64, hkv, 8, d).with_kv_dtype(kv).unwrap();
                 if source.paged() {
                     let page = if source == KvSource::PagedGather {
                         1
@@ -2330,12 +2448,23 @@ mod tests {
                     };
                     q = q.with_paged(page, 4 * 4096, None).unwrap();
                 }
-                let v = persistent(&q, wide).unwrap().variant;
-                assert_eq!(v.kv_source, source);
-                assert!(
-                    all.contains(&crate::kernels::AnyVariant::Persistent(v)),
-                    "{v:?}"
-                );
+                let rows = if hkv == 2 && kv == KvDType::AsQuery {
+                    [64, 128].as_slice()
+                } else {
+                    [64].as_slice()
+                };
+                for &r in rows {
+                    let o = PlanOptions {
+                        persistent_wide_rows: Some(r),
+                        ..wide
+                    };
+                    let v = persistent(&q, o).unwrap().variant;
+                    assert_eq!(v.kv_source, source);
+                    assert!(
+                        all.contains(&crate::kernels::AnyVariant::Persistent(v)),
+                        "{v:?}"
+                    );
+                }
             }
         }
     }

@@ -45,9 +45,9 @@ pub enum KvCopies {
 /// The SASS facts of one decode variant with `n_tiles` n8 tiles of query rows, rows of
 /// `head_dim` dims and tiles of `tile_tokens` positions (four warps of tile_tokens / 64 m16
 /// slices each): per m16 slice and n8 tile, d/16 HMMA for S^T and d/16 for O^T in the one KV
-/// loop. The wide consumer (64 rows): warpgroup MMAs only, d/16 m64n64k16 for S and
-/// tile_tokens/16 m64n{d}k16 for P V (P from registers), none serialised by ptxas (one wait for
-/// each product).
+/// loop. The wide consumer (blocks of 64 or 128 rows, a warpgroup's 64 on each tile it takes):
+/// warpgroup MMAs only, d/16 m64n64k16 for S and tile_tokens/16 m64n{d}k16 for P V (P from
+/// registers), none serialised by ptxas (one wait for each product).
 pub fn check_decode_sass(
     name: &str,
     cubin: &[u8],
@@ -65,7 +65,7 @@ pub fn check_decode_sass(
         KvDType::AsQuery => assert_eq!(widened, 0, "{name}: e4m3 conversions"),
     }
     let hmma = count(&sass, "HMMA");
-    if n_tiles == kvstream::kernels::WIDE_N_TILES {
+    if kvstream::kernels::WIDE_BLOCK_N_TILES.contains(&n_tiles) {
         assert_eq!(hmma, 0, "{name}: {hmma} HMMA");
         let s = count(&sass, "HGMMA.64x64x16.F32");
         let pv = count(&sass, &format!("HGMMA.64x{head_dim}x16.F32"));

@@ -29,6 +29,8 @@ struct ModelCase {
     head_lanes: bool,
     /// The wide consumer ([`PlanOptions::persistent_wide_columns`]): blocks of 64 rows.
     wide: bool,
+    /// Rows of its blocks where not 64 ([`PlanOptions::persistent_wide_rows`]).
+    wide_rows: Option<usize>,
     data_seed: u64,
 }
 
@@ -54,6 +56,7 @@ impl ModelCase {
             lanes: false,
             head_lanes: false,
             wide: false,
+            wide_rows: None,
             data_seed,
         }
     }
@@ -82,6 +85,7 @@ impl ModelCase {
                 lanes: false,
                 head_lanes: false,
                 wide: false,
+                wide_rows: None,
                 data_seed: 0x5EED,
             };
         }
@@ -134,6 +138,7 @@ impl ModelCase {
             lanes: false,
             head_lanes: false,
             wide: false,
+            wide_rows: None,
             data_seed: rng.next_u64(),
         }
     }
@@ -190,6 +195,7 @@ fn run_model_case_as<T: Half>(
         persistent_column_lanes: c.lanes.then_some(true),
         persistent_head_lanes: c.head_lanes.then_some(true),
         persistent_wide_columns: c.wide.then_some(true),
+        persistent_wide_rows: c.wide_rows,
         ..Default::default()
     };
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
@@ -382,12 +388,11 @@ fn column_lanes_match_reference() {
     }
 }
 
-/// The wide consumer (blocks of 64 query rows on the warpgroup MMA): one block a KV head, two
-/// (with column lanes), a partial block, contiguous, paged by boxes and gathered, d 64 and 128,
-/// bf16 and f16, 2-byte and e4m3 caches, windows, sinks and softcap, zero lengths and lengths
-/// inside one tile; equal
-/// to the reference and the schedule model, bitwise reproducible; then a graph of it replayed
-/// with new lengths.
+/// The wide consumer (blocks of 64 or 128 query rows on the warpgroup MMA): one block a KV
+/// head, two (with column lanes), a partial block, contiguous, paged by boxes and gathered, d 64
+/// and 128, bf16 and f16, 2-byte and e4m3 caches, windows, sinks and softcap, zero lengths and
+/// lengths inside one tile; equal to the reference and the schedule model, bitwise
+/// reproducible; then graphs of it (blocks of 64 and of 128) replayed with new lengths.
 /// Expected run time: a few seconds.
 #[test]
 #[ignore = "needs an H100/H200 GPU: run with --ignored"]
@@ -399,10 +404,43 @@ fn wide_columns_match_reference() {
     };
     let cases = [
         base.clone(),
-        // 128 rows a KV head: two wide blocks, column lanes by default
+        // 128 rows a KV head: two blocks of 64 in two lanes; one block of 128, both warpgroups
+        // on every tile
         ModelCase {
             hq: 32,
             hkv: 2,
+            ..base.clone()
+        },
+        ModelCase {
+            hq: 32,
+            hkv: 2,
+            wide_rows: Some(128),
+            ..base.clone()
+        },
+        // blocks of 128 at d 64, f16, pages of 16: a window (masked tiles: both warpgroups clear
+        // V rows, then both read them), softcap, sinks
+        ModelCase {
+            wide_rows: Some(128),
+            dtype: DType::F16,
+            head_dim: 64,
+            hq: 32,
+            hkv: 2,
+            page_size: Some(16),
+            window: Window {
+                left: Some(150),
+                right: Some(0),
+            },
+            softcap: Some(25.0),
+            sinks: true,
+            ..base.clone()
+        },
+        // 256 rows: two blocks of 128 in two lanes; gathered pages of 1, ragged lengths
+        ModelCase {
+            wide_rows: Some(128),
+            hq: 32,
+            hkv: 1,
+            lens: vec![700, 1, 0, 1500],
+            page_size: Some(1),
             ..base.clone()
         },
         ModelCase {
@@ -417,13 +455,24 @@ fn wide_columns_match_reference() {
             sinks: true,
             ..base.clone()
         },
-        // 80 rows: a whole block and one of 16; gathered pages of 1
+        // 80 rows: a whole block of 64 and one of 16; gathered pages of 1
         ModelCase {
             hq: 16,
             hkv: 1,
             q_len: 5,
             lens: vec![1, 1500, 3, 64],
             page_size: Some(1),
+            ..base.clone()
+        },
+        // 80 rows in one block of 128, 48 of its rows empty (the second warpgroup's partly);
+        // pages of 64 by boxes
+        ModelCase {
+            hq: 16,
+            hkv: 1,
+            q_len: 5,
+            lens: vec![1, 1500, 3, 64],
+            page_size: Some(64),
+            wide_rows: Some(128),
             ..base.clone()
         },
         // 48 rows: one block, 16 of its rows empty; pages of 64 by boxes
@@ -436,7 +485,7 @@ fn wide_columns_match_reference() {
             ..base.clone()
         },
         // e4m3 caches (tiles widened to f16 by the warpgroups): bf16 queries (converted to f16),
-        // two blocks, a window with sinks; f16 at d 64, gathered pages of 1
+        // 128 rows as two blocks of 64, a window with sinks; f16 at d 64, gathered pages of 1
         ModelCase {
             fp8: true,
             hq: 32,
@@ -480,14 +529,21 @@ fn wide_columns_match_reference() {
         vec![0, 0, 0, 0],
         vec![2048, 2048, 2048, 2048],
     ];
-    let p = DecodeProblem::new(4, 32, 2, 128, 2048, DType::Bf16)
-        .and_then(|p| p.with_q_len(4))
-        .unwrap();
     let wide = PlanOptions {
         persistent_wide_columns: Some(true),
         ..Default::default()
     };
-    graph_replay_case(&p, wide, &sets);
+    // blocks of 64 rows and of 128
+    for (q_len, rows) in [(4, None), (8, Some(128))] {
+        let p = DecodeProblem::new(4, 32, 2, 128, 2048, DType::Bf16)
+            .and_then(|p| p.with_q_len(q_len))
+            .unwrap();
+        let o = PlanOptions {
+            persistent_wide_rows: rows,
+            ..wide
+        };
+        graph_replay_case(&p, o, &sets);
+    }
 }
 
 /// A graph captured once, replayed with new lengths, equals eager calls and the reference, for
