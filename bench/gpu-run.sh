@@ -223,13 +223,17 @@ if want abctas; then
 fi
 if want abwide; then
   # the wide consumer's blocks of 128 rows (both warpgroups on every tile, each tile read once)
-  # against two blocks of 64 in two lanes (the default), on 128 and 256 rows a KV head
-  for a in "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 4096" "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" \
-           "--batch 16 --hq 32 --hkv 2 --head-dim 64 --q-len 8 --len 32768" "--batch 4 --hq 32 --hkv 1 --q-len 8 --len 32768"; do
-    for o in "" "--wide-rows 128" "" "--wide-rows 128"; do
-      echo "== $a $o"; timeout $(cap 90) $B demo $a $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'
-    done
-  done 2>&1 | tee -a $O/abwide.txt
+  # against two blocks of 64 in two lanes (the default), on 128 and 256 rows a KV head, with its
+  # steps pipelined (a tile's softmax under the previous tile's P V) and not; the large rows (about a
+  # minute a demo on the host) once each
+  ab() { for o in "${@:2}"; do echo "== $1 $o"; timeout $(cap 90) $B demo $1 $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'; done; }
+  {
+    r128="--wide-rows 128"; pipe="--wide-pipeline true"
+    ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 4096" "" "$r128" "$r128 $pipe" "$pipe" "" "$r128" "$r128 $pipe" "$pipe"
+    ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" "" "$r128" "$r128 $pipe" "$pipe"
+    ab "--batch 16 --hq 32 --hkv 1 --q-len 8 --len 16384" "" "$r128" "$r128 $pipe"
+    ab "--batch 16 --hq 32 --hkv 2 --head-dim 64 --q-len 8 --len 32768" "" "$r128"
+  } 2>&1 | tee -a $O/abwide.txt
 fi
 if want racediag; then
   # racecheck's hazards on the wide consumer: the report with thread and block ids on small

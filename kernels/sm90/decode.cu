@@ -64,6 +64,7 @@
 //   KVS_PRODUCER_WARPS   1; gathering: 1, 2 or 4 warps, each copying its share of every tile
 //   KVS_KV_L2            L2 priority of the K and V loads: 0 evict_first, 1 evict_normal,
 //                        2 evict_last
+//   KVS_WIDE_PIPELINE    the wide consumer: 1 runs a tile's softmax under the previous P V
 //   KVS_SOFTMAX_SLICES   m16 slices of a warp's rows per online-softmax step (1 or 2): one max
 //                        reduction, one rescale of O^T per step
 //   KVS_SHARED_BYTES     the dynamic shared memory the host launches with (checked against the
@@ -146,7 +147,15 @@ constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
 constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the first producer warp
-constexpr int THREADS = CONSUMER_THREADS + 32 * PRODUCER_WARPS;
+// Under wgmma registers go by warpgroups: a CTA of 288 threads counts as 384, 168 registers a
+// thread, short of the wide pipeline's consumers (a P V in flight holds P and O while the next
+// softmax runs). There the producer warps fill a warpgroup of their own, which hands registers
+// to the consumers (setmaxnreg; PRODUCER_WARPS of its warps work).
+constexpr bool PRODUCER_WARPGROUP = KVS_WIDE_PIPELINE;
+constexpr int THREADS = CONSUMER_THREADS + (PRODUCER_WARPGROUP ? 128 : 32 * PRODUCER_WARPS);
+// (2 x 128 x CONSUMER_REGS + 128 x PRODUCER_REGS <= 65536)
+constexpr int PRODUCER_REGS = 64;
+constexpr int CONSUMER_REGS = 224;
 constexpr int ROWS_PER_WARP = TILE_TOKENS / GROUP_WARPS;
 constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
 constexpr int GROUP_PAD = N_TILES * 8;        // columns per block
@@ -175,6 +184,10 @@ constexpr int MERGE_WARP_FLOATS = GROUP_PAD * MERGE_ROW;
 // tile) and take alternate tiles (TILE_GROUPS): 1 x 2 for blocks of 64 rows, 2 x 1 for 128.
 constexpr int WIDE_ROW_GROUPS = WIDE ? GROUP_PAD / 64 : 1;
 constexpr int TILE_GROUPS = CONSUMER_GROUPS / WIDE_ROW_GROUPS;
+// The wide consumer runs a tile's softmax under the previous tile's P V (FA3's intra-warpgroup
+// overlap; 2-byte caches: an e4m3 tile is widened into one f16 copy per warpgroup, which the
+// next tile's widening would overwrite while the P V reads it)
+constexpr bool WIDE_PIPELINE = KVS_WIDE_PIPELINE;
 // Softmax states per column the epilogue merges: one per consumer warp, or one per tile group
 // of the wide consumer (each warpgroup holds whole rows)
 constexpr int EPI_PARTS = WIDE ? TILE_GROUPS : CONSUMER_WARPS;
@@ -236,6 +249,8 @@ static_assert(!WIDE || (HEADS_PER_ROW == 1 && (HEAD_DIM == 64 || HEAD_DIM == 128
                         TILE_TOKENS == 64 && SOFTMAX_SLICES == 1),
               "wide column blocks: d 64 or 128, two warpgroups on 64-position tiles");
 static_assert(WIDE_ROW_GROUPS == 1 || !KV_FP8, "128-row wide blocks: 2-byte caches (e4m3 tiles are widened per warpgroup)");
+static_assert(!WIDE_PIPELINE || (WIDE && !KV_FP8 && STAGES >= 2 * TILE_GROUPS),
+              "the wide pipeline: 2-byte caches, two stages a tile group (the last tile's, held until its P V is waited for, and this one's)");
 static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
               "softmax steps of whole m16 slices of a warp's rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
@@ -845,84 +860,86 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
     const int unit_low = first_token.low;
     const int last_low = visible_range(pc.len, p.q_len, p.q_len - 1, p.window_left, p.window_right).low;
 
-    const int skip = ((tile_group - n0) % TILE_GROUPS + TILE_GROUPS) % TILE_GROUPS;
-    for (int k = pc.first + skip; k < pc.end; k += TILE_GROUPS) {
-        const int n = n0 + k - pc.first;
-        const int stage = n % STAGES;
-        const u32 parity = (n / STAGES) & 1;
-        const int tile_begin = pc.tile_begin(k, TILE_TOKENS);
-        const bool masked = tile_begin + TILE_TOKENS > first_token.high || tile_begin < last_low;
-        // the tile's positions outside [unit_low, len): [0, below) and [from, TILE_TOKENS)
-        const int below = min(max(unit_low - tile_begin, 0), TILE_TOKENS);
-        const int from = max(min(pc.len - tile_begin, TILE_TOKENS), 0);
-        u32 k_tile = ring_base + stage * STAGE_BYTES, v_tile = k_tile + TILE_BYTES;
-        mbarrier_wait(&k_full[stage], parity);
-        if (TRACE && n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
+    // ---- one tile, in three steps: its S issued, its softmax, its P V issued ----
+    struct TileAt {
+        int n, stage, tile_begin, below, from;  // below / from: its positions outside [unit_low, len)
+        u32 parity, ring_tile, k_tile, v_tile;   // the ring's tile; the tiles the MMAs read
+        bool masked;
+    };
+    auto tile_at = [&](int k) {
+        TileAt t;
+        t.n = n0 + k - pc.first;
+        t.stage = t.n % STAGES;
+        t.parity = (t.n / STAGES) & 1;
+        t.tile_begin = pc.tile_begin(k, TILE_TOKENS);
+        t.masked = t.tile_begin + TILE_TOKENS > first_token.high || t.tile_begin < last_low;
+        t.below = min(max(unit_low - t.tile_begin, 0), TILE_TOKENS);
+        t.from = max(min(pc.len - t.tile_begin, TILE_TOKENS), 0);
+        t.ring_tile = ring_base + t.stage * STAGE_BYTES;
+        // e4m3: this warpgroup's f16 tiles
+        t.k_tile = KV_FP8 ? ring_base + SharedPlan::staging + wg * 2 * WideTile::TILE_BYTES : t.ring_tile;
+        t.v_tile = t.k_tile + (KV_FP8 ? WideTile::TILE_BYTES : TILE_BYTES);
+        return t;
+    };
+    // S = Q K^T into `sc` once K has landed (e4m3: the tile first widened into this warpgroup's
+    // f16 tiles, which its last P V no longer reads, and the stage handed back at once)
+    auto issue_scores = [&](float (&sc)[WIDE_S_REGS], const TileAt& t) {
+        mbarrier_wait(&k_full[t.stage], t.parity);
+        if (TRACE && t.n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
         if constexpr (KV_FP8) {
-            // (this warpgroup's f16 tiles are free: its last P V was waited for)
-            const u32 mine = ring_base + SharedPlan::staging + wg * 2 * WideTile::TILE_BYTES;
-            mbarrier_wait(&v_full[stage], parity);
-            widen_wide_tile(k_tile, mine, below, from, me);
+            mbarrier_wait(&v_full[t.stage], t.parity);
+            widen_wide_tile(t.ring_tile, t.k_tile, t.below, t.from, me);
             fence_proxy_async_shared();
-            mbarrier_arrive(&empty[stage]);
+            mbarrier_arrive(&empty[t.stage]);
             named_barrier_sync(2 + wg, WG_THREADS);
-            k_tile = mine;
-            v_tile = mine + WideTile::TILE_BYTES;
         }
-
-        // ---- S = Q K^T ----
-        float s[WIDE_S_REGS];
-        const u64 k_desc = smem_desc_sw128(k_tile, 16, 1024);
+        const u64 k_desc = smem_desc_sw128(t.k_tile, 16, 1024);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D_TILES; ++kk)
-            wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * Q_BOX + (kk % 4) * 32) >> 4),
+            wgmma_m64n64k16<MMA_F16, 0>(sc, q_desc + (((kk / 4) * Q_BOX + (kk % 4) * 32) >> 4),
                                         k_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4), kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_hold(s);
-
-        // ---- online softmax of rows r0, r0 + 8 (base 2) ----
+    };
+    // The online softmax of rows r0, r0 + 8 (base 2) over a tile's scores, in pieces the
+    // pipelined steps reorder: the rows' new maxima and the factor `alpha` that takes the running
+    // state to them (l rescaled here, O by rescale_o); the exponentials and their sums; P packed
+    // as the A fragments of the k16 steps over positions (n8 tiles 2 ks and 2 ks + 1).
+    u32 pa[WIDE_K_STEPS][4];
+    float m_use[2];
+    auto softmax_max = [&](float (&sc)[WIDE_S_REGS], const TileAt& t, float (&alpha)[2]) {
 #pragma unroll
         for (int e = 0; e < WIDE_S_REGS; ++e) {
-            const float u = s[e] * score_scale;
-            s[e] = capped ? softcap(u, p.softcap_scale, p.softcap_log2) : u;
+            const float u = sc[e] * score_scale;
+            sc[e] = capped ? softcap(u, p.softcap_scale, p.softcap_log2) : u;
         }
-        if (masked) {
+        if (t.masked) {
 #pragma unroll
             for (int j = 0; j < WIDE_TOKENS / 8; ++j)
 #pragma unroll
                 for (int i = 0; i < 2; ++i)
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        const int t = tile_begin + 8 * j + pair + c;
-                        if (t < low[i] || t >= high[i]) s[4 * j + 2 * i + c] = neg_inf();
+                        const int pos = t.tile_begin + 8 * j + pair + c;
+                        if (pos < low[i] || pos >= high[i]) sc[4 * j + 2 * i + c] = neg_inf();
                     }
         }
-        float alpha[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             float mx = neg_inf();
 #pragma unroll
-            for (int j = 0; j < WIDE_TOKENS / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+            for (int j = 0; j < WIDE_TOKENS / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * i], sc[4 * j + 2 * i + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m_run[i], mx);
             // a row that has seen only masked positions keeps m = -inf: subtract 0 then
-            const float m_use = m_new == neg_inf() ? 0.f : m_new;
-            alpha[i] = exp2_approx(m_run[i] - m_use);
+            m_use[i] = m_new == neg_inf() ? 0.f : m_new;
+            alpha[i] = exp2_approx(m_run[i] - m_use[i]);
             m_run[i] = m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < WIDE_TOKENS / 8; ++j)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    float& v = s[4 * j + 2 * i + c];
-                    v = exp2_approx(v - m_use);
-                    sum += v;
-                }
-            l_run[i] = l_run[i] * alpha[i] + sum;  // this lane's positions; the epilogue adds the others
+            l_run[i] *= alpha[i];
         }
+    };
+    auto rescale_o = [&](const float (&alpha)[2]) {
 #pragma unroll
         for (int j = 0; j < HEAD_DIM / 8; ++j) {
             o[4 * j] *= alpha[0];
@@ -930,39 +947,115 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
             o[4 * j + 2] *= alpha[1];
             o[4 * j + 3] *= alpha[1];
         }
-        // P as the A fragments of the k16 steps over positions: n8 tiles 2 ks and 2 ks + 1
-        u32 pa[WIDE_K_STEPS][4];
+    };
+    auto softmax_exp = [&](float (&sc)[WIDE_S_REGS]) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < WIDE_TOKENS / 8; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    float& v = sc[4 * j + 2 * i + c];
+                    v = exp2_approx(v - m_use[i]);
+                    sum += v;
+                }
+            l_run[i] += sum;  // this lane's positions; the epilogue adds the others
+        }
+    };
+    auto pack_p = [&](const float (&sc)[WIDE_S_REGS]) {
 #pragma unroll
         for (int ks = 0; ks < WIDE_K_STEPS; ++ks)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) pa[ks][q] = pack_half2<MMA_F16>(s[8 * ks + 2 * q], s[8 * ks + 2 * q + 1]);
-
-        // ---- O += P V ----
-        if (!KV_FP8) mbarrier_wait(&v_full[stage], parity);
-        if (!KV_FP8 && masked) {
-            // rows [0, below) and [from, TILE_TOKENS) of every box (whole 128-byte rows: the
-            // swizzle moves chunks within a row)
-            if (below > 0 || from < TILE_TOKENS) {
-                unsigned char* v_rows = smem + SharedPlan::ring + stage * STAGE_BYTES + TILE_BYTES;
-                for (int i = tile_thread; i < BOXES * TILE_TOKENS * 8; i += TILE_THREADS) {
-                    const int box = i / (8 * TILE_TOKENS), t = (i / 8) % TILE_TOKENS;
-                    if (t < below || t >= from)
-                        *reinterpret_cast<uint4*>(v_rows + box * WIDE_BOX + t * 128 + (i % 8) * 16) =
-                            make_uint4(0, 0, 0, 0);
-                }
-                fence_proxy_async_shared();
-                named_barrier_sync(2 + tile_group, TILE_THREADS);  // (uniform: a tile's mask)
+            for (int q = 0; q < 4; ++q) pa[ks][q] = pack_half2<MMA_F16>(sc[8 * ks + 2 * q], sc[8 * ks + 2 * q + 1]);
+    };
+    // O += P V once V has landed; a masked tile's V rows outside [below, from) cleared first
+    // (whole 128-byte rows: the swizzle moves chunks within a row), by every thread that reads
+    // the tile (uniform: a tile's mask)
+    auto issue_pv = [&](const TileAt& t) {
+        if (!KV_FP8) mbarrier_wait(&v_full[t.stage], t.parity);
+        if (!KV_FP8 && t.masked && (t.below > 0 || t.from < TILE_TOKENS)) {
+            unsigned char* v_rows = smem + SharedPlan::ring + t.stage * STAGE_BYTES + TILE_BYTES;
+            for (int i = tile_thread; i < BOXES * TILE_TOKENS * 8; i += TILE_THREADS) {
+                const int box = i / (8 * TILE_TOKENS), pos = (i / 8) % TILE_TOKENS;
+                if (pos < t.below || pos >= t.from)
+                    *reinterpret_cast<uint4*>(v_rows + box * WIDE_BOX + pos * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
             }
+            fence_proxy_async_shared();
+            named_barrier_sync(2 + tile_group, TILE_THREADS);
         }
         // V N-major: rows are positions (8 of them 1024 bytes apart), 64 dims a box
-        const u64 v_desc = smem_desc_sw128(v_tile, WIDE_BOX, 1024);
+        const u64 v_desc = smem_desc_sw128(t.v_tile, WIDE_BOX, 1024);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < WIDE_K_STEPS; ++ks) wgmma_pv<HEAD_DIM>(o, pa[ks], v_desc + ((ks * 16 * 128) >> 4));
         wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_hold(o);
-        if (!KV_FP8) mbarrier_arrive(&empty[stage]);
+    };
+    // every lane hands the tile's stage back once its products have read it (e4m3: done at
+    // the widening)
+    auto release = [&](const TileAt& t) {
+        if (!KV_FP8) mbarrier_arrive(&empty[t.stage]);
+    };
+
+    const int first = pc.first + ((tile_group - n0) % TILE_GROUPS + TILE_GROUPS) % TILE_GROUPS;
+    if constexpr (!WIDE_PIPELINE) {
+        // each product waited for before the next step
+        for (int k = first; k < pc.end; k += TILE_GROUPS) {
+            const TileAt t = tile_at(k);
+            float sc[WIDE_S_REGS], alpha[2];
+            issue_scores(sc, t);
+            wgmma_wait<0>();
+            wgmma_hold(sc);
+            softmax_max(sc, t, alpha);
+            rescale_o(alpha);
+            softmax_exp(sc);
+            pack_p(sc);
+            issue_pv(t);
+            wgmma_wait<0>();
+            wgmma_hold(o);
+            release(t);
+        }
+    } else {
+        // A step issues tile k's S, then the previous tile's P V (O first rescaled to that
+        // tile's maxima), and runs tile k's softmax under the P V; tile k's P is packed once that
+        // P V, which reads the previous P, is done. (A score set is written and read within one
+        // step: ptxas serialises every product otherwise; bench/NOTES.md.)
+        float alpha_prev[2];
+        if (first < pc.end) {
+            const TileAt t = tile_at(first);
+            float sc[WIDE_S_REGS];
+            issue_scores(sc, t);
+            wgmma_wait<0>();
+            wgmma_hold(sc);
+            softmax_max(sc, t, alpha_prev);
+            softmax_exp(sc);
+            pack_p(sc);
+        }
+        for (int k = first + TILE_GROUPS; k < pc.end; k += TILE_GROUPS) {
+            const TileAt t = tile_at(k);
+            float sc[WIDE_S_REGS], alpha[2];
+            issue_scores(sc, t);
+            rescale_o(alpha_prev);
+            issue_pv(tile_at(k - TILE_GROUPS));
+            wgmma_wait<1>();  // this tile's S
+            wgmma_hold(sc);
+            softmax_max(sc, t, alpha);
+            softmax_exp(sc);
+            wgmma_wait<0>();  // the previous tile's P V
+            wgmma_hold(o);
+            release(tile_at(k - TILE_GROUPS));
+            pack_p(sc);
+            alpha_prev[0] = alpha[0];
+            alpha_prev[1] = alpha[1];
+        }
+        if (first < pc.end) {
+            const TileAt last = tile_at(first + (pc.end - 1 - first) / TILE_GROUPS * TILE_GROUPS);
+            rescale_o(alpha_prev);
+            issue_pv(last);
+            wgmma_wait<0>();
+            wgmma_hold(o);
+            release(last);
+        }
     }
 
     // ---- the warpgroup's states into the epilogue scratch ----
@@ -1058,6 +1151,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 
     if (warp >= PRODUCER_WARP) {
         // ================================ producer warp(s) ================================
+        if constexpr (PRODUCER_WARPGROUP) {
+            setmaxnreg_dec<PRODUCER_REGS>();
+            if (warp >= PRODUCER_WARP + PRODUCER_WARPS) return;
+        }
         const Ring ring = {smem_addr(smem + SharedPlan::ring), smem_addr(k_full), smem_addr(v_full),
                            smem_addr(empty), smem_addr(smem + SharedPlan::q), smem_addr(q_full),
                            smem_addr(q_empty)};
@@ -1080,6 +1177,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     }
 
     // ================================= consumer warps ======================================
+    if constexpr (PRODUCER_WARPGROUP) setmaxnreg_inc<CONSUMER_REGS>();
     const int group = warp / GROUP_WARPS;
     const int row0 = (warp % GROUP_WARPS) * ROWS_PER_WARP;  // first row of this warp in a tile
     const u32 q_base0 = smem_addr(smem + SharedPlan::q);

@@ -389,6 +389,9 @@ pub struct PersistentVariant {
     pub kv_l2: L2Hint,
     /// m16 slices of a warp's rows per online-softmax step (`KVS_SOFTMAX_SLICES`: 1 or 2).
     pub softmax_slices: usize,
+    /// The wide consumer (2-byte caches): a tile's softmax under the previous tile's P V
+    /// (`KVS_WIDE_PIPELINE`; the producer warps a warpgroup of their own).
+    pub wide_pipeline: bool,
 }
 
 /// How the persistent decode's producer brings K and V into the ring (`KVS_PAGED`,
@@ -469,9 +472,16 @@ impl PersistentVariant {
         self.merge_floats() / (2 * self.merge_columns())
     }
 
-    /// Threads per CTA: the consumer warps and the producer warps.
+    /// Threads per CTA: the consumer warps and the producer warps (a warpgroup of them, which
+    /// hands registers to the consumers, for the wide pipeline: `PRODUCER_WARPGROUP` in
+    /// decode.cu).
     pub fn threads(&self) -> u32 {
-        ((self.consumer_groups * 4 + self.producer_warps) * 32) as u32
+        let producer = if self.wide_pipeline {
+            4
+        } else {
+            self.producer_warps
+        };
+        ((self.consumer_groups * 4 + producer) * 32) as u32
     }
 
     /// Dynamic shared memory of one CTA with `stages` stages; mirrors `SharedPlan` in
@@ -548,7 +558,7 @@ impl Variant for PersistentVariant {
             String::new()
         } else {
             format!(".sm{}", self.softmax_slices)
-        }
+        } + if self.wide_pipeline { ".pipe" } else { "" }
     }
     fn source(&self) -> &'static str {
         DECODE_SRC
@@ -577,6 +587,10 @@ impl Variant for PersistentVariant {
         ));
         d.push(("KVS_PRODUCER_WARPS".into(), self.producer_warps.to_string()));
         d.push(("KVS_SOFTMAX_SLICES".into(), self.softmax_slices.to_string()));
+        d.push((
+            "KVS_WIDE_PIPELINE".into(),
+            u8::from(self.wide_pipeline).to_string(),
+        ));
         d.push(("KVS_HEADS_PER_ROW".into(), self.heads_per_row.to_string()));
         // the launch's dynamic shared memory, which the kernel checks its layout against
         d.push(("KVS_SHARED_BYTES".into(), self.shared_bytes().to_string()));
@@ -951,13 +965,28 @@ pub fn all_variants() -> Vec<AnyVariant> {
                                 source,
                             )));
                             if kv_dtype == KvDType::AsQuery {
-                                out.push(AnyVariant::Persistent(plan::persistent_variant(
+                                // blocks of 128 rows; either block with the pipelined steps
+                                let split = plan::persistent_variant(
                                     dtype,
                                     kv_dtype,
                                     head_dim,
                                     WIDE_SPLIT_N_TILES,
                                     source,
-                                )));
+                                );
+                                let rows64 = plan::persistent_variant(
+                                    dtype,
+                                    kv_dtype,
+                                    head_dim,
+                                    WIDE_N_TILES,
+                                    source,
+                                );
+                                out.push(AnyVariant::Persistent(split));
+                                for v in [rows64, split] {
+                                    out.push(AnyVariant::Persistent(PersistentVariant {
+                                        wide_pipeline: true,
+                                        ..v
+                                    }));
+                                }
                             }
                         }
                         let row = 2 * head_dim;
