@@ -408,6 +408,16 @@ fn wide_columns_match_reference() {
         wide: true,
         ..ModelCase::multi_token(0x51DE)
     };
+    // 16/1 heads x 5 new tokens: 80 rows a KV head
+    let eighty_rows = |page_size, wide_rows| ModelCase {
+        hq: 16,
+        hkv: 1,
+        q_len: 5,
+        lens: vec![1, 1500, 3, 64],
+        page_size,
+        wide_rows,
+        ..base.clone()
+    };
     let cases = [
         base.clone(),
         // 128 rows a KV head: two blocks of 64 in two lanes; one block of 128, both warpgroups
@@ -462,14 +472,7 @@ fn wide_columns_match_reference() {
             ..base.clone()
         },
         // 80 rows: a whole block of 64 and one of 16; gathered pages of 1
-        ModelCase {
-            hq: 16,
-            hkv: 1,
-            q_len: 5,
-            lens: vec![1, 1500, 3, 64],
-            page_size: Some(1),
-            ..base.clone()
-        },
+        eighty_rows(Some(1), None),
         // the pipelined steps (a tile's softmax under the previous tile's P V): blocks of 64 and
         // of 128 with a window (masked tiles), gathered pages of 1 at d 64 (four producer warps
         // in the producer warpgroup)
@@ -500,15 +503,7 @@ fn wide_columns_match_reference() {
         },
         // 80 rows in one block of 128, 48 of its rows empty (the second warpgroup's partly);
         // pages of 64 by boxes
-        ModelCase {
-            hq: 16,
-            hkv: 1,
-            q_len: 5,
-            lens: vec![1, 1500, 3, 64],
-            page_size: Some(64),
-            wide_rows: Some(128),
-            ..base.clone()
-        },
+        eighty_rows(Some(64), Some(128)),
         // 48 rows: one block, 16 of its rows empty; pages of 64 by boxes
         ModelCase {
             hq: 24,
