@@ -147,77 +147,112 @@ pub fn decode_reference_with(
     v: &[f32],
     seqlens: &[usize],
 ) -> RefOutput {
-    let group = shape.group();
     if let Some(s) = &mods.sinks {
         assert_eq!(s.len(), shape.hq, "one sink per query head");
     }
     shape.check_inputs(q, k, v);
     assert_eq!(seqlens.len(), shape.batch, "one seqlen per request");
-    let d = shape.d;
-    let mut out = vec![0.0f64; shape.batch * shape.q_len * shape.hq * d];
-    let mut lse = vec![f64::NEG_INFINITY; shape.batch * shape.q_len * shape.hq];
-
-    // Scratch reused by every row so that long caches cost no allocation per row.
-    let mut scores = vec![0.0f64; shape.max_len];
-    let mut q_row = vec![0.0f64; d];
-    let mut acc = vec![0.0f64; d];
-
     for (b, &seqlen) in seqlens.iter().enumerate() {
         assert!(
             seqlen <= shape.max_len,
             "seqlens[{b}] = {seqlen} exceeds max_len {}",
             shape.max_len
         );
-        for kvh in 0..shape.hkv {
-            for h in kvh * group..(kvh + 1) * group {
-                let sink = mods.sinks.as_ref().map_or(f64::NEG_INFINITY, |s| s[h]);
-                for qi in 0..shape.q_len {
-                    let seen = visible_range(seqlen, shape.q_len, qi, mods.window);
-                    let row_lse = &mut lse[(b * shape.q_len + qi) * shape.hq + h];
-                    if seen.is_empty() {
-                        // out stays zero: the sink alone (if any) takes the whole weight
-                        *row_lse = sink;
-                        continue;
-                    }
-                    let qo = shape.q_offset(b, qi, h);
-                    for (dst, &src) in q_row.iter_mut().zip(&q[qo..qo + d]) {
-                        *dst = f64::from(src);
-                    }
-
-                    // Two passes (max, then exponentials) keep exp() in range for any scores.
-                    let mut m = sink;
-                    for (j, s) in seen.clone().zip(scores.iter_mut()) {
-                        let ko = shape.kv_offset(b, j, kvh);
-                        *s = dot(&q_row, &k[ko..ko + d]) * shape.softmax_scale;
-                        if let Some(c) = mods.softcap {
-                            *s = c * (*s / c).tanh();
-                        }
-                        m = m.max(*s);
-                    }
-
-                    acc.fill(0.0);
-                    let mut l = if sink > f64::NEG_INFINITY {
-                        (sink - m).exp()
-                    } else {
-                        0.0
-                    };
-                    for (j, &s) in seen.clone().zip(scores.iter()) {
-                        let p = (s - m).exp();
-                        l += p;
-                        let vo = shape.kv_offset(b, j, kvh);
-                        axpy(&mut acc, p, &v[vo..vo + d]);
-                    }
-
-                    let row = &mut out[qo..qo + d];
-                    for (o, &a) in row.iter_mut().zip(&acc) {
-                        *o = a / l;
-                    }
-                    *row_lse = m + l.ln();
-                }
-            }
-        }
+    }
+    // one unit a (request, new token): its rows [hq, d] are contiguous in `out`; large problems
+    // (the GPU demos and benchmarks check GB-sized caches) spread the units over the cores
+    let units: Vec<(usize, usize)> = (0..shape.batch)
+        .flat_map(|b| (0..shape.q_len).map(move |qi| (b, qi)))
+        .collect();
+    let work = units.len() * shape.hq * shape.max_len * shape.d;
+    let threads = if work < REFERENCE_PARALLEL_WORK {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    };
+    let unit = |&(b, qi): &(usize, usize)| reference_unit(shape, mods, q, k, v, b, qi, seqlens[b]);
+    let rows = if threads == 1 {
+        units.iter().map(unit).collect()
+    } else {
+        crate::jit::par_map(&units, threads, unit)
+    };
+    let mut out = Vec::with_capacity(shape.batch * shape.q_len * shape.hq * shape.d);
+    let mut lse = Vec::with_capacity(shape.batch * shape.q_len * shape.hq);
+    for (o, l) in rows {
+        out.extend(o);
+        lse.extend(l);
     }
     RefOutput { out, lse }
+}
+
+/// Multiply-adds below which [`decode_reference_with`] runs on the calling thread.
+const REFERENCE_PARALLEL_WORK: usize = 1 << 24;
+
+/// The rows `[hq, d]` and LSEs `[hq]` of request `b`'s new token `qi` (of length `seqlen`).
+#[allow(clippy::too_many_arguments)]
+fn reference_unit(
+    shape: &RefShape,
+    mods: &RefScoreMods,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    b: usize,
+    qi: usize,
+    seqlen: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let group = shape.group();
+    let d = shape.d;
+    let mut out = vec![0.0f64; shape.hq * d];
+    let mut lse = vec![f64::NEG_INFINITY; shape.hq];
+    // scratch reused by every row of the unit
+    let mut scores = vec![0.0f64; seqlen];
+    let mut q_row = vec![0.0f64; d];
+    let mut acc = vec![0.0f64; d];
+    let seen = visible_range(seqlen, shape.q_len, qi, mods.window);
+    for h in 0..shape.hq {
+        let kvh = h / group;
+        let sink = mods.sinks.as_ref().map_or(f64::NEG_INFINITY, |s| s[h]);
+        if seen.is_empty() {
+            // out stays zero: the sink alone (if any) takes the whole weight
+            lse[h] = sink;
+            continue;
+        }
+        let qo = shape.q_offset(b, qi, h);
+        for (dst, &src) in q_row.iter_mut().zip(&q[qo..qo + d]) {
+            *dst = f64::from(src);
+        }
+
+        // Two passes (max, then exponentials) keep exp() in range for any scores.
+        let mut m = sink;
+        for (j, s) in seen.clone().zip(scores.iter_mut()) {
+            let ko = shape.kv_offset(b, j, kvh);
+            *s = dot(&q_row, &k[ko..ko + d]) * shape.softmax_scale;
+            if let Some(c) = mods.softcap {
+                *s = c * (*s / c).tanh();
+            }
+            m = m.max(*s);
+        }
+
+        acc.fill(0.0);
+        let mut l = if sink > f64::NEG_INFINITY {
+            (sink - m).exp()
+        } else {
+            0.0
+        };
+        for (j, &s) in seen.clone().zip(scores.iter()) {
+            let p = (s - m).exp();
+            l += p;
+            let vo = shape.kv_offset(b, j, kvh);
+            axpy(&mut acc, p, &v[vo..vo + d]);
+        }
+
+        let row = &mut out[h * d..(h + 1) * d];
+        for (o, &a) in row.iter_mut().zip(&acc) {
+            *o = a / l;
+        }
+        lse[h] = m + l.ln();
+    }
+    (out, lse)
 }
 
 /// MLA decode (absorbed form) in `f64`: every query head attends to the one latent cache
@@ -523,6 +558,35 @@ mod tests {
     /// Positions row qi sees in plain causal decode: `[0, visible_len)`.
     fn visible_len(seqlen: usize, q_len: usize, qi: usize) -> usize {
         visible_range(seqlen, q_len, qi, Window::CAUSAL).end
+    }
+
+    #[test]
+    fn the_threaded_reference_keeps_every_row_in_place() {
+        // above REFERENCE_PARALLEL_WORK: the units run on every core, each row where the
+        // single-threaded order puts it (bitwise: each row is one unit's arithmetic)
+        let p = make_problem(11, 3, 16, 2, 128, &[3000, 0, 1, 2999, 1500]);
+        let s = &p.shape;
+        assert!(s.batch * s.q_len * s.hq * s.max_len * s.d >= REFERENCE_PARALLEL_WORK);
+        let mods = RefScoreMods {
+            window: Window {
+                left: Some(700),
+                right: Some(0),
+            },
+            ..Default::default()
+        };
+        let all = decode_reference_with(s, &mods, &p.q, &p.k, &p.v, &p.seqlens);
+        for b in 0..s.batch {
+            for qi in 0..s.q_len {
+                let (out, lse) = reference_unit(s, &mods, &p.q, &p.k, &p.v, b, qi, p.seqlens[b]);
+                let at = (b * s.q_len + qi) * s.hq;
+                assert_eq!(
+                    &all.out[at * s.d..(at + s.hq) * s.d],
+                    &out[..],
+                    "request {b} token {qi}"
+                );
+                assert_eq!(&all.lse[at..at + s.hq], &lse[..], "request {b} token {qi}");
+            }
+        }
     }
 
     #[test]
