@@ -14,16 +14,18 @@
 # copies of the same bytes (bench/store_kv_bench.py -> $OUT/store-kv-latest.json); `fp8splits` times
 # the split engine's fp8 rows at the plan's split count (FP8_TARGET_CTAS_PER_SM), the 2-byte one and
 # twice the plan's (at most 128).
-# `trace` runs the serving rows TRACE_IDS with the phase-trace kernels (prepare with TRACE=1)
+# `trace` runs the rows TRACE_IDS of TRACE_MATRIX (default bench/serving.json; rows without
+# score modifiers of bench/matrix-models.json too) with the phase-trace kernels (prepare with TRACE=1)
 # and summarises them with bench/trace.py into $OUT/trace (timings there carry the stamps).
 # `serving` runs bench/serving.json (SERVING_ARGS) and bench/serving_peers.py (PEERS_ARGS, e.g.
 # --fa3-contiguous: FA3 on a contiguous copy of the skewed batch).
 set -u
 B=.carry/bin/kvstream
 export KVSTREAM_CACHE_DIR=$PWD/.carry/cache
-[ -d .carry/cache ] || [ ! -f .carry/cache.tar.gz ] || tar xzf .carry/cache.tar.gz -C .carry
+# (both archives where both came: CACHE=xz with TRACE=1 packs the traced builds apart)
+[ ! -f .carry/cache.tar.gz ] || tar xzf .carry/cache.tar.gz -C .carry
 # (xz through Python: the GPU machine's tar may lack xz; prepare-gpu-run.sh's CACHE=xz)
-[ -d .carry/cache ] || [ ! -f .carry/cache.tar.xz ] ||
+[ ! -f .carry/cache.tar.xz ] ||
   python3 -c 'import tarfile; tarfile.open(".carry/cache.tar.xz").extractall(".carry")'
 # Every file lands in $O and leaves packed as one $OUT/gpu-run.tar.gz (at exit, whatever ran):
 # the GPU machine returns a few files only. BUDGET (seconds, default 570) bounds the whole run:
@@ -255,7 +257,7 @@ if want storekv; then
 fi
 if want trace; then
   mkdir -p $O/trace
-  KVSTREAM_TRACE=$O/trace timeout $(cap 300) $B bench --matrix bench/serving.json \
+  KVSTREAM_TRACE=$O/trace timeout $(cap 300) $B bench --matrix ${TRACE_MATRIX:-bench/serving.json} \
     --ids "${TRACE_IDS:-contig-d128-b1-L4096,paged16-d128-b1-L4096,paged64-d128-b1-L4096}" --no-plots \
     --json $O/trace/bench-traced.json 2>&1 | tail -12
   python3 bench/trace.py $O/trace --json $O/trace/summary.json | tee $O/trace/summary.txt
