@@ -235,6 +235,7 @@ if want abwide; then
     ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" "" "$r128" "$r128 $pipe" "$pipe"
     ab "--batch 16 --hq 32 --hkv 1 --q-len 8 --len 16384" "" "$r128" "$r128 $pipe"
     ab "--batch 16 --hq 32 --hkv 2 --head-dim 64 --q-len 8 --len 32768" "" "$r128"
+    ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768 --kv-dtype fp8_e4m3" "" "$r128"
   } 2>&1 | tee -a $O/abwide.txt
 fi
 if want racediag; then

@@ -203,9 +203,11 @@ constexpr int MERGE_FLOATS = EPI_PARTS * MERGE_WARP_FLOATS > 2 * MIN_MERGE_PIECE
                                  ? EPI_PARTS * MERGE_WARP_FLOATS
                                  : 2 * MIN_MERGE_PIECES * MERGE_COLS;
 constexpr int MERGE_MAX_PIECES = MERGE_FLOATS / (2 * MERGE_COLS);
-// The wide consumer with an e4m3 cache: each warpgroup widens its ring tile into f16 K and V
-// tiles of its own, in the 2-byte layout (rows of 128 bytes, 64 dims a box), which its warpgroup
-// MMAs read (a wgmma operand in shared memory is 16-bit here)
+// The wide consumer with an e4m3 cache: a ring tile is widened into f16 K and V tiles in the
+// 2-byte layout (rows of 128 bytes, 64 dims a box), which the warpgroup MMAs read (a wgmma operand
+// in shared memory is 16-bit here): blocks of 64 rows, by each warpgroup into copies of its own;
+// blocks of 128, by both warpgroups into two copies taken in turn (a copy is rewritten two tiles
+// later, when both warpgroups have waited for their P V of it)
 using WideTile = KvHalf<HEAD_DIM, 64, true>;
 constexpr int WIDE_STAGING = WIDE && KV_FP8 ? CONSUMER_GROUPS * 2 * WideTile::TILE_BYTES : 0;
 
@@ -248,7 +250,6 @@ static_assert((N_TILES >= 1 && N_TILES <= (HEAD_DIM > 128 ? 2 : 4)) || WIDE,
 static_assert(!WIDE || (HEADS_PER_ROW == 1 && (HEAD_DIM == 64 || HEAD_DIM == 128) && CONSUMER_GROUPS == 2 &&
                         TILE_TOKENS == 64 && SOFTMAX_SLICES == 1),
               "wide column blocks: d 64 or 128, two warpgroups on 64-position tiles");
-static_assert(WIDE_ROW_GROUPS == 1 || !KV_FP8, "128-row wide blocks: 2-byte caches (e4m3 tiles are widened per warpgroup)");
 static_assert(!WIDE_PIPELINE || (WIDE && !KV_FP8 && STAGES >= 2 * TILE_GROUPS),
               "the wide pipeline: 2-byte caches, two stages a tile group (the last tile's, held until its P V is waited for, and this one's)");
 static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
@@ -766,11 +767,12 @@ static_assert(WIDE_BOX == 64 * 128, "64-position tiles of 128-byte rows");
 constexpr int TILE_THREADS = WG_THREADS * WIDE_ROW_GROUPS;
 static_assert(!WIDE || KV_FP8 || BOX_BYTES == WIDE_BOX, "2-byte wide tiles are read in place");
 
-// e4m3: the ring's tile (K then V) widened to f16 into `dst` (K tile, then V tile), by the 128
-// threads of one warpgroup (index `me`); positions outside [below, from) as zeros.
-__device__ __forceinline__ void widen_wide_tile(u32 src, u32 dst, int below, int from, int me) {
+// e4m3: the ring's tile (K then V) widened to f16 into `dst` (K tile, then V tile), by the
+// TILE_THREADS threads that read the tile (index `thread`); positions outside [below, from) as
+// zeros.
+__device__ __forceinline__ void widen_wide_tile(u32 src, u32 dst, int below, int from, int thread) {
     constexpr int CHUNKS = HEAD_DIM / 16;  // 16-byte e4m3 chunks a position
-    for (int i = me; i < WIDE_TOKENS * CHUNKS; i += WG_THREADS) {
+    for (int i = thread; i < WIDE_TOKENS * CHUNKS; i += TILE_THREADS) {
         const int t = i / CHUNKS, c = i % CHUNKS;
         const bool keep = t >= below && t < from;
 #pragma unroll
@@ -876,22 +878,23 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
         t.below = min(max(unit_low - t.tile_begin, 0), TILE_TOKENS);
         t.from = max(min(pc.len - t.tile_begin, TILE_TOKENS), 0);
         t.ring_tile = ring_base + t.stage * STAGE_BYTES;
-        // e4m3: this warpgroup's f16 tiles
-        t.k_tile = KV_FP8 ? ring_base + SharedPlan::staging + wg * 2 * WideTile::TILE_BYTES : t.ring_tile;
+        // e4m3: the f16 copy the MMAs read
+        const int copy = WIDE_ROW_GROUPS == 1 ? wg : t.n % 2;
+        t.k_tile = KV_FP8 ? ring_base + SharedPlan::staging + copy * 2 * WideTile::TILE_BYTES : t.ring_tile;
         t.v_tile = t.k_tile + (KV_FP8 ? WideTile::TILE_BYTES : TILE_BYTES);
         return t;
     };
-    // S = Q K^T into `sc` once K has landed (e4m3: the tile first widened into this warpgroup's
-    // f16 tiles, which its last P V no longer reads, and the stage handed back at once)
+    // S = Q K^T into `sc` once K has landed (e4m3: the tile first widened into its f16 copy,
+    // which no P V reads any more, and the stage handed back at once)
     auto issue_scores = [&](float (&sc)[WIDE_S_REGS], const TileAt& t) {
         mbarrier_wait(&k_full[t.stage], t.parity);
         if (TRACE && t.n == 0 && threadIdx.x == 0) trace_stamp(TRACE_FIRST_TILE);
         if constexpr (KV_FP8) {
             mbarrier_wait(&v_full[t.stage], t.parity);
-            widen_wide_tile(t.ring_tile, t.k_tile, t.below, t.from, me);
+            widen_wide_tile(t.ring_tile, t.k_tile, t.below, t.from, tile_thread);
             fence_proxy_async_shared();
             mbarrier_arrive(&empty[t.stage]);
-            named_barrier_sync(2 + wg, WG_THREADS);
+            named_barrier_sync(2 + tile_group, TILE_THREADS);
         }
         const u64 k_desc = smem_desc_sw128(t.k_tile, 16, 1024);
         wgmma_fence();

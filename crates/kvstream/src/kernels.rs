@@ -349,8 +349,8 @@ const PERSISTENT_Q_BUFFERS: usize = 3;
 /// (2-byte caches, or e4m3 widened to f16 by the consumers), two warpgroups on alternate tiles
 /// of [`WIDE_TILE_TOKENS`] positions.
 pub const WIDE_N_TILES: usize = 8;
-/// n8 tiles of the wide consumer's blocks of 128 query rows (2-byte caches): both warpgroups on
-/// every tile, 64 of the rows each, so that a tile is read once for all of them.
+/// n8 tiles of the wide consumer's blocks of 128 query rows: both warpgroups on every tile, 64
+/// of the rows each, so that a tile is read (an e4m3 one widened) once for all of them.
 pub const WIDE_SPLIT_N_TILES: usize = 16;
 /// Every wide block's n8 tiles.
 pub const WIDE_BLOCK_N_TILES: [usize; 2] = [WIDE_N_TILES, WIDE_SPLIT_N_TILES];
@@ -957,31 +957,15 @@ pub fn all_variants() -> Vec<AnyVariant> {
                             dtype, kv_dtype, head_dim, n_tiles, source,
                         )));
                         if n_tiles == 1 && WIDE_HEAD_DIMS.contains(&head_dim) {
-                            out.push(AnyVariant::Persistent(plan::persistent_variant(
-                                dtype,
-                                kv_dtype,
-                                head_dim,
-                                WIDE_N_TILES,
-                                source,
-                            )));
-                            if kv_dtype == KvDType::AsQuery {
-                                // blocks of 128 rows; either block with the pipelined steps
-                                let split = plan::persistent_variant(
-                                    dtype,
-                                    kv_dtype,
-                                    head_dim,
-                                    WIDE_SPLIT_N_TILES,
-                                    source,
-                                );
-                                let rows64 = plan::persistent_variant(
-                                    dtype,
-                                    kv_dtype,
-                                    head_dim,
-                                    WIDE_N_TILES,
-                                    source,
-                                );
-                                out.push(AnyVariant::Persistent(split));
-                                for v in [rows64, split] {
+                            // the wide consumer: blocks of 64 and of 128 rows; 2-byte caches:
+                            // either with the pipelined steps
+                            let wide = |n_tiles| {
+                                plan::persistent_variant(dtype, kv_dtype, head_dim, n_tiles, source)
+                            };
+                            let blocks = [wide(WIDE_N_TILES), wide(WIDE_SPLIT_N_TILES)];
+                            for v in blocks {
+                                out.push(AnyVariant::Persistent(v));
+                                if kv_dtype == KvDType::AsQuery {
                                     out.push(AnyVariant::Persistent(PersistentVariant {
                                         wide_pipeline: true,
                                         ..v

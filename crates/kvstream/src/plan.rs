@@ -353,26 +353,18 @@ pub fn can_take_wide_columns(problem: &DecodeProblem) -> bool {
 }
 
 /// n8 tiles of `problem`'s wide column blocks ([`PlanOptions::persistent_wide_rows`]): blocks
-/// of 64 rows unless 128 are asked for, which need a 2-byte cache (e4m3 tiles are widened to f16
-/// per warpgroup) and more than 64 rows a KV head. docs/tuning.md, "Wide consumer".
+/// of 64 rows unless 128 are asked for, which need more than 64 rows a KV head. docs/tuning.md,
+/// "Wide consumer".
 pub fn wide_n_tiles(problem: &DecodeProblem, rows: Option<usize>) -> Result<usize> {
     match rows {
         None | Some(64) => Ok(crate::kernels::WIDE_N_TILES),
-        Some(128) if problem.columns() > 64 && problem.kv_dtype == KvDType::AsQuery => {
-            Ok(crate::kernels::WIDE_SPLIT_N_TILES)
-        }
+        Some(128) if problem.columns() > 64 => Ok(crate::kernels::WIDE_SPLIT_N_TILES),
         Some(r) => Err(Error::invalid(
             "persistent_wide_rows",
             r,
             format!(
-                "64, or 128 for a 2-byte cache with more than 64 query rows a KV head (this \
-                 problem: {} rows, {} cache)",
-                problem.columns(),
-                if problem.kv_dtype == KvDType::AsQuery {
-                    "2-byte"
-                } else {
-                    "e4m3"
-                }
+                "64, or 128 for more than 64 query rows a KV head (this problem: {} rows)",
+                problem.columns()
             ),
         )),
     }
@@ -1379,9 +1371,9 @@ pub struct PlanOptions {
     /// b16 L32768: 553 -> 224 us; 64/8 heads q 8 b16 L4096: 151 -> 95 us, H100, docs/tuning.md
     /// "Wide consumer"). `false`: the narrow consumer's blocks of up to 32 rows.
     pub persistent_wide_columns: Option<bool>,
-    /// Persistent engine, knob: query rows of a wide column block, 64 or 128. 128 (2-byte
-    /// caches, more than 64 rows a KV head): both warpgroups on every tile, 64 of the rows each,
-    /// so that each tile is read once for all 128 (not yet measured; bench/NOTES.md predicts
+    /// Persistent engine, knob: query rows of a wide column block, 64 or 128. 128 (more than 64
+    /// rows a KV head): both warpgroups on every tile, 64 of the rows each, so that each tile is
+    /// read (an e4m3 one widened) once for all 128 (not yet measured; bench/NOTES.md predicts
     /// 32/2 heads q 8 b16 L32768 224 -> ~190 us). `None`: 64.
     pub persistent_wide_rows: Option<usize>,
     /// Persistent engine, knob: `true` has the wide consumer (2-byte caches) run each tile's
@@ -2364,7 +2356,7 @@ mod tests {
         assert!(crate::kernels::Variant::name(&v).contains(".n8.t64.s4.g2"));
         // 128 rows: two blocks of 64 in two lanes by default; asked, one block of 128 with both
         // warpgroups on every tile (one tile group, three stages); 256 rows: two in two lanes;
-        // e4m3: blocks of 64 only
+        // e4m3 too (two f16 copies of the tiles)
         let pp = persistent(&mt(32, 2, 8, 128), wide).unwrap();
         assert_eq!((pp.col_blocks, pp.lanes, pp.variant.n_tiles), (2, 2, 8));
         let rows128 = PlanOptions {
@@ -2381,11 +2373,9 @@ mod tests {
         let pp = persistent(&mt(32, 1, 8, 128), rows128).unwrap();
         assert_eq!((pp.col_blocks, pp.lanes, pp.variant.n_tiles), (2, 2, 16));
         let e4m3 = mt(32, 2, 8, 128).with_kv_dtype(KvDType::Fp8E4m3).unwrap();
-        let msg = persistent(&e4m3, rows128).unwrap_err().to_string();
-        assert!(
-            msg.contains("persistent_wide_rows") && msg.contains("e4m3"),
-            "{msg}"
-        );
+        let v = persistent(&e4m3, rows128).unwrap().variant;
+        assert_eq!((v.n_tiles, v.kv_dtype), (16, KvDType::Fp8E4m3));
+        assert!(v.shared_bytes() <= PERSISTENT_SHARED_BUDGET && all_variants_hold(v));
         let msg = persistent(&p, rows128).unwrap_err().to_string();
         assert!(
             msg.contains("persistent_wide_rows") && msg.contains("64 rows"),
@@ -2514,7 +2504,7 @@ mod tests {
                     };
                     q = q.with_paged(page, 4 * 4096, None).unwrap();
                 }
-                let rows = if hkv == 2 && kv == KvDType::AsQuery {
+                let rows = if hkv == 2 {
                     [64, 128].as_slice()
                 } else {
                     [64].as_slice()

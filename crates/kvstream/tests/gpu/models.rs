@@ -540,6 +540,32 @@ fn wide_columns_match_reference() {
             lens: vec![64, 1, 0, 1499],
             ..base.clone()
         },
+        // e4m3 blocks of 128 (both warpgroups widen each tile into one of two f16 copies): a
+        // window with sinks, pages of 16; d 64 f16, gathered pages of 1, 256 rows in two lanes
+        ModelCase {
+            fp8: true,
+            wide_rows: Some(128),
+            hq: 32,
+            hkv: 2,
+            page_size: Some(16),
+            window: Window {
+                left: Some(200),
+                right: Some(0),
+            },
+            sinks: true,
+            ..base.clone()
+        },
+        ModelCase {
+            fp8: true,
+            wide_rows: Some(128),
+            dtype: DType::F16,
+            head_dim: 64,
+            hq: 32,
+            hkv: 1,
+            page_size: Some(1),
+            lens: vec![700, 1, 0, 1500],
+            ..base.clone()
+        },
     ];
     for (i, c) in cases.iter().enumerate() {
         let errors =
