@@ -69,22 +69,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) kvs_store_kv(const __grid_
     const long long i = (long long)blockIdx.x * THREADS + threadIdx.x;
     if (i >= (long long)p.tokens * p.hkv * CHUNKS) return;
     const bool is_v = blockIdx.y == 1;
-    const int token = (int)(i / (p.hkv * CHUNKS));
-    const int h = (int)(i / CHUNKS % p.hkv);
-    const int c = (int)(i % CHUNKS);
+    // 32-bit divisions (a 64-bit one is a long instruction sequence): the host keeps the chunk
+    // count and the slots below 2^32
+    const u32 per_token = (u32)p.hkv * CHUNKS, chunk = (u32)i;
+    const int token = (int)(chunk / per_token);
+    const u32 in_token = chunk - (u32)token * per_token;
+    const int h = (int)(in_token / CHUNKS), c = (int)(in_token % CHUNKS);
     // Nothing below reads what a previous kernel in the stream may still write before this.
     pdl_wait_for_producer();
     const long long slot = p.slots[token];
     if (slot < 0 || slot >= p.num_slots) return;
-    const long long block = slot / p.block_slots;
+    const u32 block = (u32)slot / (u32)p.block_slots, in_block = (u32)slot - block * (u32)p.block_slots;
     const u16* src = reinterpret_cast<const u16*>(is_v ? p.v_new : p.k_new) + token * p.new_token_stride +
                      h * p.new_head_stride + c * CHUNK;
     const uint4 x = *reinterpret_cast<const uint4*>(src);
-    const long long at = block * p.block_stride + (slot % p.block_slots) * p.slot_stride + h * p.head_stride + c * CHUNK;
+    const long long at =
+        (long long)block * p.block_stride + (long long)in_block * p.slot_stride + h * p.head_stride + c * CHUNK;
     if constexpr (KV_FP8) {
         const float* scales = is_v ? p.v_scale : p.k_scale;
         const float scale =
-            scales ? scales[block * (is_v ? p.v_scale_block_stride : p.k_scale_block_stride) +
+            scales ? scales[(long long)block * (is_v ? p.v_scale_block_stride : p.k_scale_block_stride) +
                             (long long)h * (is_v ? p.v_scale_head_stride : p.k_scale_head_stride)]
                    : 1.f;
         unsigned char* dst = reinterpret_cast<unsigned char*>(is_v ? p.v_cache : p.k_cache) + at;

@@ -95,70 +95,6 @@ impl KvWriter {
         &self.problem
     }
 
-    /// The launch parameters of a write (pure host work).
-    fn params(&self, t: &StoreTensors) -> Result<StoreKvParams> {
-        let p = &self.problem;
-        let (blocks, block_slots, block_stride, slot_stride, head_stride) = match p.paged {
-            Some(pg) => {
-                let row = (p.hkv * p.head_dim) as i64;
-                (
-                    pg.num_pages,
-                    pg.page_size,
-                    pg.page_size as i64 * row,
-                    row,
-                    p.head_dim as i64,
-                )
-            }
-            None => (
-                p.batch,
-                p.max_len,
-                p.k_strides.batch,
-                p.k_strides.token,
-                p.k_strides.head,
-            ),
-        };
-        let scale = |arg: &'static str, s: Option<KvScale>| -> Result<(u64, i32, i32)> {
-            p.check_scale_given(arg, s.is_some())?;
-            let Some(s) = s else { return Ok((0, 0, 0)) };
-            if p.paged.is_some() && s.layout == KvScaleLayout::PerRequestHead {
-                return Err(Error::invalid(
-                    arg,
-                    "per request and KV head",
-                    "per cache or per KV head for a paged cache (a slot names a page, not a \
-                     request)",
-                ));
-            }
-            let (b, h) = s.layout.strides(p.hkv);
-            Ok((s.ptr, b as i32, h as i32))
-        };
-        let (k_scale, kb, kh) = scale("k_scale", t.k_scale)?;
-        let (v_scale, vb, vh) = scale("v_scale", t.v_scale)?;
-        let tokens = i32::try_from(t.tokens)
-            .map_err(|_| Error::invalid("tokens", t.tokens, "at most 2^31-1"))?;
-        Ok(StoreKvParams {
-            k_new: t.k_new,
-            v_new: t.v_new,
-            slots: t.slots,
-            k_cache: t.k_cache,
-            v_cache: t.v_cache,
-            k_scale,
-            v_scale,
-            new_token_stride: (p.hkv * p.head_dim) as i64,
-            new_head_stride: p.head_dim as i64,
-            block_stride,
-            slot_stride,
-            head_stride,
-            num_slots: (blocks * block_slots) as i64,
-            tokens,
-            hkv: p.hkv as i32,
-            block_slots: block_slots as i32,
-            k_scale_block_stride: kb,
-            k_scale_head_stride: kh,
-            v_scale_block_stride: vb,
-            v_scale_head_stride: vh,
-        })
-    }
-
     /// Enqueues the write of `t.tokens` tokens on `stream` (nothing for 0 tokens).
     ///
     /// # Safety
@@ -167,7 +103,7 @@ impl KvWriter {
     /// belong to this runtime's context.
     pub unsafe fn run(&self, t: &StoreTensors, stream: sys::CUstream) -> Result<()> {
         let rt = &self.rt;
-        let params = self.params(t)?;
+        let params = store_params(&self.problem, t)?;
         if t.tokens == 0 {
             return Ok(());
         }
@@ -293,5 +229,128 @@ impl KvWriter {
         // SAFETY: lengths checked above; the slices outlive the enqueue and cudarc's guards
         // record the stream use.
         unsafe { self.run(&t, stream.cu_stream()) }
+    }
+}
+
+/// The launch parameters of a write of `t` into `p`'s caches (pure host work).
+fn store_params(p: &DecodeProblem, t: &StoreTensors) -> Result<StoreKvParams> {
+    let (blocks, block_slots, block_stride, slot_stride, head_stride) = match p.paged {
+        Some(pg) => {
+            let row = (p.hkv * p.head_dim) as i64;
+            (
+                pg.num_pages,
+                pg.page_size,
+                pg.page_size as i64 * row,
+                row,
+                p.head_dim as i64,
+            )
+        }
+        None => (
+            p.batch,
+            p.max_len,
+            p.k_strides.batch,
+            p.k_strides.token,
+            p.k_strides.head,
+        ),
+    };
+    let scale = |arg: &'static str, s: Option<KvScale>| -> Result<(u64, i32, i32)> {
+        p.check_scale_given(arg, s.is_some())?;
+        let Some(s) = s else { return Ok((0, 0, 0)) };
+        if p.paged.is_some() && s.layout == KvScaleLayout::PerRequestHead {
+            return Err(Error::invalid(
+                arg,
+                "per request and KV head",
+                "per cache or per KV head for a paged cache (a slot names a page, not a \
+                 request)",
+            ));
+        }
+        let (b, h) = s.layout.strides(p.hkv);
+        Ok((s.ptr, b as i32, h as i32))
+    };
+    let (k_scale, kb, kh) = scale("k_scale", t.k_scale)?;
+    let (v_scale, vb, vh) = scale("v_scale", t.v_scale)?;
+    let tokens = i32::try_from(t.tokens)
+        .map_err(|_| Error::invalid("tokens", t.tokens, "at most 2^31-1"))?;
+    // the kernel indexes chunks and slots in 32 bits
+    let chunks = t.tokens as u64 * (p.hkv * (p.head_dim / StoreKvVariant::CHUNK)) as u64;
+    if chunks > u64::from(u32::MAX) {
+        return Err(Error::invalid(
+            "tokens",
+            t.tokens,
+            format!(
+                "at most {} a call (2^32 - 1 chunks of 8 head dims over the KV heads)",
+                u64::from(u32::MAX) / (p.hkv * (p.head_dim / StoreKvVariant::CHUNK)) as u64
+            ),
+        ));
+    }
+    let num_slots = (blocks * block_slots) as u64;
+    if num_slots > u64::from(u32::MAX) {
+        return Err(Error::invalid(
+            "the cache's slots (pages x page size, or batch x capacity)",
+            num_slots,
+            "at most 2^32 - 1",
+        ));
+    }
+    Ok(StoreKvParams {
+        k_new: t.k_new,
+        v_new: t.v_new,
+        slots: t.slots,
+        k_cache: t.k_cache,
+        v_cache: t.v_cache,
+        k_scale,
+        v_scale,
+        new_token_stride: (p.hkv * p.head_dim) as i64,
+        new_head_stride: p.head_dim as i64,
+        block_stride,
+        slot_stride,
+        head_stride,
+        num_slots: (blocks * block_slots) as i64,
+        tokens,
+        hkv: p.hkv as i32,
+        block_slots: block_slots as i32,
+        k_scale_block_stride: kb,
+        k_scale_head_stride: kh,
+        v_scale_block_stride: vb,
+        v_scale_head_stride: vh,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::DType;
+
+    fn tensors(tokens: usize) -> StoreTensors {
+        StoreTensors {
+            tokens,
+            k_new: 0,
+            v_new: 0,
+            slots: 0,
+            k_cache: 0,
+            v_cache: 0,
+            k_scale: None,
+            v_scale: None,
+        }
+    }
+
+    #[test]
+    fn writes_past_32_bit_chunk_and_slot_indices_are_refused_by_name() {
+        // 8 KV heads of 128 dims: 128 chunks of 8 dims a token, 2^25 tokens a call at most
+        let p = DecodeProblem::new(2, 32, 8, 128, 4096, DType::Bf16).unwrap();
+        let most = (u32::MAX / 128) as usize;
+        assert!(store_params(&p, &tensors(most)).is_ok());
+        let msg = store_params(&p, &tensors(most + 1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("tokens") && msg.contains(&most.to_string()),
+            "{msg}"
+        );
+        // a pool of 2^33 slots
+        let pool = DecodeProblem::new(1, 32, 8, 128, 4096, DType::Bf16)
+            .and_then(|p| p.with_paged(256, 1 << 25, None))
+            .unwrap();
+        let msg = store_params(&pool, &tensors(1)).unwrap_err().to_string();
+        assert!(msg.contains("slots"), "{msg}");
     }
 }
