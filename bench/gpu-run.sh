@@ -250,6 +250,14 @@ if want racediag; then
       $B demo $shape $o > "$O/racediag-${o//[ -]/_}.txt" 2>&1
     grep -E 'check vs|RACECHECK SUMMARY|ERROR SUMMARY' "$O/racediag-${o//[ -]/_}.txt" | tail -3
   done
+  # memcheck's warpgroup-MMA checks (operand and accumulator use around wgmma) on the wide
+  # consumer's three forms
+  for o in "" "--wide-rows 128" "--wide-rows 128 --wide-pipeline true"; do
+    echo "== memcheck --check-warpgroup-mma demo $shape --q-len 8 $o"
+    timeout $(cap 150) compute-sanitizer --tool memcheck --check-warpgroup-mma yes $B demo $shape --q-len 8 $o \
+      > "$O/wgmma-check-${o//[ -]/_}.txt" 2>&1
+    grep -E 'check vs|ERROR SUMMARY|rror' "$O/wgmma-check-${o//[ -]/_}.txt" | head -4
+  done
 fi
 if want storekv; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl
