@@ -75,8 +75,8 @@
 // is a warp-uniform branch, and the epilogue reads p.sinks where they are set. Masks are
 // applied only in the tiles that cross a column's bound, so a modifier that is off costs nothing.
 //
-// Wide column blocks (KVS_N_TILES 8: 64 query rows a block, d 64 and 128, large multi-token
-// groups) take another consumer on the same scheduler, producer, ring and epilogue:
+// Wide column blocks (KVS_N_TILES 8 or 16: 64 or 128 query rows a block, d 64 and 128, large
+// multi-token groups) take another consumer on the same scheduler, producer, ring and epilogue:
 // the query rows are the M dimension of the warpgroup MMA (wgmma.cuh), as in decode_mla.cu, so
 // neither product re-reads the rows per tile (see "wide consumer" below).
 //
@@ -744,9 +744,9 @@ __device__ __forceinline__ void write_empty_requests(const PersistentParams& p) 
 //   O += P V     P packed in pairs from the S accumulator is the A fragment (no trip through
 //                shared memory), V the ring's tile as the N-major B operand.
 // Positions outside [unit_low, len) of a masked tile get P = 0, and their V rows are cleared in
-// shared memory first (they may hold anything, and 0 x NaN = NaN). An e4m3 cache: the
-// warpgroup widens the ring's tile into its own f16 K and V tiles (exact; those positions as
-// zeros), hands the stage back at once, and both products read the f16 tiles, with the query
+// shared memory first (they may hold anything, and 0 x NaN = NaN). An e4m3 cache: the tile is
+// widened into f16 K and V tiles (exact; those positions as zeros; see WIDE_STAGING for whose),
+// the stage handed back at once, and both products read the f16 tiles, with the query
 // rows staged in f16 too (the MMAs' type, as in the narrow consumer). The epilogue merges the
 // tile groups' states of each row (EPI_PARTS: two on blocks of 64, one on blocks of 128) in the
 // narrow consumer's scratch.
@@ -800,7 +800,7 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[D / 2], const u32 (&a)[4], u
     }
 }
 
-// The block's 64 query rows (columns, token-major) as the A operand of S = Q K^T (the layout of
+// The block's query rows (columns, token-major) as the A operand of S = Q K^T (the layout of
 // a widened tile: rows of 128 bytes, 64 dims a box), f16 for an e4m3 cache's MMAs; rows past the
 // block's valid columns are zeros.
 __device__ __forceinline__ void stage_query_rows_wide(const PersistentParams& p, const Piece& pc, const Columns& cols,
@@ -1037,16 +1037,17 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
         for (int k = first + TILE_GROUPS; k < pc.end; k += TILE_GROUPS) {
             const TileAt t = tile_at(k);
             float sc[WIDE_S_REGS], alpha[2];
+            const TileAt prev = tile_at(k - TILE_GROUPS);
             issue_scores(sc, t);
             rescale_o(alpha_prev);
-            issue_pv(tile_at(k - TILE_GROUPS));
+            issue_pv(prev);
             wgmma_wait<1>();  // this tile's S
             wgmma_hold(sc);
             softmax_max(sc, t, alpha);
             softmax_exp(sc);
             wgmma_wait<0>();  // the previous tile's P V
             wgmma_hold(o);
-            release(tile_at(k - TILE_GROUPS));
+            release(prev);
             pack_p(sc);
             alpha_prev[0] = alpha[0];
             alpha_prev[1] = alpha[1];

@@ -73,11 +73,7 @@ pub fn persistent_variant(
     kv_source: KvSource,
 ) -> PersistentVariant {
     let (consumer_groups, max_stages) = default_ring(kv_dtype, head_dim, n_tiles);
-    let wide = [
-        crate::kernels::WIDE_N_TILES,
-        crate::kernels::WIDE_SPLIT_N_TILES,
-    ]
-    .contains(&n_tiles);
+    let wide = crate::kernels::WIDE_BLOCK_N_TILES.contains(&n_tiles);
     let v = PersistentVariant {
         dtype,
         kv_dtype,
@@ -378,12 +374,7 @@ pub fn wide_n_tiles(problem: &DecodeProblem, rows: Option<usize>) -> Result<usiz
 /// caches"). Head dims 96 and 256 take d 128's rules (rows of 128 bytes as well; the ring is
 /// cut to what fits), not yet measured on their own.
 fn default_ring(kv_dtype: KvDType, head_dim: usize, n_tiles: usize) -> (usize, usize) {
-    if [
-        crate::kernels::WIDE_N_TILES,
-        crate::kernels::WIDE_SPLIT_N_TILES,
-    ]
-    .contains(&n_tiles)
-    {
+    if crate::kernels::WIDE_BLOCK_N_TILES.contains(&n_tiles) {
         // two warpgroups, as many stages in flight as fit
         return (2, PERSISTENT_WIDE_MAX_STAGES);
     }

@@ -43,7 +43,8 @@ pub fn cubin(variant: &dyn Variant) -> Result<(Compiled, Origin)> {
 
 /// `f` over every item on `threads` threads (at least one), results in item order: each NVRTC
 /// compile is single-threaded and NVRTC is thread-safe, so compiling many variants scales with
-/// the cores (`kvstream kernels --jobs`, the every-variant tests). A panic in any call is
+/// the cores (`kvstream kernels --jobs`, the every-variant tests); the f64 reference's rows
+/// alike. A panic in any call is
 /// resumed in the caller.
 ///
 /// ```
