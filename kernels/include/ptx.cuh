@@ -330,6 +330,16 @@ __device__ __forceinline__ void st_peer_f32x2(u32 cluster_addr, float a, float b
 // warpgroup executes the same one; takes effect only under __launch_bounds__(threads, 1)
 // ---------------------------------------------------------------------------------------------
 
+// The registers a CTA of `threads` threads (one a SM) is launched with, per thread: a
+// warpgroup's setmaxnreg.inc only takes registers the others gave back, so the budgets after
+// the exchange must fit in threads x this, or the increase waits forever.
+__host__ __device__ constexpr int launch_registers(int threads) { return 65536 / threads / 8 * 8 < 255 ? 65536 / threads / 8 * 8 : 255; }
+// Do warpgroups of 128 threads holding `regs[i]` registers fit the launch's pool?
+__host__ __device__ constexpr bool fits_launch_registers(int threads, int producer_regs, int consumer_groups, int consumer_regs) {
+    return 128 * producer_regs + 128 * consumer_groups * consumer_regs <= threads * launch_registers(threads) &&
+           threads == 128 * (1 + consumer_groups);
+}
+
 template <u32 REGS>
 __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGS));

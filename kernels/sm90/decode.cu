@@ -153,9 +153,10 @@ constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the first producer warp
 // to the consumers (setmaxnreg; PRODUCER_WARPS of its warps work).
 constexpr bool PRODUCER_WARPGROUP = KVS_WIDE_PIPELINE;
 constexpr int THREADS = CONSUMER_THREADS + (PRODUCER_WARPGROUP ? 128 : 32 * PRODUCER_WARPS);
-// (2 x 128 x CONSUMER_REGS + 128 x PRODUCER_REGS <= 65536)
-constexpr int PRODUCER_REGS = 64;
+constexpr int PRODUCER_REGS = 56;
 constexpr int CONSUMER_REGS = 224;
+static_assert(!PRODUCER_WARPGROUP || fits_launch_registers(THREADS, PRODUCER_REGS, 2, CONSUMER_REGS),
+              "the consumers' registers come from the producer warpgroup's (ptx.cuh)");
 constexpr int ROWS_PER_WARP = TILE_TOKENS / GROUP_WARPS;
 constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
 constexpr int GROUP_PAD = N_TILES * 8;        // columns per block

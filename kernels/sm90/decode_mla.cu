@@ -125,12 +125,13 @@ constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
 constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // of a warpgroup of its own (setmaxnreg)
 constexpr int THREADS = CONSUMER_THREADS + 128;
 // registers per thread: the producer warpgroup gives its share to the consumers
-// (2 x 128 x CONSUMER_REGS + 128 x PRODUCER_REGS <= 65536)
 // (the narrow paged producer holds a tile's page ids and runs: it needs more than one lane's
 // loop; the wide consumers need the most a thread can have, their O half and S live at once,
 // so their producer keeps the least that serves it: 24, the setmaxnreg floor, contiguous)
 constexpr int PRODUCER_REGS = WIDE ? (PAGED ? 40 : 24) : (PAGED ? 56 : 40);
 constexpr int CONSUMER_REGS = WIDE ? (PAGED ? 232 : 240) : (PAGED ? 224 : 232);
+static_assert(fits_launch_registers(THREADS, PRODUCER_REGS, 2, CONSUMER_REGS),
+              "the consumers' registers come from the producer warpgroup's (ptx.cuh)");
 constexpr int GROUP_PAD = N_TILES * 8;                 // columns per block
 constexpr int K_STEPS = MLA_DIM / 16;                  // k16 steps of a score
 // independent score accumulators per n8 tile (with four n8 tiles, two chains are as many
