@@ -231,9 +231,10 @@ if want abwide; then
   ab() { for o in "${@:2}"; do echo "== $1 $o"; timeout $(cap 90) $B demo $1 $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'; done; }
   {
     r128="--wide-rows 128"; pipe="--wide-pipeline true"
-    ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 4096" "" "$r128" "$r128 $pipe" "$pipe" "" "$r128" "$r128 $pipe" "$pipe"
-    ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" "" "$r128" "$r128 $pipe" "$pipe"
-    ab "--batch 16 --hq 32 --hkv 1 --q-len 8 --len 16384" "" "$r128" "$r128 $pipe"
+    ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 4096" "" "$pipe" "$r128" "$r128 $pipe" "" "$pipe"
+    ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" "" "$pipe" "$r128" "$r128 $pipe"
+    ab "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" "" "$pipe"
+    ab "--batch 16 --hq 32 --hkv 1 --q-len 8 --len 16384" "" "$pipe" "$r128" "$r128 $pipe"
     ab "--batch 16 --hq 32 --hkv 2 --head-dim 64 --q-len 8 --len 32768" "" "$r128"
     ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768 --kv-dtype fp8_e4m3" "" "$r128"
   } 2>&1 | tee -a $O/abwide.txt

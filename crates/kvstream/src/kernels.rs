@@ -643,9 +643,13 @@ impl MlaVariant {
             let q = staging + columns * crate::mla::MLA_DIM * 2;
             let p = columns * self.tile_tokens * 2;
             let rows = 3 * 4 * columns;
-            // a full barrier a box of 64 dims (`FULL_PARTS`), an empty one a stage
-            let boxes = crate::mla::MLA_DIM / 64;
-            let barriers = 8 * self.stages * (boxes + 1) + 2 * 8 * self.q_buffers();
+            // 2-byte: a full barrier a box of 64 dims (`FULL_PARTS`), three empty ones a stage
+            // (`EMPTY_PARTS`); e4m3: one of each
+            let per_stage = match self.kv_dtype {
+                KvDType::AsQuery => crate::mla::MLA_DIM / 64 + 3,
+                KvDType::Fp8E4m3 => 2,
+            };
+            let barriers = 8 * self.stages * per_stage + 2 * 8 * self.q_buffers();
             return 1024 + ring + q + p + rows + barriers + 64;
         }
         let q = self.q_buffers() * columns * (crate::mla::MLA_DIM * 2 + 16);
