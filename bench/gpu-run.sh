@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide racediag serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
+# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide racediag widencu serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -225,16 +225,13 @@ if want abctas; then
 fi
 if want abwide; then
   # the wide consumer's blocks of 128 rows (both warpgroups on every tile, each tile read once)
-  # against two blocks of 64 in two lanes (the default), on 128 and 256 rows a KV head, with its
-  # steps pipelined (a tile's softmax under the previous tile's P V) and not; the large rows (about a
-  # minute a demo on the host) once each
-  ab() { for o in "${@:2}"; do echo "== $1 $o"; timeout $(cap 90) $B demo $1 $o --rounds 9 | grep -E 'plan:|check|time:|RESULT'; done; }
+  # against two blocks of 64 in two lanes (the default), on 128 and 256 rows a KV head
+  ab() { for o in "${@:2}"; do echo "== $1 $o"; timeout $(cap 90) $B demo $1 $o --rounds 9 2>&1 | grep -E 'plan:|check|time:|RESULT|rror'; done; }
   {
-    r128="--wide-rows 128"; pipe="--wide-pipeline true"
-    ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 4096" "" "$pipe" "$r128" "$r128 $pipe" "" "$pipe"
-    ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" "" "$pipe" "$r128" "$r128 $pipe"
-    ab "--batch 16 --hq 64 --hkv 8 --q-len 8 --len 4096" "" "$pipe"
-    ab "--batch 16 --hq 32 --hkv 1 --q-len 8 --len 16384" "" "$pipe" "$r128" "$r128 $pipe"
+    r128="--wide-rows 128"
+    ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 4096" "" "$r128" "" "$r128"
+    ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768" "" "$r128"
+    ab "--batch 16 --hq 32 --hkv 1 --q-len 8 --len 16384" "" "$r128"
     ab "--batch 16 --hq 32 --hkv 2 --head-dim 64 --q-len 8 --len 32768" "" "$r128"
     ab "--batch 16 --hq 32 --hkv 2 --q-len 8 --len 32768 --kv-dtype fp8_e4m3" "" "$r128"
   } 2>&1 | tee -a $O/abwide.txt
@@ -252,8 +249,8 @@ if want racediag; then
     grep -E 'check vs|RACECHECK SUMMARY|ERROR SUMMARY' "$O/racediag-${o//[ -]/_}.txt" | tail -3
   done
   # memcheck's warpgroup-MMA checks (operand and accumulator use around wgmma) on the wide
-  # consumer's three forms
-  for o in "" "--wide-rows 128" "--wide-rows 128 --wide-pipeline true"; do
+  # consumer's two forms
+  for o in "" "--wide-rows 128"; do
     echo "== memcheck --check-warpgroup-mma demo $shape --q-len 8 $o"
     timeout $(cap 150) compute-sanitizer --tool memcheck --check-warpgroup-mma yes $B demo $shape --q-len 8 $o \
       > "$O/wgmma-check-${o//[ -]/_}.txt" 2>&1
@@ -330,6 +327,17 @@ if want mlatrace; then
   mkdir -p $O/trace
   KVSTREAM_TRACE=$O/trace timeout $(cap 200) $B mla ${MLA_TRACE_SHAPE:---hq 16 --len 131072} --rounds 7 2>&1 | grep -E "RESULT|trace"
   python3 bench/trace.py $O/trace > $O/trace/summary.txt 2>&1; cat $O/trace/summary.txt | head -30
+fi
+if want widencu; then
+  # ncu on one GQA decode at WIDE_NCU_SHAPE (default the multi-token row that trails FA3 most,
+  # 32/2 heads q 8 b16 L4096 on the wide consumer): the full section set and the per-instruction
+  # source page (warp stall samples by SASS line) -> $OUT/wide-ncu.*
+  timeout $(cap 400) ncu --kernel-name regex:^kvs_decode$ --launch-skip 3 --launch-count 1 --set full \
+    --import-source yes --export $O/wide-ncu -f $B demo ${WIDE_NCU_SHAPE:---batch 16 --hq 32 --hkv 2 --q-len 8 --len 4096} \
+    --rounds 3 > $O/wide-ncu.log 2>&1; echo "ncu rc=$?"
+  ncu --import $O/wide-ncu.ncu-rep --page details --csv > $O/wide-ncu-details.csv 2>&1
+  ncu --import $O/wide-ncu.ncu-rep --page source --csv --print-source sass > $O/wide-ncu-source.csv 2>&1
+  grep -E "Compute \(SM\) Throughput|Memory Throughput|Tensor|Shared|Issue Slots|L2 Hit" $O/wide-ncu-details.csv | head -20
 fi
 if want mlancu; then
   # ncu on one MLA decode at MLA_NCU_SHAPE (default the wide h128 b64 row, a launch inside the

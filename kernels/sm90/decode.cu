@@ -64,7 +64,6 @@
 //   KVS_PRODUCER_WARPS   1; gathering: 1, 2 or 4 warps, each copying its share of every tile
 //   KVS_KV_L2            L2 priority of the K and V loads: 0 evict_first, 1 evict_normal,
 //                        2 evict_last
-//   KVS_WIDE_PIPELINE    the wide consumer: 1 runs a tile's softmax under the previous P V
 //   KVS_SOFTMAX_SLICES   m16 slices of a warp's rows per online-softmax step (1 or 2): one max
 //                        reduction, one rescale of O^T per step
 //   KVS_SHARED_BYTES     the dynamic shared memory the host launches with (checked against the
@@ -147,16 +146,7 @@ constexpr int GROUP_WARPS = 4;
 constexpr int CONSUMER_WARPS = GROUP_WARPS * CONSUMER_GROUPS;
 constexpr int CONSUMER_THREADS = CONSUMER_WARPS * 32;
 constexpr int PRODUCER_WARP = CONSUMER_WARPS;  // the first producer warp
-// Under wgmma registers go by warpgroups: a CTA of 288 threads counts as 384, 168 registers a
-// thread, short of the wide pipeline's consumers (a P V in flight holds P and O while the next
-// softmax runs). There the producer warps fill a warpgroup of their own, which hands registers
-// to the consumers (setmaxnreg; PRODUCER_WARPS of its warps work).
-constexpr bool PRODUCER_WARPGROUP = KVS_WIDE_PIPELINE;
-constexpr int THREADS = CONSUMER_THREADS + (PRODUCER_WARPGROUP ? 128 : 32 * PRODUCER_WARPS);
-constexpr int PRODUCER_REGS = 56;
-constexpr int CONSUMER_REGS = 224;
-static_assert(!PRODUCER_WARPGROUP || fits_launch_registers(THREADS, PRODUCER_REGS, 2, CONSUMER_REGS),
-              "the consumers' registers come from the producer warpgroup's (ptx.cuh)");
+constexpr int THREADS = CONSUMER_THREADS + 32 * PRODUCER_WARPS;
 constexpr int ROWS_PER_WARP = TILE_TOKENS / GROUP_WARPS;
 constexpr int M_SLICES = ROWS_PER_WARP / 16;  // m16 slices per warp per tile
 constexpr int GROUP_PAD = N_TILES * 8;        // columns per block
@@ -185,10 +175,6 @@ constexpr int MERGE_WARP_FLOATS = GROUP_PAD * MERGE_ROW;
 // tile) and take alternate tiles (TILE_GROUPS): 1 x 2 for blocks of 64 rows, 2 x 1 for 128.
 constexpr int WIDE_ROW_GROUPS = WIDE ? GROUP_PAD / 64 : 1;
 constexpr int TILE_GROUPS = CONSUMER_GROUPS / WIDE_ROW_GROUPS;
-// The wide consumer runs a tile's softmax under the previous tile's P V (FA3's intra-warpgroup
-// overlap; 2-byte caches: an e4m3 tile is widened into one f16 copy per warpgroup, which the
-// next tile's widening would overwrite while the P V reads it)
-constexpr bool WIDE_PIPELINE = KVS_WIDE_PIPELINE;
 // Softmax states per column the epilogue merges: one per consumer warp, or one per tile group
 // of the wide consumer (each warpgroup holds whole rows)
 constexpr int EPI_PARTS = WIDE ? TILE_GROUPS : CONSUMER_WARPS;
@@ -251,8 +237,6 @@ static_assert((N_TILES >= 1 && N_TILES <= (HEAD_DIM > 128 ? 2 : 4)) || WIDE,
 static_assert(!WIDE || (HEADS_PER_ROW == 1 && (HEAD_DIM == 64 || HEAD_DIM == 128) && CONSUMER_GROUPS == 2 &&
                         TILE_TOKENS == 64 && SOFTMAX_SLICES == 1),
               "wide column blocks: d 64 or 128, two warpgroups on 64-position tiles");
-static_assert(!WIDE_PIPELINE || (WIDE && !KV_FP8 && STAGES >= 2 * TILE_GROUPS),
-              "the wide pipeline: 2-byte caches, two stages a tile group (the last tile's, held until its P V is waited for, and this one's)");
 static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX_SLICES == 0,
               "softmax steps of whole m16 slices of a warp's rows");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
@@ -905,10 +889,10 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
                                         k_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4), kk > 0);
         wgmma_commit();
     };
-    // The online softmax of rows r0, r0 + 8 (base 2) over a tile's scores, in pieces the
-    // pipelined steps reorder: the rows' new maxima and the factor `alpha` that takes the running
-    // state to them (l rescaled here, O by rescale_o); the exponentials and their sums; P packed
-    // as the A fragments of the k16 steps over positions (n8 tiles 2 ks and 2 ks + 1).
+    // The online softmax of rows r0, r0 + 8 (base 2) over a tile's scores, in named steps: the
+    // rows' new maxima and the factor `alpha` that takes the running state to them (l rescaled
+    // here, O by rescale_o); the exponentials and their sums; P packed as the A fragments of the
+    // k16 steps over positions (n8 tiles 2 ks and 2 ks + 1).
     u32 pa[WIDE_K_STEPS][4];
     float m_use[2];
     auto softmax_max = [&](float (&sc)[WIDE_S_REGS], const TileAt& t, float (&alpha)[2]) {
@@ -1002,65 +986,22 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
     };
 
     const int first = pc.first + ((tile_group - n0) % TILE_GROUPS + TILE_GROUPS) % TILE_GROUPS;
-    if constexpr (!WIDE_PIPELINE) {
-        // each product waited for before the next step
-        for (int k = first; k < pc.end; k += TILE_GROUPS) {
-            const TileAt t = tile_at(k);
-            float sc[WIDE_S_REGS], alpha[2];
-            issue_scores(sc, t);
-            wgmma_wait<0>();
-            wgmma_hold(sc);
-            softmax_max(sc, t, alpha);
-            rescale_o(alpha);
-            softmax_exp(sc);
-            pack_p(sc);
-            issue_pv(t);
-            wgmma_wait<0>();
-            wgmma_hold(o);
-            release(t);
-        }
-    } else {
-        // A step issues tile k's S, then the previous tile's P V (O first rescaled to that
-        // tile's maxima), and runs tile k's softmax under the P V; tile k's P is packed once that
-        // P V, which reads the previous P, is done. (A score set is written and read within one
-        // step: ptxas serialises every product otherwise; bench/NOTES.md.)
-        float alpha_prev[2];
-        if (first < pc.end) {
-            const TileAt t = tile_at(first);
-            float sc[WIDE_S_REGS];
-            issue_scores(sc, t);
-            wgmma_wait<0>();
-            wgmma_hold(sc);
-            softmax_max(sc, t, alpha_prev);
-            softmax_exp(sc);
-            pack_p(sc);
-        }
-        for (int k = first + TILE_GROUPS; k < pc.end; k += TILE_GROUPS) {
-            const TileAt t = tile_at(k);
-            float sc[WIDE_S_REGS], alpha[2];
-            const TileAt prev = tile_at(k - TILE_GROUPS);
-            issue_scores(sc, t);
-            rescale_o(alpha_prev);
-            issue_pv(prev);
-            wgmma_wait<1>();  // this tile's S
-            wgmma_hold(sc);
-            softmax_max(sc, t, alpha);
-            softmax_exp(sc);
-            wgmma_wait<0>();  // the previous tile's P V
-            wgmma_hold(o);
-            release(prev);
-            pack_p(sc);
-            alpha_prev[0] = alpha[0];
-            alpha_prev[1] = alpha[1];
-        }
-        if (first < pc.end) {
-            const TileAt last = tile_at(first + (pc.end - 1 - first) / TILE_GROUPS * TILE_GROUPS);
-            rescale_o(alpha_prev);
-            issue_pv(last);
-            wgmma_wait<0>();
-            wgmma_hold(o);
-            release(last);
-        }
+    // each product waited for before the next step (a score set held across a step, to run a
+    // tile's softmax under the previous P V, makes ptxas serialise every product; bench/NOTES.md)
+    for (int k = first; k < pc.end; k += TILE_GROUPS) {
+        const TileAt t = tile_at(k);
+        float sc[WIDE_S_REGS], alpha[2];
+        issue_scores(sc, t);
+        wgmma_wait<0>();
+        wgmma_hold(sc);
+        softmax_max(sc, t, alpha);
+        rescale_o(alpha);
+        softmax_exp(sc);
+        pack_p(sc);
+        issue_pv(t);
+        wgmma_wait<0>();
+        wgmma_hold(o);
+        release(t);
     }
 
     // ---- the warpgroup's states into the epilogue scratch ----
@@ -1156,10 +1097,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
 
     if (warp >= PRODUCER_WARP) {
         // ================================ producer warp(s) ================================
-        if constexpr (PRODUCER_WARPGROUP) {
-            setmaxnreg_dec<PRODUCER_REGS>();
-            if (warp >= PRODUCER_WARP + PRODUCER_WARPS) return;
-        }
         const Ring ring = {smem_addr(smem + SharedPlan::ring), smem_addr(k_full), smem_addr(v_full),
                            smem_addr(empty), smem_addr(smem + SharedPlan::q), smem_addr(q_full),
                            smem_addr(q_empty)};
@@ -1182,7 +1119,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     }
 
     // ================================= consumer warps ======================================
-    if constexpr (PRODUCER_WARPGROUP) setmaxnreg_inc<CONSUMER_REGS>();
     const int group = warp / GROUP_WARPS;
     const int row0 = (warp % GROUP_WARPS) * ROWS_PER_WARP;  // first row of this warp in a tile
     const u32 q_base0 = smem_addr(smem + SharedPlan::q);

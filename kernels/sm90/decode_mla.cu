@@ -57,12 +57,9 @@
 // request's last tile before P V reads them as V (P is 0 there, but 0 x NaN is NaN).
 //
 // Ring protocol, n = the CTA's running tile count, stage s = n % STAGES, parity (n / STAGES) & 1:
-//   producer  wait empty[s] (from the second lap); the tile's boxes on full[s] (wide, 2-byte:
-//             box b on full[s][b], so that S starts on a tile's first box; each release part
-//             p waited on empty[s][p] before its boxes, EMPTY_PARTS)
-//   consumer  wait full[s], S phase, softmax, O phase, every lane arrives on empty[s] (wide,
-//             2-byte: warpgroup 0 on the rope part after S and on V's first half after its
-//             P V, warpgroup 1 on V's second half after its P V)
+//   producer  wait empty[s] (from the second lap); the tile's boxes on full[s] (wide: box b on
+//             full[s][b], so that S starts on a tile's first box)
+//   consumer  wait full[s], S phase, softmax, O phase, every lane arrives on empty[s]
 // Query rows, j = the CTA's piece count, buffer b = j % Q_BUFFERS, parity (j / Q_BUFFERS) & 1:
 //   producer  when it reaches piece j: wait q_empty[b] (from the second lap), bulk copies on
 //             q_full[b]; consumers: wait q_full[b], every lane arrives on q_empty[b] after the
@@ -166,22 +163,6 @@ constexpr int MERGE_LOADS = 8;                   // partial rows in flight per m
 // SM's share of the bandwidth); one for the narrow consumer, whose warps split the dims among
 // them, and for an e4m3 tile, widened whole first
 constexpr int FULL_PARTS = WIDE && !KV_FP8 ? BOXES : 1;
-// empty barriers a stage: the wide consumer of a 2-byte cache gives a tile back in three parts,
-// each as soon as its last reader is done: the rope box (dims 512..575) after S, V's first half
-// (boxes 0..3) after warpgroup 0's P V, the second (boxes 4..7) after warpgroup 1's. The
-// producer loads a stage's boxes in that order and S reads them in it, so the next tile's S
-// starts on the boxes given back first while the last still land. Every other form: one.
-constexpr int EMPTY_PARTS = WIDE && !KV_FP8 ? 3 : 1;
-enum ReleasePart { RELEASE_V_LOW = 0, RELEASE_V_HIGH = 1, RELEASE_ROPE = 2 };
-// The box loaded (and scored) i-th in a stage, and the part it goes back with.
-__device__ __forceinline__ int box_in_order(int i) {
-    if constexpr (EMPTY_PARTS == 1) return i;
-    return i == 0 ? 8 : i <= 4 ? i + 3 : i - 5;
-}
-__device__ __forceinline__ int release_part_of(int box) {
-    if constexpr (EMPTY_PARTS == 1) return 0;
-    return box < 4 ? RELEASE_V_LOW : box < 8 ? RELEASE_V_HIGH : RELEASE_ROPE;
-}
 
 // the wide consumer (WIDE): query rows and P in the 128-byte swizzle, box after box like a tile
 // of a 2-byte cache; an e4m3 tile is widened into one such tile (the staging tile) first
@@ -220,9 +201,9 @@ struct WideShared {
     static constexpr int row_alpha = p + WIDE_P_BYTES;  // [row]: this tile's rescale factor
     static constexpr int row_m = row_alpha + 4 * WIDE_ROWS;  // [row]: the piece's max and
     static constexpr int row_l = row_m + 4 * WIDE_ROWS;      // denominator, for the epilogue
-    static constexpr int full = row_l + 4 * WIDE_ROWS;  // [stage][box]
-    static constexpr int empty = full + 8 * STAGES * FULL_PARTS;  // [stage][release part]
-    static constexpr int q_full = empty + 8 * STAGES * EMPTY_PARTS;  // unused: the consumers stage the rows
+    static constexpr int full = row_l + 4 * WIDE_ROWS;  // [stage][part]
+    static constexpr int empty = full + 8 * STAGES * FULL_PARTS;
+    static constexpr int q_full = empty + 8 * STAGES;  // unused: the consumers stage the rows
     static constexpr int q_empty = q_full + 8 * Q_BUFFERS;
     static constexpr int start = q_empty + 8 * Q_BUFFERS;
     static constexpr int bytes = start + 64;
@@ -243,8 +224,6 @@ static_assert(V_DIM % (16 * CONSUMER_WARPS) == 0 && O_TILES % 2 == 0, "O^T m-til
 static_assert(N_TILES == 2 || N_TILES == 4 || N_TILES == 8, "column blocks of 16, 32 or 64 rows");
 // the host's mirror of this layout (MlaVariant::shared_bytes) sizes the launch
 static_assert(SharedPlan::bytes + SharedPlan::align <= KVS_SHARED_BYTES, "shared memory the host launches with");
-static_assert(EMPTY_PARTS == 1 || (BOXES == 9 && FULL_PARTS == BOXES && Kv::DIMS_PER_BOX == 64),
-              "three release parts: V's halves of four boxes each, then the rope box");
 static_assert(!WIDE || (TILE_TOKENS == WIDE_TOKENS && CONSUMER_WARPS == 8 && STAGES == 2 && WIDE_BOX == 8192),
               "wide: tiles of 64 positions (64 dims a box once 2-byte), two consumer warpgroups, two stages");
 static_assert(!WIDE || (SharedPlan::p % 1024 == 0 && SharedPlan::q % 1024 == 0 && WideShared::staging % 1024 == 0),
@@ -283,20 +262,19 @@ struct Ring {
     __device__ __forceinline__ u32 full_of(int s, int box) const {
         return full + 8 * (s * FULL_PARTS + box * FULL_PARTS / BOXES);
     }
-    // Before the i-th box of tile n (stage s) is loaded: from the second lap, wait until its
-    // release part is given back (once a part: its boxes are consecutive in load order).
-    __device__ __forceinline__ void acquire_box(int n, int s, int i) const {
-        const int part = release_part_of(box_in_order(i));
-        if (n >= STAGES && (i == 0 || release_part_of(box_in_order(i - 1)) != part))
-            mbarrier_wait(empty + 8 * (s * EMPTY_PARTS + part), ((n / STAGES) - 1) & 1);
-    }
-    // One thread, before the i-th box's copies: the bytes its full barrier waits for (the whole
-    // tile's on the first box where a stage has one full barrier).
-    __device__ __forceinline__ void expect_box(int s, int i) const {
-        if (FULL_PARTS > 1 || i == 0)
-            mbarrier_arrive_expect_tx(full_of(s, box_in_order(i)), FULL_PARTS > 1 ? BOX_BYTES : TILE_BYTES);
+    // one arrival a part announcing its bytes
+    __device__ __forceinline__ void expect_tile(int s) const {
+#pragma unroll
+        for (int part = 0; part < FULL_PARTS; ++part)
+            mbarrier_arrive_expect_tx(full + 8 * (s * FULL_PARTS + part), TILE_BYTES / FULL_PARTS);
     }
 };
+
+__device__ __forceinline__ int acquire_stage(const Ring& r, int n) {
+    const int s = n % STAGES;
+    if (n >= STAGES) mbarrier_wait(r.empty + 8 * s, ((n / STAGES) - 1) & 1);
+    return s;
+}
 
 // One thread: piece j's query rows, one bulk copy per valid column (the rest of the buffer is
 // left as it is: its columns are masked out of the softmax and their outputs dropped).
@@ -324,15 +302,12 @@ __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, co
     while (walk.next(p, pc)) {
         if constexpr (!WIDE) load_query_rows(p, r, pc, j++);
         for (int k = pc.first; k < pc.end; ++k, ++n) {
-            const int s = n % STAGES;
+            const int s = acquire_stage(r, n);
+            r.expect_tile(s);
 #pragma unroll
-            for (int i = 0; i < BOXES; ++i) {
-                const int box = box_in_order(i);
-                r.acquire_box(n, s, i);
-                r.expect_box(s, i);
+            for (int box = 0; box < BOXES; ++box)
                 tma_load_4d(r.stage(s) + box * BOX_BYTES, &p.k_map, box * Kv::DIMS_PER_BOX, 0, pc.tile_begin(k, TILE_TOKENS),
                             pc.batch, r.full_of(s, box), policy);
-            }
             if (TRACE && n == 0) trace_stamp(TRACE_FIRST_ISSUE);
         }
     }
@@ -367,21 +342,18 @@ __device__ __forceinline__ void produce_paged(const PersistentParams& p, const R
                 const int page = (tile_begin + rr * run) >> shift;
                 ids[i] = rr < runs && page < end_page ? ld_global_l2(table + page) : -1;
             }
-            const int s = n % STAGES;
+            const int s = acquire_stage(r, n);
+            if (lane == 0) r.expect_tile(s);
+            __syncwarp();
 #pragma unroll
-            for (int b = 0; b < BOXES; ++b) {
-                const int box = box_in_order(b);
-                r.acquire_box(n, s, b);
-                if (lane == 0) r.expect_box(s, b);
-                __syncwarp();
+            for (int i = 0; i < RUNS_PER_LANE; ++i) {
+                const int rr = lane + 32 * i;
+                if (rr >= runs) continue;
+                const int in_page = (tile_begin + rr * run) & in_page_mask;
 #pragma unroll
-                for (int i = 0; i < RUNS_PER_LANE; ++i) {
-                    const int rr = lane + 32 * i;
-                    if (rr >= runs) continue;
-                    const int in_page = (tile_begin + rr * run) & in_page_mask;
+                for (int box = 0; box < BOXES; ++box)
                     tma_load_4d(r.stage(s) + box * BOX_BYTES + rr * run * Kv::ROW_BYTES, &p.k_map,
                                 box * Kv::DIMS_PER_BOX, 0, in_page, ids[i], r.full_of(s, box), policy);
-                }
             }
         }
     }
@@ -1010,28 +982,23 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                     named_barrier_sync(BAR_STAGING, CONSUMER_THREADS);
                 }
                 const u32 tile = KV_FP8 ? staging : ring_base + stage * TILE_BYTES;
-                // ---- S = Q K^T over the 576 dims, a 2-byte tile's boxes in load order as they
-                // land ----
+                // ---- S = Q K^T over the 576 dims, a 2-byte tile's boxes as they land ----
                 const u64 k_desc = smem_desc_sw128(tile, 16, 1024);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < K_STEPS; ++kk) {
-                    const int box = box_in_order(kk / 4);
                     if (FULL_PARTS > 1 && kk % 4 == 0) {
-                        mbarrier_wait(&full[stage * FULL_PARTS + box], (n / STAGES) & 1);
+                        mbarrier_wait(&full[stage * FULL_PARTS + kk / 4], (n / STAGES) & 1);
                         wgmma_fence();  // ordered after the wait's loop, not left to ptxas
                     }
-                    wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + ((box * WIDE_BOX + (kk % 4) * 32) >> 4),
-                                                k_desc + ((box * WIDE_BOX + (kk % 4) * 32) >> 4), kk > 0);
+                    wgmma_m64n64k16<MMA_F16, 0>(s, q_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4),
+                                                k_desc + (((kk / 4) * WIDE_BOX + (kk % 4) * 32) >> 4), kk > 0);
                 }
                 wgmma_commit();
                 wgmma_wait<0>();  // this S, and the previous tile's P V
                 wgmma_hold(s);
                 wgmma_hold(o);
-                if constexpr (!KV_FP8) {
-                    mbarrier_arrive(&empty[stage * EMPTY_PARTS + RELEASE_ROPE]);
-                    if (k > pc.first) mbarrier_arrive(&empty[((n - 1) % STAGES) * EMPTY_PARTS + RELEASE_V_LOW]);
-                }
+                if (!KV_FP8 && k > pc.first) mbarrier_arrive(&empty[(n - 1) % STAGES]);
                 if (!KV_FP8 && tile_begin + WIDE_TOKENS > pc.len)
                     clear_v_rows(smem, stage * TILE_BYTES, pc.len - tile_begin, threadIdx.x % WG_THREADS);
 
@@ -1106,8 +1073,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
             }
             wgmma_wait<0>();
             wgmma_hold(o);
-            if (!KV_FP8)
-                mbarrier_arrive(&empty[((n0 + pc.end - pc.first - 1) % STAGES) * EMPTY_PARTS + RELEASE_V_LOW]);
+            if (!KV_FP8) mbarrier_arrive(&empty[(n0 + pc.end - pc.first - 1) % STAGES]);
         } else {
             for (int k = pc.first; k < pc.end; ++k) {
                 const int n = n0 + k - pc.first;
@@ -1126,7 +1092,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
                 issue_pv(o, p_desc, KV_FP8 ? staging : ring_base + stage * TILE_BYTES, 1);
                 wgmma_wait<0>();
                 wgmma_hold(o);
-                if (!KV_FP8) mbarrier_arrive(&empty[stage * EMPTY_PARTS + RELEASE_V_HIGH]);
+                if (!KV_FP8) mbarrier_arrive(&empty[stage]);
                 if (k + 1 < pc.end) named_barrier_sync(BAR_P_FREE, CONSUMER_THREADS);
             }
         }
@@ -1205,9 +1171,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             for (int part = 0; part < FULL_PARTS; ++part) mbarrier_init(&full[s * FULL_PARTS + part], 1);
-            // a part given back by one warpgroup (wide, 2-byte) or by every consumer
-            for (int part = 0; part < EMPTY_PARTS; ++part)
-                mbarrier_init(&empty[s * EMPTY_PARTS + part], EMPTY_PARTS > 1 ? WG_THREADS : CONSUMER_THREADS);
+            mbarrier_init(&empty[s], CONSUMER_THREADS);
         }
         for (int b = 0; b < Q_BUFFERS; ++b) {
             mbarrier_init(&q_full[b], 1);

@@ -105,10 +105,6 @@ pub struct ShapeArgs {
     /// with more than 64 rows a KV head, both warpgroups on every tile; default 64).
     #[arg(long)]
     pub wide_rows: Option<usize>,
-    /// Persistent engine: the wide consumer runs each tile's softmax under the previous tile's
-    /// P V (2-byte caches): true or false (default false).
-    #[arg(long)]
-    pub wide_pipeline: Option<bool>,
     /// Persistent engine: launch this many CTAs (default one per SM; up to two per SM where
     /// the kernel allows it).
     #[arg(long)]
@@ -234,7 +230,6 @@ impl ShapeArgs {
             persistent_head_lanes: self.head_lanes.then_some(true),
             persistent_wide_columns: self.wide_columns,
             persistent_wide_rows: self.wide_rows,
-            persistent_wide_pipeline: self.wide_pipeline,
             persistent_ctas: self.ctas,
             ..ring
         };

@@ -389,9 +389,6 @@ pub struct PersistentVariant {
     pub kv_l2: L2Hint,
     /// m16 slices of a warp's rows per online-softmax step (`KVS_SOFTMAX_SLICES`: 1 or 2).
     pub softmax_slices: usize,
-    /// The wide consumer (2-byte caches): a tile's softmax under the previous tile's P V
-    /// (`KVS_WIDE_PIPELINE`; the producer warps a warpgroup of their own).
-    pub wide_pipeline: bool,
 }
 
 /// How the persistent decode's producer brings K and V into the ring (`KVS_PAGED`,
@@ -472,16 +469,9 @@ impl PersistentVariant {
         self.merge_floats() / (2 * self.merge_columns())
     }
 
-    /// Threads per CTA: the consumer warps and the producer warps (a warpgroup of them, which
-    /// hands registers to the consumers, for the wide pipeline: `PRODUCER_WARPGROUP` in
-    /// decode.cu).
+    /// Threads per CTA: the consumer warps and the producer warps.
     pub fn threads(&self) -> u32 {
-        let producer = if self.wide_pipeline {
-            4
-        } else {
-            self.producer_warps
-        };
-        ((self.consumer_groups * 4 + producer) * 32) as u32
+        ((self.consumer_groups * 4 + self.producer_warps) * 32) as u32
     }
 
     /// Dynamic shared memory of one CTA with `stages` stages; mirrors `SharedPlan` in
@@ -558,7 +548,7 @@ impl Variant for PersistentVariant {
             String::new()
         } else {
             format!(".sm{}", self.softmax_slices)
-        } + if self.wide_pipeline { ".pipe" } else { "" }
+        }
     }
     fn source(&self) -> &'static str {
         DECODE_SRC
@@ -587,10 +577,6 @@ impl Variant for PersistentVariant {
         ));
         d.push(("KVS_PRODUCER_WARPS".into(), self.producer_warps.to_string()));
         d.push(("KVS_SOFTMAX_SLICES".into(), self.softmax_slices.to_string()));
-        d.push((
-            "KVS_WIDE_PIPELINE".into(),
-            u8::from(self.wide_pipeline).to_string(),
-        ));
         d.push(("KVS_HEADS_PER_ROW".into(), self.heads_per_row.to_string()));
         // the launch's dynamic shared memory, which the kernel checks its layout against
         d.push(("KVS_SHARED_BYTES".into(), self.shared_bytes().to_string()));
@@ -643,13 +629,9 @@ impl MlaVariant {
             let q = staging + columns * crate::mla::MLA_DIM * 2;
             let p = columns * self.tile_tokens * 2;
             let rows = 3 * 4 * columns;
-            // 2-byte: a full barrier a box of 64 dims (`FULL_PARTS`), three empty ones a stage
-            // (`EMPTY_PARTS`); e4m3: one of each
-            let per_stage = match self.kv_dtype {
-                KvDType::AsQuery => crate::mla::MLA_DIM / 64 + 3,
-                KvDType::Fp8E4m3 => 2,
-            };
-            let barriers = 8 * self.stages * per_stage + 2 * 8 * self.q_buffers();
+            // a full barrier a box of 64 dims (`FULL_PARTS`), an empty one a stage
+            let boxes = crate::mla::MLA_DIM / 64;
+            let barriers = 8 * self.stages * (boxes + 1) + 2 * 8 * self.q_buffers();
             return 1024 + ring + q + p + rows + barriers + 64;
         }
         let q = self.q_buffers() * columns * (crate::mla::MLA_DIM * 2 + 16);
@@ -961,20 +943,11 @@ pub fn all_variants() -> Vec<AnyVariant> {
                             dtype, kv_dtype, head_dim, n_tiles, source,
                         )));
                         if n_tiles == 1 && WIDE_HEAD_DIMS.contains(&head_dim) {
-                            // the wide consumer: blocks of 64 and of 128 rows; 2-byte caches:
-                            // either with the pipelined steps
-                            let wide = |n_tiles| {
-                                plan::persistent_variant(dtype, kv_dtype, head_dim, n_tiles, source)
-                            };
-                            let blocks = [wide(WIDE_N_TILES), wide(WIDE_SPLIT_N_TILES)];
-                            for v in blocks {
-                                out.push(AnyVariant::Persistent(v));
-                                if kv_dtype == KvDType::AsQuery {
-                                    out.push(AnyVariant::Persistent(PersistentVariant {
-                                        wide_pipeline: true,
-                                        ..v
-                                    }));
-                                }
+                            // the wide consumer: blocks of 64 and of 128 rows
+                            for n_tiles in [WIDE_N_TILES, WIDE_SPLIT_N_TILES] {
+                                out.push(AnyVariant::Persistent(plan::persistent_variant(
+                                    dtype, kv_dtype, head_dim, n_tiles, source,
+                                )));
                             }
                         }
                         let row = 2 * head_dim;

@@ -91,7 +91,6 @@ pub fn persistent_variant(
         producer_warps: default_producer_warps(kv_source),
         kv_l2: crate::kernels::L2Hint::default(),
         softmax_slices: 1,
-        wide_pipeline: false,
     };
     with_deepest_ring(v, max_stages)
 }
@@ -316,23 +315,6 @@ pub fn persistent_variant_forced(
                 crate::kernels::WIDE_TILE_TOKENS
             ),
         ));
-    }
-    if let Some(pipe) = o.persistent_wide_pipeline {
-        if pipe && !(v.wide() && v.kv_dtype == KvDType::AsQuery && v.stages >= 2 * v.tile_groups())
-        {
-            return Err(Error::invalid(
-                "persistent_wide_pipeline",
-                true,
-                format!(
-                    "false or none here: the pipeline needs the wide consumer, a 2-byte cache and \
-                     two stages a tile group (this variant: {}, {} stages for {} tile group(s))",
-                    if v.wide() { "wide" } else { "narrow" },
-                    v.stages,
-                    v.tile_groups()
-                ),
-            ));
-        }
-        v.wide_pipeline = pipe;
     }
     Ok(PersistentVariant {
         kv_l2: o.persistent_kv_l2.unwrap_or(v.kv_l2),
@@ -1104,10 +1086,6 @@ impl PlanOptions {
                 self.persistent_wide_columns.is_some(),
             ),
             ("persistent_wide_rows", self.persistent_wide_rows.is_some()),
-            (
-                "persistent_wide_pipeline",
-                self.persistent_wide_pipeline.is_some(),
-            ),
         ]
         .into_iter()
         .find_map(|(name, set)| set.then_some(name))
@@ -1364,14 +1342,10 @@ pub struct PlanOptions {
     pub persistent_wide_columns: Option<bool>,
     /// Persistent engine, knob: query rows of a wide column block, 64 or 128. 128 (more than 64
     /// rows a KV head): both warpgroups on every tile, 64 of the rows each, so that each tile is
-    /// read (an e4m3 one widened) once for all 128 (not yet measured; bench/NOTES.md predicts
-    /// 32/2 heads q 8 b16 L32768 224 -> ~190 us). `None`: 64.
+    /// read (an e4m3 one widened) once for all 128. Measured slower than two blocks of 64 but on
+    /// one row (H100: 32/2 heads q 8 b16 L32768 224 against 231 us; L4096 65 against 54,
+    /// docs/tuning.md "Wide consumer"). `None`: 64.
     pub persistent_wide_rows: Option<usize>,
-    /// Persistent engine, knob: `true` has the wide consumer (2-byte caches) run each tile's
-    /// softmax under the previous tile's P V (FA3's intra-warpgroup overlap; the producer warps
-    /// a warpgroup of their own that hands registers to the consumers; an error elsewhere). Not
-    /// yet measured. `false` or `None`: each product waited for before the next step.
-    pub persistent_wide_pipeline: Option<bool>,
 }
 
 /// Shared memory of one H100/H200 SM, and what the hardware reserves per resident CTA.
@@ -2435,41 +2409,6 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(msg.contains("persistent_wide_columns"), "{msg}");
-        // the pipeline: wide, 2-byte; refused elsewhere, by name
-        let pipe = PlanOptions {
-            persistent_wide_pipeline: Some(true),
-            ..wide
-        };
-        for (q, o) in [
-            (&p, pipe),
-            (
-                &mt(32, 2, 8, 128),
-                PlanOptions {
-                    persistent_wide_rows: Some(128),
-                    ..pipe
-                },
-            ),
-        ] {
-            let v = persistent(q, o).unwrap().variant;
-            assert!(v.wide_pipeline && v.wide());
-            assert!(crate::kernels::Variant::name(&v).ends_with(".pipe"));
-            assert!(all_variants_hold(v), "{v:?}");
-        }
-        // gathered pages: four producer warps in the producer warpgroup
-        let gathered = p.clone().with_paged(1, 4 * 4096, None).unwrap();
-        let v = persistent(&gathered, pipe).unwrap().variant;
-        assert!(v.wide_pipeline && v.kv_source == KvSource::PagedGather);
-        assert_eq!(v.threads(), 384);
-        assert!(all_variants_hold(v), "{v:?}");
-        let e4m3 = p.clone().with_kv_dtype(KvDType::Fp8E4m3).unwrap();
-        let msg = persistent(&e4m3, pipe).unwrap_err().to_string();
-        assert!(msg.contains("persistent_wide_pipeline"), "{msg}");
-        let narrow_pipe = PlanOptions {
-            persistent_wide_columns: Some(false),
-            ..pipe
-        };
-        let msg = persistent(&p, narrow_pipe).unwrap_err().to_string();
-        assert!(msg.contains("persistent_wide_pipeline"), "{msg}");
         // unasked, a forced narrow tile keeps the narrow consumer; 32 rows never go wide
         let forced = PlanOptions {
             persistent_tile_tokens: Some(128),

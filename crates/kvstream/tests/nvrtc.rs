@@ -57,14 +57,7 @@ fn every_variant_compiles_to_sm90a_without_spills_with_its_sass_facts() {
             assert!(r.registers <= 255, "{}: {r}", var.name());
             assert!(d.shared_bytes() <= 227 * 1024);
             let shape = (d.n_tiles, d.head_dim, d.tile_tokens);
-            check_decode_sass(
-                &var.name(),
-                &c.cubin,
-                shape,
-                KvCopies::Tma,
-                d.kv_dtype,
-                false,
-            );
+            check_decode_sass(&var.name(), &c.cubin, shape, KvCopies::Tma, d.kv_dtype);
         }
         if let AnyVariant::Persistent(d) = v {
             // one CTA per SM: its threads share the register file, and the shared memory fits
@@ -79,14 +72,7 @@ fn every_variant_compiles_to_sm90a_without_spills_with_its_sass_facts() {
                 KvSource::Contiguous | KvSource::PagedBoxes => KvCopies::Tma,
             };
             let shape = (d.n_tiles, d.head_dim, d.tile_tokens);
-            check_decode_sass(
-                &var.name(),
-                &c.cubin,
-                shape,
-                copies,
-                d.kv_dtype,
-                d.wide_pipeline,
-            );
+            check_decode_sass(&var.name(), &c.cubin, shape, copies, d.kv_dtype);
         }
         if let AnyVariant::Mla(m) = v {
             // the producer warpgroup hands its registers to the consumers (setmaxnreg): the

@@ -47,15 +47,13 @@ pub enum KvCopies {
 /// slices each): per m16 slice and n8 tile, d/16 HMMA for S^T and d/16 for O^T in the one KV
 /// loop. The wide consumer (blocks of 64 or 128 rows, a warpgroup's 64 on each tile it takes):
 /// warpgroup MMAs only, d/16 m64n64k16 for S and tile_tokens/16 m64n{d}k16 for P V (P from
-/// registers), none serialised by ptxas (one wait for each product); `pipelined`: each product
-/// twice (the first tile's S before the loop, the last tile's P V after it) and four waits.
+/// registers), none serialised by ptxas (one wait for each product).
 pub fn check_decode_sass(
     name: &str,
     cubin: &[u8],
     (n_tiles, head_dim, tile_tokens): (usize, usize, usize),
     copies: KvCopies,
     kv_dtype: KvDType,
-    pipelined: bool,
 ) {
     let sass = sass_of(name, cubin);
     let widened = count(&sass, "F2FP.F16.E4M3");
@@ -71,11 +69,7 @@ pub fn check_decode_sass(
         assert_eq!(hmma, 0, "{name}: {hmma} HMMA");
         let s = count(&sass, "HGMMA.64x64x16.F32");
         let pv = count(&sass, &format!("HGMMA.64x{head_dim}x16.F32"));
-        let copies_of_each = if pipelined { 2 } else { 1 };
-        let (want_s, want_pv) = (
-            copies_of_each * head_dim / 16,
-            copies_of_each * tile_tokens / 16,
-        );
+        let (want_s, want_pv) = (head_dim / 16, tile_tokens / 16);
         if head_dim == 64 {
             // both products are m64n64k16
             assert_eq!(s, want_s + want_pv, "{name}: {s} m64n64k16 products");
@@ -83,11 +77,7 @@ pub fn check_decode_sass(
             assert_eq!((s, pv), (want_s, want_pv), "{name}: S and P V products");
         }
         let waits = count(&sass, "WARPGROUP.DEPBAR");
-        let want_waits = if pipelined { 4 } else { 2 };
-        assert_eq!(
-            waits, want_waits,
-            "{name}: {waits} wgmma waits (serialised?)"
-        );
+        assert_eq!(waits, 2, "{name}: {waits} wgmma waits (serialised?)");
     } else {
         let want = n_tiles * (tile_tokens / 64) * 2 * (head_dim / 16);
         assert_eq!(hmma, want, "{name}: {hmma} HMMA");

@@ -31,8 +31,6 @@ struct ModelCase {
     wide: bool,
     /// Rows of its blocks where not 64 ([`PlanOptions::persistent_wide_rows`]).
     wide_rows: Option<usize>,
-    /// Its pipelined steps ([`PlanOptions::persistent_wide_pipeline`]).
-    wide_pipeline: bool,
     data_seed: u64,
 }
 
@@ -59,7 +57,6 @@ impl ModelCase {
             head_lanes: false,
             wide: false,
             wide_rows: None,
-            wide_pipeline: false,
             data_seed,
         }
     }
@@ -89,7 +86,6 @@ impl ModelCase {
                 head_lanes: false,
                 wide: false,
                 wide_rows: None,
-                wide_pipeline: false,
                 data_seed: 0x5EED,
             };
         }
@@ -143,7 +139,6 @@ impl ModelCase {
             head_lanes: false,
             wide: false,
             wide_rows: None,
-            wide_pipeline: false,
             data_seed: rng.next_u64(),
         }
     }
@@ -201,7 +196,6 @@ fn run_model_case_as<T: Half>(
         persistent_head_lanes: c.head_lanes.then_some(true),
         persistent_wide_columns: c.wide.then_some(true),
         persistent_wide_rows: c.wide_rows,
-        persistent_wide_pipeline: c.wide_pipeline.then_some(true),
         ..Default::default()
     };
     let dec = Decoder::new(rt, p.clone(), opts).map_err(|e| format!("Decoder::new: {e}"))?;
@@ -473,34 +467,6 @@ fn wide_columns_match_reference() {
         },
         // 80 rows: a whole block of 64 and one of 16; gathered pages of 1
         eighty_rows(Some(1), None),
-        // the pipelined steps (a tile's softmax under the previous tile's P V): blocks of 64 and
-        // of 128 with a window (masked tiles), gathered pages of 1 at d 64 (four producer warps
-        // in the producer warpgroup)
-        ModelCase {
-            wide_pipeline: true,
-            ..base.clone()
-        },
-        ModelCase {
-            wide_pipeline: true,
-            wide_rows: Some(128),
-            hq: 32,
-            hkv: 2,
-            page_size: Some(16),
-            window: Window {
-                left: Some(333),
-                right: Some(0),
-            },
-            sinks: true,
-            ..base.clone()
-        },
-        ModelCase {
-            wide_pipeline: true,
-            head_dim: 64,
-            dtype: DType::F16,
-            page_size: Some(1),
-            lens: vec![64, 1, 0, 1499],
-            ..base.clone()
-        },
         // 80 rows in one block of 128, 48 of its rows empty (the second warpgroup's partly);
         // pages of 64 by boxes
         eighty_rows(Some(64), Some(128)),
@@ -588,18 +554,13 @@ fn wide_columns_match_reference() {
         persistent_wide_columns: Some(true),
         ..Default::default()
     };
-    // blocks of 64 rows and of 128, steps waited for and pipelined
-    for (q_len, rows, pipeline) in [
-        (4, None, None),
-        (8, Some(128), None),
-        (8, Some(128), Some(true)),
-    ] {
+    // blocks of 64 rows and of 128
+    for (q_len, rows) in [(4, None), (8, Some(128))] {
         let p = DecodeProblem::new(4, 32, 2, 128, 2048, DType::Bf16)
             .and_then(|p| p.with_q_len(q_len))
             .unwrap();
         let o = PlanOptions {
             persistent_wide_rows: rows,
-            persistent_wide_pipeline: pipeline,
             ..wide
         };
         graph_replay_case(&p, o, &sets);
