@@ -338,6 +338,7 @@ if want widencu; then
   ncu --import $O/wide-ncu.ncu-rep --page details --csv > $O/wide-ncu-details.csv 2>&1
   ncu --import $O/wide-ncu.ncu-rep --page source --csv --print-source sass > $O/wide-ncu-source.csv 2>&1
   grep -E "Compute \(SM\) Throughput|Memory Throughput|Tensor|Shared|Issue Slots|L2 Hit" $O/wide-ncu-details.csv | head -20
+  python3 bench/ncu_stalls.py $O/wide-ncu-source.csv --json $O/wide-ncu-stalls.json | tee $O/wide-ncu-stalls.txt | head -50
 fi
 if want mlancu; then
   # ncu on one MLA decode at MLA_NCU_SHAPE (default the wide h128 b64 row, a launch inside the
@@ -348,6 +349,7 @@ if want mlancu; then
     > $O/mla-ncu.log 2>&1; echo "ncu rc=$?"
   ncu --import $O/mla-ncu.ncu-rep --page details --csv > $O/mla-ncu-details.csv 2>&1
   ncu --import $O/mla-ncu.ncu-rep --page source --csv --print-source sass > $O/mla-ncu-source.csv 2>&1
+  python3 bench/ncu_stalls.py $O/mla-ncu-source.csv --json $O/mla-ncu-stalls.json > $O/mla-ncu-stalls.txt 2>&1
   grep -E "Compute \(SM\) Throughput|Memory Throughput|Tensor|Shared|Issue Slots" $O/mla-ncu-details.csv | head -20
 fi
 if want ab; then
