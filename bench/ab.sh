@@ -7,7 +7,9 @@
 # SERVING_IDS adds rows of bench/serving.json (paged, multi-token), timed by the builds named in
 # SERVING_BUILDS (default: all; builds from before paged caches cannot run them) with
 # AB_SERVING_ARGS (e.g. `--splits 1,4,16`). MLA_IDS adds rows of bench/matrix-mla.json (`kvstream
-# mla --matrix`, each checked against the f64 reference); IDS= (empty) skips the GQA rows.
+# mla --matrix`, each checked against the f64 reference); IDS= (empty) skips the GQA rows;
+# AB_BENCH_ARGS adds `kvstream bench` options to the GQA rows (e.g. `--ctas 132`: the persistent
+# engine forced next to the default, key `kvstream/c132`).
 #   AB_DIR=.carry/ab IDS=mqa-d128-L1024,gqa-d64-L1024 PASSES=2 bash bench/ab.sh
 set -u
 AB_DIR=${AB_DIR:-.carry/ab}
@@ -27,7 +29,7 @@ for pass in $(seq 1 "$PASSES"); do
     # (builds before KVSTREAM_COMMIT existed write this checkout's commit into their files)
     if [ -n "$IDS" ]; then
       KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" bench --ids "$IDS" \
-        $modes --rounds 7 --no-plots --json "$O/$b-$pass.json" > "$O/$b-$pass.txt" 2>&1
+        $modes ${AB_BENCH_ARGS:-} --rounds 7 --no-plots --json "$O/$b-$pass.json" > "$O/$b-$pass.txt" 2>&1
       echo "$b pass $pass rc=$?"
     fi
     if [ -n "${MLA_IDS:-}" ]; then
