@@ -328,29 +328,26 @@ if want mlatrace; then
   KVSTREAM_TRACE=$O/trace timeout $(cap 200) $B mla ${MLA_TRACE_SHAPE:---hq 16 --len 131072} --rounds 7 2>&1 | grep -E "RESULT|trace"
   python3 bench/trace.py $O/trace > $O/trace/summary.txt 2>&1; cat $O/trace/summary.txt | head -30
 fi
+# ncu on one launch of kernel regex $2 inside the timed graph of `kvstream "${@:3}"`: the full
+# section set and the per-instruction source page (warp stall samples by SASS line: where the
+# warps wait, summarised by bench/ncu_stalls.py) -> $OUT/$1-ncu.*
+ncu_part() {
+  local name=$1 kernel=$2; shift 2
+  timeout $(cap 400) ncu --kernel-name "regex:$kernel" --launch-skip 3 --launch-count 1 --set full \
+    --import-source yes --export $O/$name-ncu -f $B "$@" > $O/$name-ncu.log 2>&1; echo "ncu rc=$?"
+  ncu --import $O/$name-ncu.ncu-rep --page details --csv > $O/$name-ncu-details.csv 2>&1
+  ncu --import $O/$name-ncu.ncu-rep --page source --csv --print-source sass > $O/$name-ncu-source.csv 2>&1
+  grep -E "Compute \(SM\) Throughput|Memory Throughput|Tensor|Shared|Issue Slots|L2 Hit" $O/$name-ncu-details.csv | head -20
+  python3 bench/ncu_stalls.py $O/$name-ncu-source.csv --json $O/$name-ncu-stalls.json | tee $O/$name-ncu-stalls.txt | head -50
+}
+# the GQA wide consumer at WIDE_NCU_SHAPE (default the multi-token row that trails FA3 most,
+# 32/2 heads q 8 b16 L4096)
 if want widencu; then
-  # ncu on one GQA decode at WIDE_NCU_SHAPE (default the multi-token row that trails FA3 most,
-  # 32/2 heads q 8 b16 L4096 on the wide consumer): the full section set and the per-instruction
-  # source page (warp stall samples by SASS line) -> $OUT/wide-ncu.*
-  timeout $(cap 400) ncu --kernel-name regex:^kvs_decode$ --launch-skip 3 --launch-count 1 --set full \
-    --import-source yes --export $O/wide-ncu -f $B demo ${WIDE_NCU_SHAPE:---batch 16 --hq 32 --hkv 2 --q-len 8 --len 4096} \
-    --rounds 3 > $O/wide-ncu.log 2>&1; echo "ncu rc=$?"
-  ncu --import $O/wide-ncu.ncu-rep --page details --csv > $O/wide-ncu-details.csv 2>&1
-  ncu --import $O/wide-ncu.ncu-rep --page source --csv --print-source sass > $O/wide-ncu-source.csv 2>&1
-  grep -E "Compute \(SM\) Throughput|Memory Throughput|Tensor|Shared|Issue Slots|L2 Hit" $O/wide-ncu-details.csv | head -20
-  python3 bench/ncu_stalls.py $O/wide-ncu-source.csv --json $O/wide-ncu-stalls.json | tee $O/wide-ncu-stalls.txt | head -50
+  ncu_part wide '^kvs_decode$' demo ${WIDE_NCU_SHAPE:---batch 16 --hq 32 --hkv 2 --q-len 8 --len 4096} --rounds 3
 fi
+# the MLA decode at MLA_NCU_SHAPE (default the wide h128 b64 row)
 if want mlancu; then
-  # ncu on one MLA decode at MLA_NCU_SHAPE (default the wide h128 b64 row, a launch inside the
-  # timed graph): the full section set, then the per-instruction source page (warp stall
-  # samples by SASS line: where the consumers wait) -> $OUT/mla-ncu.*
-  timeout $(cap 400) ncu --kernel-name regex:kvs_decode_mla --launch-skip 3 --launch-count 1 --set full \
-    --import-source yes --export $O/mla-ncu -f $B mla ${MLA_NCU_SHAPE:---batch 64 --hq 128 --len 32768} --rounds 7 \
-    > $O/mla-ncu.log 2>&1; echo "ncu rc=$?"
-  ncu --import $O/mla-ncu.ncu-rep --page details --csv > $O/mla-ncu-details.csv 2>&1
-  ncu --import $O/mla-ncu.ncu-rep --page source --csv --print-source sass > $O/mla-ncu-source.csv 2>&1
-  python3 bench/ncu_stalls.py $O/mla-ncu-source.csv --json $O/mla-ncu-stalls.json > $O/mla-ncu-stalls.txt 2>&1
-  grep -E "Compute \(SM\) Throughput|Memory Throughput|Tensor|Shared|Issue Slots" $O/mla-ncu-details.csv | head -20
+  ncu_part mla '^kvs_decode_mla$' mla ${MLA_NCU_SHAPE:---batch 64 --hq 128 --len 32768} --rounds 7
 fi
 if want ab; then
   OUT=$O bash bench/ab.sh  # (its rows packed with the rest)
