@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide racediag widencu serving mla mlamatrix mlapeers mlatrace mlancu ab (default:
+# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide racediag widencu serving mla mlamatrix mlapeers mlatrace mlancu mergeprobe mlamerge ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -348,6 +348,19 @@ fi
 # the MLA decode at MLA_NCU_SHAPE (default the wide h128 b64 row)
 if want mlancu; then
   ncu_part mla '^kvs_decode_mla$' mla ${MLA_NCU_SHAPE:---batch 64 --hq 128 --len 32768} --rounds 7
+fi
+# the cut-unit merge alone (bench/merge_probe.py: which step of an MLA merge slice takes the time)
+if want mergeprobe; then
+  timeout $(cap 120) python3 bench/merge_probe.py --json $O/merge-probe.json 2>&1 | tee $O/merge-probe.txt
+fi
+# the same merge in the decode: the seed's batch-1 row (one unit cut by every CTA) with the
+# request cut in fewer pieces and without PDL, then ncu's stall samples of that launch
+if want mlamerge; then
+  seed="--hq 12 --len 131072 --page-size 64 --rounds 9"
+  for extra in "" "--ctas 66" "--ctas 33" "--no-pdl" ""; do
+    echo "== mla $seed $extra"; timeout $(cap 60) $B mla $seed $extra 2>&1 | grep -E "plan:|check|time:"
+  done | tee $O/mla-merge.txt
+  ncu_part mlaseed '^kvs_decode_mla$' mla $seed
 fi
 if want ab; then
   OUT=$O bash bench/ab.sh  # (its rows packed with the rest)

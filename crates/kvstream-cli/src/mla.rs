@@ -58,6 +58,14 @@ pub struct MlaArgs {
     /// Timed rounds (at least 7; 0 = check only).
     #[arg(long, default_value_t = 15)]
     pub rounds: usize,
+    /// Persistent CTAs (default and most: one per SM, as the merge needs every CTA resident):
+    /// fewer cut a batch-1 request into fewer pieces (an experiment on the merge's cost).
+    #[arg(long)]
+    pub ctas: Option<usize>,
+    /// Launch without programmatic dependent launch (the next call does not start under this
+    /// one's tail).
+    #[arg(long)]
+    pub no_pdl: bool,
     /// Run every shape of this matrix (bench/matrix-mla.json) instead of the one above; a
     /// relative path is also looked for above the current folder.
     #[arg(long, value_parser = crate::repo_file)]
@@ -119,6 +127,8 @@ pub fn demo(shape: &crate::ShapeArgs, rounds: usize) -> kvstream::Result<()> {
         page_size: shape.page_size,
         scale: DEEPSEEK_SCALE,
         rounds,
+        ctas: None,
+        no_pdl: false,
         matrix: None,
         ids: Vec::new(),
         json: None,
@@ -220,6 +230,8 @@ pub fn bench_matrix(args: &BenchArgs) -> Result<(), String> {
         page_size: None,
         scale: DEEPSEEK_SCALE,
         rounds: args.rounds as usize,
+        ctas: None,
+        no_pdl: false,
         matrix: Some(args.matrix.clone()),
         ids: args.ids.clone(),
         json: Some(json),
@@ -405,7 +417,12 @@ fn gpu_mla<T: Element + Copy + Default + Sync, K: cudarc::driver::DeviceRepr + C
     unsafe { ctx.disable_event_tracking() };
     let stream = driver("creating a stream", ctx.new_stream())?;
     let t = Instant::now();
-    let decoder = MlaDecoder::new(rt, p.clone(), PlanOptions::default())?;
+    let options = PlanOptions {
+        persistent_ctas: args.ctas,
+        disable_pdl: args.no_pdl,
+        ..PlanOptions::default()
+    };
+    let decoder = MlaDecoder::new(rt, p.clone(), options)?;
     let setup = t.elapsed();
     let (_, _, lens) = request_lens(args)?;
     let rows = p.batch * p.q_len * p.hq;
@@ -593,11 +610,12 @@ fn gpu_mla<T: Element + Copy + Default + Sync, K: cudarc::driver::DeviceRepr + C
         ))
     );
     println!(
-        "  plan: {} CTAs scheduled on the device, {} column block(s), kernel {} ({} regs); setup {:.0} ms",
+        "  plan: {} CTAs scheduled on the device, {} column block(s), kernel {} ({} regs){}; setup {:.0} ms",
         plan.grid,
         plan.col_blocks,
         kvstream::kernels::Variant::name(&plan.variant),
         decoder.registers(),
+        if plan.pdl { "" } else { ", no PDL" },
         setup.as_secs_f64() * 1e3
     );
     println!("  check vs f64 reference (requests {checked:?}): rel err {err:.2e} (limit {TOLERANCE:.0e}), max |lse err| {lse_err:.2e}");
