@@ -132,6 +132,7 @@ pub struct Ring {
     pub producer_warps: Option<usize>,
     pub softmax_slices: Option<usize>,
     pub pair_heads: Option<bool>,
+    pub head_lanes: Option<bool>,
 }
 
 impl Ring {
@@ -147,6 +148,7 @@ impl Ring {
             persistent_producer_warps: self.producer_warps,
             persistent_softmax_slices: self.softmax_slices,
             persistent_pair_heads: self.pair_heads,
+            persistent_head_lanes: self.head_lanes,
             ..Default::default()
         }
     }
@@ -155,18 +157,19 @@ impl Ring {
 /// `g2s4p64`, `s6`, `g1p128l2m2`, ...: letters g, s, p, l, m each followed by a number, at
 /// most once (l: 0 evict_first, 1 evict_normal, 2 evict_last; m: 0 none, 1 64 B, 2 128 B,
 /// 3 256 B; x: paged caches, 0 TMA boxes, 1 gathered pages; w: warps gathering them; r: m16
-/// slices per softmax step; h: KV heads per streamed row, 1 or 2 for paired d 64 heads).
+/// slices per softmax step; h: KV heads per streamed row, 1 or 2 for paired d 64 heads; k: 1 a
+/// lane of CTAs per KV head, the heads of a position read at about the same time, 0 not).
 pub fn parse_ring(text: &str) -> Result<Ring, String> {
     let bad = || {
         format!(
             "ring {text:?}: expected g<groups>s<stages>p<positions>l<L2 priority: 0 first, \
              1 normal, 2 last>m<L2 promotion: 0 none, 1 64 B, 2 128 B, 3 256 B>x<pages: 0 TMA \
              boxes, 1 gathered>w<gathering warps>r<m16 slices per softmax step>h<KV heads per \
-             row: 1, or 2 paired>, each part optional, e.g. g1s6p64"
+             row: 1, or 2 paired>k<KV-head lanes: 0 off, 1 on>, each part optional, e.g. g1s6p64"
         )
     };
-    const KEYS: &str = "gsplmxwrh";
-    let mut parts = [None::<usize>; 9];
+    const KEYS: &str = "gsplmxwrhk";
+    let mut parts = [None::<usize>; 10];
     let mut rest = text;
     while let Some(key) = rest.chars().next() {
         let slot = KEYS.find(key).ok_or_else(bad)?;
@@ -177,7 +180,7 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         }
         rest = &rest[1 + digits..];
     }
-    let [groups, stages, tile_tokens, l2, promotion, gather, producer_warps, softmax_slices, heads_per_row] =
+    let [groups, stages, tile_tokens, l2, promotion, gather, producer_warps, softmax_slices, heads_per_row, head_lanes] =
         parts;
     let kv_l2 = l2
         .map(|c| kvstream::kernels::L2Hint::from_code(c).ok_or_else(bad))
@@ -199,6 +202,13 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
             _ => Err(bad()),
         })
         .transpose()?;
+    let head_lanes = head_lanes
+        .map(|c| match c {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(bad()),
+        })
+        .transpose()?;
     if text.is_empty() {
         return Err(bad());
     }
@@ -213,6 +223,7 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
         producer_warps,
         softmax_slices,
         pair_heads,
+        head_lanes,
     })
 }
 
@@ -1339,7 +1350,9 @@ mod tests {
         assert_eq!(parse_ring("x1w2").unwrap().producer_warps, Some(2));
         assert_eq!(parse_ring("h2").unwrap().pair_heads, Some(true));
         assert_eq!(parse_ring("g1h1").unwrap().pair_heads, Some(false));
-        for bad in ["", "g", "x2", "g1g2", "s2p", "g1 s2", "l3", "h3"] {
+        assert_eq!(parse_ring("k1").unwrap().head_lanes, Some(true));
+        assert_eq!(parse_ring("s2k0").unwrap().head_lanes, Some(false));
+        for bad in ["", "g", "x2", "g1g2", "s2p", "g1 s2", "l3", "h3", "k2"] {
             assert!(parse_ring(bad).is_err(), "{bad:?}");
         }
         let a = parse(&["--matrix", &matrix_path(), "--rings", "g1s2,g2s4"]).unwrap();
