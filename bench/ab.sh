@@ -10,6 +10,9 @@
 # mla --matrix`, each checked against the f64 reference); IDS= (empty) skips the GQA rows;
 # AB_BENCH_ARGS adds `kvstream bench` options to the GQA rows (e.g. `--ctas 132`: the persistent
 # engine forced next to the default, key `kvstream/c132`).
+# DEMO_SHAPES adds `kvstream demo` problems, `;`-separated argument lists (multi-token rows, which
+# `kvstream bench` does not take; e.g. "--hq 32 --hkv 2 --q-len 8 --len 32768 --ctas 132"), each
+# checked against the f64 reference and keyed by its arguments.
 #   AB_DIR=.carry/ab IDS=mqa-d128-L1024,gqa-d64-L1024 PASSES=2 bash bench/ab.sh
 set -u
 AB_DIR=${AB_DIR:-.carry/ab}
@@ -36,6 +39,27 @@ for pass in $(seq 1 "$PASSES"); do
       KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 300 "$AB_DIR/$b/kvstream" mla \
         --matrix bench/matrix-mla.json --ids "$MLA_IDS" --rounds 9 --json "$O/$b-m$pass.json" > "$O/$b-m$pass.txt" 2>&1
       echo "$b mla pass $pass rc=$? $(grep -c RESULT "$O/$b-m$pass.txt") rows, $(grep -ci error "$O/$b-m$pass.txt") errors"
+    fi
+    if [ -n "${DEMO_SHAPES:-}" ]; then
+      IFS=';' read -ra demos <<<"$DEMO_SHAPES"
+      for d in "${demos[@]}"; do
+        echo "== $d"
+        # (word splitting of $d is the point: it is an argument list)
+        # shellcheck disable=SC2086
+        KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" demo $d --rounds 9 2>&1 | grep -E "plan:|check|RESULT"
+      done > "$O/$b-d$pass.txt"
+      python3 - "$O/$b-d$pass.txt" "$O/$b-d$pass.json" <<'PY'
+import json, re, sys
+rows, shape = [], None
+for line in open(sys.argv[1]):
+    if line.startswith("== "):
+        shape = line[3:].strip()
+    m = re.search(r"RESULT .*us=([0-9.]+)", line)
+    if m and shape:
+        rows.append({"id": "demo " + shape, "results": {"kvstream": {"us": float(m.group(1))}}})
+json.dump({"rows": rows}, open(sys.argv[2], "w"))
+PY
+      echo "$b demo pass $pass: $(grep -c RESULT "$O/$b-d$pass.txt") of ${#demos[@]} rows"
     fi
     if [ -n "${SERVING_IDS:-}" ] && [[ " ${SERVING_BUILDS:-$builds} " == *" $b "* ]]; then
       KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 300 "$AB_DIR/$b/kvstream" bench \
