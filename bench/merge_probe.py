@@ -14,6 +14,7 @@ epilogue's store pattern):
   padded      slots 32 KB + 256 B apart (a power-of-two stride aliasing in L2 or DRAM?)
   ld-ca       plain loads instead of .cg
   old-data    no writes: the slots hold the previous launch's partials
+  old-data+no-stream   neither: L2 hits at their plainest
   vec-write   the partials written as float4 rows
   split-1     one thread a head-dim group (every piece's load in one thread's queue)
   rows-16     16 rows (h16) instead of 12
@@ -40,6 +41,7 @@ def configs():
     out.append(("padded", dict(base, slot=slot + 64)))
     out.append(("ld-ca", dict(base, flags=base["flags"] | FLAG_LOAD_CA)))
     out.append(("old-data", dict(base, flags=FLAG_STREAM)))
+    out.append(("old-data+no-stream", dict(base, flags=0)))
     out.append(("vec-write", dict(base, flags=base["flags"] | FLAG_VEC_WRITE)))
     out.append(("split-1", dict(base, split=1)))
     out.append(("rows-16", dict(base, rows=16)))
