@@ -147,8 +147,7 @@ pub fn can_pair_heads(problem: &DecodeProblem) -> bool {
 /// a KV head's rows leave more than half of their last n8 tile empty (`columns % 8` in 1..=4:
 /// MHA, groups up to 4, small multi-token groups): the pair then computes the softmax of one
 /// tile where two heads alone compute two (and d 96 pairs read three whole boxes a position
-/// where a d 96 row takes a box and a half). Measured on d 96 MHA (docs/tuning.md, "Paired
-/// heads"): 32/32 heads b1 L32768 197 -> 141 us, b16 3101 -> 2071 us.
+/// where a d 96 row takes a box and a half). The measurements: docs/tuning.md, "Paired heads".
 pub fn pairs_heads(problem: &DecodeProblem) -> bool {
     can_pair_heads(problem) && (1..=4).contains(&(problem.columns() % 8))
 }
@@ -870,7 +869,7 @@ impl std::str::FromStr for Engine {
 ///
 /// Pages smaller than [`PERSISTENT_GATHER_ALWAYS_BELOW_PAGE`] take the persistent engine at
 /// any batch: its gathering producer streams them several times faster than the split engine's
-/// boxes (pages of 1 at batch 1: 49 against 133 us at d 128, L 32768).
+/// boxes (docs/tuning.md, "Engine choice").
 ///
 /// Worked example: 16 requests of 32/8 heads, d 128: 128 units, 128 x 4 >= 132: persistent;
 /// 4 such requests: 32 units, 128 < 132: split; with pages of 8: persistent. One request of
@@ -922,15 +921,13 @@ pub fn persistent_only(problem: &DecodeProblem) -> Option<String> {
 
 /// See [`persistent_by_default`]: e4m3 caches whose d 64 heads pair ([`pairs_heads`]) take the
 /// persistent engine at any batch once the capacity gives each SM this many 64-position tiles:
-/// there the split engine's unpaired consumers set the rate. Measured (docs/tuning.md, "Paired
-/// heads"): 16/16 heads at batch 1, L 131072 (124 tiles an SM) 78.8 us paired against 87.4 on
-/// the split engine, batch 4 L 32768 (124) 80.2 against 87.8; batch 1 L 32768 (31) 30.0
-/// against 23.3 (the cut units' merges and the ring's fill do not amortise).
+/// there the split engine's unpaired consumers set the rate; below it the cut units' merges and
+/// the ring's fill do not amortise (docs/tuning.md, "Paired heads").
 pub const PERSISTENT_PAIRED_FP8_MIN_TILES_PER_SM: usize = 64;
 
 /// See [`persistent_by_default`]: smaller pages take the persistent engine whatever the batch
 /// (at d 64 pages of 16 are gathered too, but at batch 1 the split engine's boxes of them
-/// measured faster: 8.0 against 10.3 us at L 4096).
+/// measured faster: docs/tuning.md, "Engine choice").
 pub const PERSISTENT_GATHER_ALWAYS_BELOW_PAGE: usize = 16;
 
 /// See [`persistent_by_default`]: the persistent engine is the default where its schedule cuts
@@ -1100,9 +1097,8 @@ pub const MIN_TILES_PER_SPLIT: usize = 1;
 /// the SMs saturate HBM on the H200.
 pub const TARGET_CTAS_PER_SM: (usize, usize) = (1, 2);
 /// Streaming CTAs per SM for an e4m3 cache: a CTA consumes positions at the 2-byte rate, so it
-/// pulls half the bytes, and twice the CTAs are needed for the same bandwidth (with the 2-byte
-/// target, batch-b4-L32768 ran 96.9 us on 64 CTAs where the persistent engine took 74.2;
-/// docs/tuning.md, "FP8 caches").
+/// pulls half the bytes, and twice the CTAs are needed for the same bandwidth (docs/tuning.md,
+/// "FP8 caches").
 pub const FP8_TARGET_CTAS_PER_SM: usize = 1;
 /// Streaming CTAs per SM for multi-token decode: q_len x group query rows per CTA multiply the
 /// MMA and softmax work per byte (q_len 4 at 32/8 heads: one CTA per (request, KV head) pulled
@@ -1321,8 +1317,8 @@ pub struct PlanOptions {
     /// Persistent engine, knob: `true` or `None` deal the grid into one lane of CTAs per column
     /// block where a KV head has several (more than 32 query rows: large multi-token groups),
     /// each lane streaming the same tiles for its block so that L2 serves the other lanes'
-    /// reads (schedule.cuh, "lanes"; 64/8 heads, 8 new tokens, b16 L4096: 187 -> 151 us);
-    /// `false`: one sequence of every unit.
+    /// reads (schedule.cuh, "lanes"; measured: docs/tuning.md, "Lanes"); `false`: one
+    /// sequence of every unit.
     pub persistent_column_lanes: Option<bool>,
     /// Persistent engine, knob: `true` deals the grid into one lane of CTAs per (KV head,
     /// column block), each lane streaming its own units over the same position ranges at the
@@ -1330,21 +1326,18 @@ pub struct PlanOptions {
     /// row of a `[b, L, hkv, d]` cache) are read at about the same time, not one head's share
     /// of a request after another's (schedule.cuh, "lanes"); it takes precedence over
     /// [`Self::persistent_column_lanes`]. `false` or `None`: as that knob says. An experiment
-    /// for pools of small pages that measured slower (32/8 heads b32 L32768, pages of 1:
-    /// 1477 -> 1565 us at d 128, 767 -> 778 at d 64; docs/tuning.md, "Lanes").
+    /// (slower on the pools of pages of 1 it was built for: docs/tuning.md, "Lanes").
     pub persistent_head_lanes: Option<bool>,
     /// Persistent engine, knob: `true` runs column blocks of 64 query rows on the wide consumer
     /// (the rows on the M dimension of the warpgroup MMA, decode.cu "wide consumer"; an error
     /// where [`can_take_wide_columns`] says it cannot), for large multi-token groups, which are
-    /// compute-bound on the narrow consumer. `None`: wide wherever it can serve (32/2 heads q 8
-    /// b16 L32768: 553 -> 224 us; 64/8 heads q 8 b16 L4096: 151 -> 95 us, H100, docs/tuning.md
+    /// compute-bound on the narrow consumer. `None`: wide wherever it can serve (docs/tuning.md,
     /// "Wide consumer"). `false`: the narrow consumer's blocks of up to 32 rows.
     pub persistent_wide_columns: Option<bool>,
     /// Persistent engine, knob: query rows of a wide column block, 64 or 128. 128 (more than 64
     /// rows a KV head): both warpgroups on every tile, 64 of the rows each, so that each tile is
-    /// read (an e4m3 one widened) once for all 128. Measured slower than two blocks of 64 but on
-    /// one row (H100: 32/2 heads q 8 b16 L32768 224 against 231 us; L4096 65 against 54,
-    /// docs/tuning.md "Wide consumer"). `None`: 64.
+    /// read (an e4m3 one widened) once for all 128. Measured slower than two blocks of 64 on
+    /// all rows but one (docs/tuning.md, "Wide consumer"). `None`: 64.
     pub persistent_wide_rows: Option<usize>,
 }
 
@@ -1698,8 +1691,7 @@ fn plan_on_device(
         ));
     }
     // Device-planned splits are long (total work / SMs) unless the batch is tiny. Every paged
-    // cache keeps the paged ring here, whatever its page size: on the skewed serving row (page
-    // 64) it measured 1043.2 us against 1061.7 us with the 4-stage ring (docs/tuning.md).
+    // cache keeps the paged ring here, whatever its page size (docs/tuning.md, `PAGED_STAGES`).
     let ring = if problem.paged.is_some() {
         PAGED_STAGES
     } else {
