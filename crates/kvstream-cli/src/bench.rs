@@ -188,13 +188,16 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
     let promotion = promotion
         .map(|c| kvstream::launch::TmaPromotion::from_code(c).ok_or_else(bad))
         .transpose()?;
-    let gather = gather
-        .map(|c| match c {
+    // a part that is 0 (off) or 1 (on)
+    let switch = |part: Option<usize>| {
+        part.map(|c| match c {
             0 => Ok(false),
             1 => Ok(true),
             _ => Err(bad()),
         })
-        .transpose()?;
+        .transpose()
+    };
+    let gather = switch(gather)?;
     let pair_heads = heads_per_row
         .map(|c| match c {
             1 => Ok(false),
@@ -202,13 +205,7 @@ pub fn parse_ring(text: &str) -> Result<Ring, String> {
             _ => Err(bad()),
         })
         .transpose()?;
-    let head_lanes = head_lanes
-        .map(|c| match c {
-            0 => Ok(false),
-            1 => Ok(true),
-            _ => Err(bad()),
-        })
-        .transpose()?;
+    let head_lanes = switch(head_lanes)?;
     if text.is_empty() {
         return Err(bad());
     }
