@@ -17,6 +17,9 @@
 //            (head-dim groups of four split evenly among the pieces' CTAs, `split` threads a group,
 //            MERGE_LOADS partial rows in flight a thread, a butterfly in a fixed order); loads
 //            ld.global.cg as the decode's, or plain (FLAG_LOAD_CA);
+//   (FLAG_TRANSPOSED: the partials stored group-major, the unit's pieces of one group of four
+//            dims side by side, so that a merging thread's loads are contiguous; written as
+//            float4 groups)
 //   count    the last CTA to count in resets both counters (nothing zeroed between launches).
 // Each CTA stamps %globaltimer after every step: stamps[cta][STAMPS].
 #define THREADS 256
@@ -29,6 +32,7 @@
 #define FLAG_WRITE 2
 #define FLAG_LOAD_CA 4
 #define FLAG_VEC_WRITE 8
+#define FLAG_TRANSPOSED 16
 
 __device__ __forceinline__ unsigned long long now() {
     unsigned long long t;
@@ -77,7 +81,7 @@ struct State {
     }
 };
 
-template <bool CG>
+template <bool CG, bool TRANSPOSED>
 __device__ __forceinline__ void merge_slice(const float* o_part, const float* ml_part, float* out, int rows, int dim,
                                             long long slot_floats, int pieces, int me, int split_max) {
     const int groups = rows * (dim / 4);
@@ -100,7 +104,8 @@ __device__ __forceinline__ void merge_slice(const float* o_part, const float* ml
                 ml[k] = make_float2(NEG_INF, 0.f);
                 const int i = i0 + k * split;
                 if (i < pieces) {
-                    v[k] = ld4<CG>(o_part + i * slot_floats + (long long)c * dim + d);
+                    v[k] = TRANSPOSED ? ld4<CG>(o_part + ((long long)(c * dim + d) / 4 * pieces + i) * 4)
+                                      : ld4<CG>(o_part + i * slot_floats + (long long)c * dim + d);
                     ml[k] = ld2<CG>(ml_part + ((long long)i * rows + c) * 2);
                 }
             }
@@ -161,7 +166,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     float* slot = o_part + me * slot_floats;
     if (flags & FLAG_WRITE) {
         const float base = 0.001f * me;
-        if (flags & FLAG_VEC_WRITE) {
+        if (flags & FLAG_TRANSPOSED) {
+            // group g holds dims 4 (g % (dim / 4)) .. of row g / (dim / 4): the values the
+            // epilogue pattern below writes, so the merged rows check alike
+            for (int g = threadIdx.x; g < rows * dim / 4; g += THREADS) {
+                const int r = g / (dim / 4), d = (g % (dim / 4)) * 4;
+                const float v = base + r + d / 8;
+                reinterpret_cast<float4*>(o_part)[(long long)g * pieces + me] = make_float4(v, v, v, v);
+            }
+        } else if (flags & FLAG_VEC_WRITE) {
             for (int i = threadIdx.x; i < rows * dim / 4; i += THREADS)
                 reinterpret_cast<float4*>(slot)[i] = make_float4(base + i, base - i, base, 1.f);
         } else {
@@ -188,10 +201,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         my[3] = now();
     }
     __syncthreads();
-    if (flags & FLAG_LOAD_CA)
-        merge_slice<false>(o_part, ml_part, out, rows, dim, slot_floats, pieces, me, split_max);
+    if (flags & FLAG_TRANSPOSED)
+        merge_slice<true, true>(o_part, ml_part, out, rows, dim, slot_floats, pieces, me, split_max);
+    else if (flags & FLAG_LOAD_CA)
+        merge_slice<false, false>(o_part, ml_part, out, rows, dim, slot_floats, pieces, me, split_max);
     else
-        merge_slice<true>(o_part, ml_part, out, rows, dim, slot_floats, pieces, me, split_max);
+        merge_slice<true, false>(o_part, ml_part, out, rows, dim, slot_floats, pieces, me, split_max);
     __syncthreads();
     if (threadIdx.x == 0) {
         my[4] = now();

@@ -18,6 +18,7 @@ epilogue's store pattern):
   vec-write   the partials written as float4 rows
   split-1     one thread a head-dim group (every piece's load in one thread's queue)
   rows-16     16 rows (h16) instead of 12
+  transposed  the partials group-major (a unit's pieces of one group side by side): contiguous loads
   gqa         the GQA decode's case: two units, 8 rows of 128 dims, 4 KB slots (and `gqa-padded`)
 
     python3 bench/merge_probe.py [--launches 15] [--json out.json]
@@ -28,7 +29,7 @@ import json
 import os
 import statistics
 
-FLAG_STREAM, FLAG_WRITE, FLAG_LOAD_CA, FLAG_VEC_WRITE = 1, 2, 4, 8
+FLAG_STREAM, FLAG_WRITE, FLAG_LOAD_CA, FLAG_VEC_WRITE, FLAG_TRANSPOSED = 1, 2, 4, 8, 16
 STAMPS = 6
 MAX_FLOATS = 16 * 512 + 64  # the largest slot below
 
@@ -45,6 +46,7 @@ def configs():
     out.append(("vec-write", dict(base, flags=base["flags"] | FLAG_VEC_WRITE)))
     out.append(("split-1", dict(base, split=1)))
     out.append(("rows-16", dict(base, rows=16)))
+    out.append(("transposed", dict(base, flags=base["flags"] | FLAG_TRANSPOSED)))
     out.append(("padded+no-stream", dict(base, flags=FLAG_WRITE, slot=slot + 64)))
     gqa = dict(base, rows=8, dim=128, units=2, slot=8 * 128)
     out.append(("gqa", gqa))
