@@ -13,10 +13,11 @@
 //            the flag the slots hold what the previous launch wrote;
 //   park     a release add on the unit's arrival counter;
 //   wait     thread 0 spins (acquire) until every piece has arrived;
-//   merge    the CTA's slice of its unit's rows x dim outputs over the unit's pieces, with the decode's rule
-//            (head-dim groups of four split evenly among the pieces' CTAs, `split` threads a group,
-//            MERGE_LOADS partial rows in flight a thread, a butterfly in a fixed order); loads
-//            ld.global.cg as the decode's, or plain (FLAG_LOAD_CA);
+//   merge    the CTA's slice of its unit's rows x dim outputs over the unit's pieces, with the
+//            decode's rule (head-dim groups of four split evenly among the pieces' CTAs, `split`
+//            threads a group, MERGE_LOADS partial rows in flight a thread, a butterfly in a fixed
+//            order: decode_mla.cu's merge_slice, copied here so that each configuration can change
+//            one thing of it); loads ld.global.cg as the decode's, or plain (FLAG_LOAD_CA);
 //   (FLAG_TRANSPOSED: the partials stored group-major, the unit's pieces of one group of four
 //            dims side by side, so that a merging thread's loads are contiguous; written as
 //            float4 groups)
