@@ -47,19 +47,8 @@ for pass in $(seq 1 "$PASSES"); do
         # (word splitting of $d is the point: it is an argument list)
         # shellcheck disable=SC2086
         KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" demo $d --rounds 9 2>&1 | grep -E "plan:|check|RESULT"
-      done > "$O/$b-d$pass.txt"
-      python3 - "$O/$b-d$pass.txt" "$O/$b-d$pass.json" <<'PY'
-import json, re, sys
-rows, shape = [], None
-for line in open(sys.argv[1]):
-    if line.startswith("== "):
-        shape = line[3:].strip()
-    m = re.search(r"RESULT .*us=([0-9.]+)", line)
-    if m and shape:
-        rows.append({"id": "demo " + shape, "results": {"kvstream": {"us": float(m.group(1))}}})
-json.dump({"rows": rows}, open(sys.argv[2], "w"))
-PY
-      echo "$b demo pass $pass: $(grep -c RESULT "$O/$b-d$pass.txt") of ${#demos[@]} rows"
+      done > "$O/$b-demo$pass.log"
+      echo "$b demo pass $pass: $(grep -c RESULT "$O/$b-demo$pass.log") of ${#demos[@]} rows"
     fi
     if [ -n "${SERVING_IDS:-}" ] && [[ " ${SERVING_BUILDS:-$builds} " == *" $b "* ]]; then
       KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 300 "$AB_DIR/$b/kvstream" bench \
@@ -69,5 +58,5 @@ PY
     fi
   done
 done
-python3 "$(dirname "$0")/ab_table.py" "$O"/*.json | tee "$O/table.txt"
+python3 "$(dirname "$0")/ab_table.py" $(ls "$O"/*.json "$O"/*.log 2>/dev/null) | tee "$O/table.txt"
 tar czf "${OUT:-/tmp/out}/ab-results.tar.gz" -C "$O" .

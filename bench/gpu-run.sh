@@ -354,7 +354,8 @@ if want mergeprobe; then
   timeout $(cap 120) python3 bench/merge_probe.py --json $O/merge-probe.json 2>&1 | tee $O/merge-probe.txt
 fi
 # the same merge in the decode: the seed's batch-1 row (one unit cut by every CTA) with the
-# request cut in fewer pieces and without PDL, then ncu's stall samples of that launch
+# request cut in fewer pieces and without PDL (the default first and last: the run's drift), then
+# ncu's stall samples of that launch
 if want mlamerge; then
   seed="--hq 12 --len 131072 --page-size 64 --rounds 9"
   for extra in "" "--ctas 66" "--ctas 33" "--no-pdl" ""; do
