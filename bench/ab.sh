@@ -16,9 +16,13 @@
 #   AB_DIR=.carry/ab IDS=mqa-d128-L1024,gqa-d64-L1024 PASSES=2 bash bench/ab.sh
 set -u
 AB_DIR=${AB_DIR:-.carry/ab}
-# prepare-gpu-run.sh packs the builds (their caches compress 4:1)
+# the builds come packed (prepare-gpu-run.sh writes xz; gzip is read too)
 if [ ! -d "$AB_DIR" ] && [ -f "$AB_DIR.tar.gz" ]; then
   mkdir -p "$AB_DIR" && tar xzf "$AB_DIR.tar.gz" -C "$AB_DIR"
+fi
+# (xz through Python, as gpu-run.sh unpacks the kernel cache: the GPU machine's tar may lack xz)
+if [ ! -d "$AB_DIR" ] && [ -f "$AB_DIR.tar.xz" ]; then
+  mkdir -p "$AB_DIR" && python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$AB_DIR.tar.xz" "$AB_DIR"
 fi
 IDS=${IDS-mqa-d128-L1024,gqa-d64-L1024,gqa-d128-L4096,mqa-d64-L4096,batch-b16-L4096}
 PASSES=${PASSES:-2}

@@ -47,7 +47,7 @@ run() { echo "== $*"; timeout $(cap 120) "$@"; echo "rc=$?"; }
 gpu_prefix() { nvidia-smi -L | grep -q H100 && echo h100 || echo h200; }
 nvidia-smi -L
 if want jit; then
-  # every kernel variant compiled here, one per core at a time (3.5 min on two build cores; under
+  # every kernel variant compiled here, one per core at a time (~10 min on two build cores; under
   # a minute expected on 16, not yet timed there): for a run prepared without the kernel cache
   # (prepare-gpu-run.sh with CACHE=0), which leaves room in the carried files for the FA3 wheel.
   timeout $(cap 300) $B kernels ${RINGS:+--rings "$RINGS"} > $O/jit.txt 2>&1; echo "== jit: rc=$?, $(ls .carry/cache | wc -l) files in the kernel cache"

@@ -4,14 +4,14 @@
 # AB_REFS="c790eea 1ca18d6" also builds those commits or branches (and this tree) for
 # bench/ab.sh into .carry/ab/<ref>/ (slashes as dashes) with every bf16 kernel in their caches
 # (ONLY narrows them as below; this tree under its own short commit, `-dirty` when crates/ or
-# kernels/ differ from it), packed as .carry/ab.tar.gz.
+# kernels/ differ from it), packed as .carry/ab.tar.xz.
 # RINGS="g2s4,r2" also compiles the persistent variants of those forced rings (bench --rings).
 # ONLY="decode_mla stream_read" compiles only the variants whose names contain one of those words
-# (for a run of a few parts: a minute instead of half an hour on two cores; every variant those
+# (for a run of a few parts: a minute instead of ten on two cores; every variant those
 # parts load must be among them, as the GPU machine may have no NVRTC on its library path);
-# WHEEL=0 skips the Python wheel. CACHE=xz packs the whole cache as .carry/cache.tar.xz (about
-# 17 MB: room for the FA3 wheel beside it, nothing compiled there). CACHE=0 ships no compiled kernels: gpu-run.sh's `jit` part
-# compiles them on the GPU machine (all its cores: 3.5 min on two, under a minute expected on
+# WHEEL=0 skips the Python wheel. CACHE=xz packs the cache (every variant, or ONLY's) as
+# .carry/cache.tar.xz (all of it about 20 MB: room for the FA3 wheel beside it, nothing compiled there). CACHE=0 ships no compiled kernels: gpu-run.sh's `jit` part
+# compiles them on the GPU machine (all its cores: ~10 min on two, under two expected on
 # sixteen), which leaves room for the FA3 wheel.
 # Carry .carry and .whl (the FA3 wheel) together: about 55 MB (CACHE=0: about 36 MB, and the
 # whole kernel cache compiled there); with AB_REFS, .carry alone.
@@ -32,7 +32,9 @@ cp "$exe" .carry/bin/gpu-tests
 if [ "${CACHE:-1}" = 0 ]; then
   :
 elif [ "${CACHE:-1}" = xz ]; then
-  KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --jobs "$(nproc)" ${RINGS:+--rings "$RINGS"} > /dev/null
+  for only in ${ONLY:-""}; do
+    KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --jobs "$(nproc)" ${only:+--only "$only"} ${RINGS:+--rings "$RINGS"} > /dev/null
+  done
   tar cf - -C .carry cache | xz -T0 -6 > .carry/cache.tar.xz && rm -rf .carry/cache
 elif [ -n "${ONLY:-}" ]; then
   for only in $ONLY; do
@@ -73,7 +75,8 @@ if [ -n "${AB_REFS:-}" ]; then
     keep "$tmp" ".carry/ab/$name/cache" && rm -rf "$tmp"
     git worktree remove --force "$wt"
   done
-  tar czf .carry/ab.tar.gz -C .carry/ab . && rm -rf .carry/ab
+  # xz: the builds' caches are ~50 MB gzipped, ~20 MB so (ab.sh unpacks either)
+  tar cf - -C .carry/ab . | xz -T0 -6 > .carry/ab.tar.xz && rm -rf .carry/ab
 fi
 # packed, the kernel cache is a quarter of its size (gpu-run.sh unpacks it)
 [ ! -d .carry/cache ] || { tar czf .carry/cache.tar.gz -C .carry cache && rm -rf .carry/cache; }
