@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide racediag widencu serving mla mlamatrix mlapeers mlatrace mlancu mergeprobe mlamerge ab (default:
+# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide racediag widencu serving mla mlamatrix mlapeers mlatrace mlancu mlancunarrow mergeprobe mlamerge ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -348,6 +348,13 @@ fi
 # the MLA decode at MLA_NCU_SHAPE (default the wide h128 b64 row)
 if want mlancu; then
   ncu_part mla '^kvs_decode_mla$' mla ${MLA_NCU_SHAPE:---batch 64 --hq 128 --len 32768} --rounds 7
+fi
+# the narrow MLA consumer (16 rows: h16 q1 b16 L128K, pages of 64) on an e4m3 cache and on a
+# bf16 one, side by side: where the e4m3 loop waits, which issues at most half the time
+if want mlancunarrow; then
+  narrow="--batch 16 --hq 16 --len 131072 --page-size 64 --rounds 7"
+  ncu_part mla-narrow-e4m3 '^kvs_decode_mla$' mla $narrow --kv-dtype fp8_e4m3
+  ncu_part mla-narrow-bf16 '^kvs_decode_mla$' mla $narrow
 fi
 # the cut-unit merge alone (bench/merge_probe.py: which step of an MLA merge slice takes the time)
 if want mergeprobe; then
