@@ -16,14 +16,13 @@
 #   AB_DIR=.carry/ab IDS=mqa-d128-L1024,gqa-d64-L1024 PASSES=2 bash bench/ab.sh
 set -u
 AB_DIR=${AB_DIR:-.carry/ab}
-# the builds come packed (prepare-gpu-run.sh writes xz; gzip is read too)
-if [ ! -d "$AB_DIR" ] && [ -f "$AB_DIR.tar.gz" ]; then
-  mkdir -p "$AB_DIR" && tar xzf "$AB_DIR.tar.gz" -C "$AB_DIR"
-fi
-# (xz through Python, as gpu-run.sh unpacks the kernel cache: the GPU machine's tar may lack xz)
-if [ ! -d "$AB_DIR" ] && [ -f "$AB_DIR.tar.xz" ]; then
-  mkdir -p "$AB_DIR" && python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$AB_DIR.tar.xz" "$AB_DIR"
-fi
+# the builds come packed (prepare-gpu-run.sh writes xz, older runs gzip; Python reads both, as
+# the GPU machine's tar may lack xz)
+for packed in "$AB_DIR.tar.xz" "$AB_DIR.tar.gz"; do
+  if [ ! -d "$AB_DIR" ] && [ -f "$packed" ]; then
+    mkdir -p "$AB_DIR" && python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$packed" "$AB_DIR"
+  fi
+done
 IDS=${IDS-mqa-d128-L1024,gqa-d64-L1024,gqa-d128-L4096,mqa-d64-L4096,batch-b16-L4096}
 PASSES=${PASSES:-2}
 O=${OUT:-/tmp/out}/ab; mkdir -p "$O"  # (in $OUT as they are written: a run cut short keeps its rows)

@@ -22,11 +22,11 @@
 set -u
 B=.carry/bin/kvstream
 export KVSTREAM_CACHE_DIR=$PWD/.carry/cache
-# (both archives where both came: CACHE=xz with TRACE=1 packs the traced builds apart)
-[ ! -f .carry/cache.tar.gz ] || tar xzf .carry/cache.tar.gz -C .carry
-# (xz through Python: the GPU machine's tar may lack xz; prepare-gpu-run.sh's CACHE=xz)
-[ ! -f .carry/cache.tar.xz ] ||
-  python3 -c 'import tarfile; tarfile.open(".carry/cache.tar.xz").extractall(".carry")'
+# (prepare-gpu-run.sh packs it with gzip or, CACHE=xz, with xz; Python reads both, where the
+# GPU machine's tar may lack xz)
+for packed in .carry/cache.tar.gz .carry/cache.tar.xz; do
+  [ ! -f "$packed" ] || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(".carry")' "$packed"
+done
 # Every file lands in $O and leaves packed as one $OUT/gpu-run.tar.gz (at exit, whatever ran):
 # the GPU machine returns a few files only. BUDGET (seconds, default 570) bounds the whole run:
 # each step's timeout is its own cap or what is left, whichever is less.

@@ -10,7 +10,8 @@
 # (for a run of a few parts: a minute instead of ten on two cores; every variant those
 # parts load must be among them, as the GPU machine may have no NVRTC on its library path);
 # WHEEL=0 skips the Python wheel. CACHE=xz packs the cache (every variant, or ONLY's) as
-# .carry/cache.tar.xz (all of it about 20 MB: room for the FA3 wheel beside it, nothing compiled there). CACHE=0 ships no compiled kernels: gpu-run.sh's `jit` part
+# .carry/cache.tar.xz (all of it about 20 MB: room for the FA3 wheel beside it, nothing
+# compiled there). CACHE=0 ships no compiled kernels: gpu-run.sh's `jit` part
 # compiles them on the GPU machine (all its cores: ~10 min on two, under two expected on
 # sixteen), which leaves room for the FA3 wheel.
 # Carry .carry and .whl (the FA3 wheel) together: about 55 MB (CACHE=0: about 36 MB, and the
@@ -27,23 +28,13 @@ for l in sys.stdin:
     m=json.loads(l)
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="gpu": print(m["executable"])')
 cp "$exe" .carry/bin/gpu-tests
-# every variant into the cache; raw CUBINs only with DUMP_CUBINS=1 (gpu-run.sh's `sass` part;
-# CI runs the same SASS checks in tests/nvrtc.rs)
-if [ "${CACHE:-1}" = 0 ]; then
-  :
-elif [ "${CACHE:-1}" = xz ]; then
+# every variant (or ONLY's, and RINGS's) into the cache; raw CUBINs too with DUMP_CUBINS=1
+# (gpu-run.sh's `sass` part; CI runs the same SASS checks in tests/nvrtc.rs)
+if [ "${CACHE:-1}" != 0 ]; then
   for only in ${ONLY:-""}; do
-    KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --jobs "$(nproc)" ${only:+--only "$only"} ${RINGS:+--rings "$RINGS"} > /dev/null
+    KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels ${only:+--only "$only"} \
+      ${RINGS:+--rings "$RINGS"} ${DUMP_CUBINS:+--dump .carry/cubins} > /dev/null
   done
-  tar cf - -C .carry cache | xz -T0 -6 > .carry/cache.tar.xz && rm -rf .carry/cache
-elif [ -n "${ONLY:-}" ]; then
-  for only in $ONLY; do
-    KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --only "$only" > /dev/null
-  done
-elif [ -n "${DUMP_CUBINS:-}" ]; then
-  KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels --dump .carry/cubins
-else
-  KVSTREAM_CACHE_DIR="$PWD/.carry/cache" .carry/bin/kvstream kernels ${RINGS:+--rings "$RINGS"} > /dev/null
 fi
 # TRACE=1: the phase-trace builds too (gpu-run.sh's `trace` part; their cache keys differ).
 # Any KVSTREAM_TRACE value turns the trace on; `kernels` only compiles, so nothing is written.
@@ -78,6 +69,11 @@ if [ -n "${AB_REFS:-}" ]; then
   # xz: the builds' caches are ~50 MB gzipped, ~20 MB so (ab.sh unpacks either)
   tar cf - -C .carry/ab . | xz -T0 -6 > .carry/ab.tar.xz && rm -rf .carry/ab
 fi
-# packed, the kernel cache is a quarter of its size (gpu-run.sh unpacks it)
-[ ! -d .carry/cache ] || { tar czf .carry/cache.tar.gz -C .carry cache && rm -rf .carry/cache; }
+# packed last (the A/B build of this tree above copies from it): gzip takes it to a quarter,
+# CACHE=xz to about a sixth (gpu-run.sh unpacks either)
+if [ -d .carry/cache ] && [ "${CACHE:-1}" = xz ]; then
+  tar cf - -C .carry cache | xz -T0 -6 > .carry/cache.tar.xz && rm -rf .carry/cache
+elif [ -d .carry/cache ]; then
+  tar czf .carry/cache.tar.gz -C .carry cache && rm -rf .carry/cache
+fi
 du -sh .carry
