@@ -25,6 +25,10 @@ for packed in "$AB_DIR.tar.xz" "$AB_DIR.tar.gz"; do
 done
 IDS=${IDS-mqa-d128-L1024,gqa-d64-L1024,gqa-d128-L4096,mqa-d64-L4096,batch-b16-L4096}
 PASSES=${PASSES:-2}
+# AB_BUDGET (seconds; gpu-run.sh passes what is left of its BUDGET) bounds every step: each
+# timeout is its own cap or what is left, so a long run stops in time to pack its rows
+END=$((SECONDS + ${AB_BUDGET:-86400}))
+cap() { local left=$((END - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
 O=${OUT:-/tmp/out}/ab; mkdir -p "$O"  # (in $OUT as they are written: a run cut short keeps its rows)
 builds=$(ls "$AB_DIR" | tr '\n' ' ')
 for pass in $(seq 1 "$PASSES"); do
@@ -34,12 +38,12 @@ for pass in $(seq 1 "$PASSES"); do
     modes=$("$AB_DIR/$b/kvstream" bench --help | grep -q -- --modes && echo --modes)
     # (builds before KVSTREAM_COMMIT existed write this checkout's commit into their files)
     if [ -n "$IDS" ]; then
-      KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" bench --ids "$IDS" \
+      KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout $(cap 120) "$AB_DIR/$b/kvstream" bench --ids "$IDS" \
         $modes ${AB_BENCH_ARGS:-} --rounds 7 --no-plots --json "$O/$b-$pass.json" > "$O/$b-$pass.txt" 2>&1
       echo "$b pass $pass rc=$?"
     fi
     if [ -n "${MLA_IDS:-}" ]; then
-      KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 300 "$AB_DIR/$b/kvstream" mla \
+      KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout $(cap 300) "$AB_DIR/$b/kvstream" mla \
         --matrix bench/matrix-mla.json --ids "$MLA_IDS" --rounds 9 --json "$O/$b-m$pass.json" > "$O/$b-m$pass.txt" 2>&1
       echo "$b mla pass $pass rc=$? $(grep -c RESULT "$O/$b-m$pass.txt") rows, $(grep -ci error "$O/$b-m$pass.txt") errors"
     fi
@@ -49,12 +53,12 @@ for pass in $(seq 1 "$PASSES"); do
         echo "== $d"
         # (word splitting of $d is the point: it is an argument list)
         # shellcheck disable=SC2086
-        KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 120 "$AB_DIR/$b/kvstream" demo $d --rounds 9 2>&1 | grep -E "plan:|check|RESULT"
+        KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout $(cap 120) "$AB_DIR/$b/kvstream" demo $d --rounds 9 2>&1 | grep -E "plan:|check|RESULT"
       done > "$O/$b-demo$pass.log"
       echo "$b demo pass $pass: $(grep -c RESULT "$O/$b-demo$pass.log") of ${#demos[@]} rows"
     fi
     if [ -n "${SERVING_IDS:-}" ] && [[ " ${SERVING_BUILDS:-$builds} " == *" $b "* ]]; then
-      KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout 300 "$AB_DIR/$b/kvstream" bench \
+      KVSTREAM_COMMIT=$b KVSTREAM_CACHE_DIR="$AB_DIR/$b/cache" timeout $(cap 300) "$AB_DIR/$b/kvstream" bench \
         --matrix bench/serving.json --ids "$SERVING_IDS" ${AB_SERVING_ARGS:-} --rounds 7 --no-plots \
         --json "$O/$b-s$pass.json" > "$O/$b-s$pass.txt" 2>&1
       echo "$b serving pass $pass rc=$?"
