@@ -15,20 +15,18 @@
 # checked against the f64 reference and keyed by its arguments.
 #   AB_DIR=.carry/ab IDS=mqa-d128-L1024,gqa-d64-L1024 PASSES=2 bash bench/ab.sh
 set -u
+# shellcheck source=bench/run-lib.sh
+. "$(dirname "$0")/run-lib.sh"
 AB_DIR=${AB_DIR:-.carry/ab}
-# the builds come packed (prepare-gpu-run.sh writes xz, older runs gzip; Python reads both, as
-# the GPU machine's tar may lack xz)
+# the builds come packed (prepare-gpu-run.sh writes xz, older runs gzip)
 for packed in "$AB_DIR.tar.xz" "$AB_DIR.tar.gz"; do
-  if [ ! -d "$AB_DIR" ] && [ -f "$packed" ]; then
-    mkdir -p "$AB_DIR" && python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$packed" "$AB_DIR"
-  fi
+  if [ ! -d "$AB_DIR" ] && [ -f "$packed" ]; then mkdir -p "$AB_DIR" && unpack "$packed" "$AB_DIR"; fi
 done
 IDS=${IDS-mqa-d128-L1024,gqa-d64-L1024,gqa-d128-L4096,mqa-d64-L4096,batch-b16-L4096}
 PASSES=${PASSES:-2}
 # AB_BUDGET (seconds; gpu-run.sh passes what is left of its BUDGET) bounds every step: each
 # timeout is its own cap or what is left, so a long run stops in time to pack its rows
-END=$((SECONDS + ${AB_BUDGET:-86400}))
-cap() { local left=$((END - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
+budget_from "${AB_BUDGET:-86400}"
 O=${OUT:-/tmp/out}/ab; mkdir -p "$O"  # (in $OUT as they are written: a run cut short keeps its rows)
 builds=$(ls "$AB_DIR" | tr '\n' ' ')
 for pass in $(seq 1 "$PASSES"); do

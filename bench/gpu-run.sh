@@ -22,10 +22,11 @@
 set -u
 B=.carry/bin/kvstream
 export KVSTREAM_CACHE_DIR=$PWD/.carry/cache
-# (prepare-gpu-run.sh packs it with gzip or, CACHE=xz, with xz; Python reads both, where the
-# GPU machine's tar may lack xz)
+# shellcheck source=bench/run-lib.sh
+. "$(dirname "$0")/run-lib.sh"
+# (prepare-gpu-run.sh packs it with gzip or, CACHE=xz, with xz; both where both came)
 for packed in .carry/cache.tar.gz .carry/cache.tar.xz; do
-  [ ! -f "$packed" ] || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(".carry")' "$packed"
+  [ ! -f "$packed" ] || unpack "$packed" .carry
 done
 # Every file lands in $O and leaves packed as one $OUT/gpu-run.tar.gz (at exit, whatever ran):
 # the GPU machine returns a few files only. BUDGET (seconds, default 570) bounds the whole run:
@@ -33,8 +34,7 @@ done
 OUT_DIR=${OUT:-/tmp/out}; mkdir -p "$OUT_DIR"
 O=$(mktemp -d)/gpu-run; mkdir -p "$O"
 trap 'tar czf "$OUT_DIR/gpu-run.tar.gz" -C "$(dirname "$O")" gpu-run' EXIT
-END=$((SECONDS + ${BUDGET:-570}))
-cap() { local left=$((END - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
+budget_from "${BUDGET:-570}"
 # NVRTC from the pip CUDA libraries next to torch: a variant missing from the cache compiles
 lib=$(python3 -c 'import os,nvidia;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))' 2>/dev/null) &&
   export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
