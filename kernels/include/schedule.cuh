@@ -20,8 +20,8 @@
 //             unit is cut (a cut costs its pieces a park and a merge, about that many tiles).
 //   piece     the part of one unit inside one CTA's range. A unit lying in one CTA is written
 //             out by it directly; a unit cut by CTA boundaries has one piece per CTA it touches,
-//             each parked as FP32 partials in a slot, and the CTA whose piece arrives last
-//             merges them in CTA order (deterministic whatever the arrival order).
+//             each parked as FP32 partials in a slot, and merged in CTA order (deterministic
+//             whatever the arrival order) by the pieces' CTAs, a slice each.
 //   slot      only the first and the last piece of a CTA can be cut: a cut piece that starts at
 //             B(c) takes slot 2c, one that starts later (so it ends at B(c + 1)) slot 2c + 1.
 //   lanes     (L > 1) the grid's CTAs are dealt into L lanes, CTA i to lane i % L at place

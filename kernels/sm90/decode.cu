@@ -7,9 +7,9 @@
 // the call's schedule itself from the lengths (scheduler, schedule.cuh): the KV tiles of all
 // (request, KV head, column block) units form one sequence and each working CTA streams an
 // equal share of it, across unit and request boundaries, so a CUDA graph replayed with any
-// lengths stays balanced. A unit cut by CTA boundaries is merged
-// by the CTA whose piece arrives last (an arrival counter it resets itself: nothing is zeroed
-// between calls); the merge order is fixed, so results are bitwise reproducible.
+// lengths stays balanced. A unit cut by CTA boundaries is merged by all of its pieces' CTAs, a
+// slice each, once they have parked every piece (arrival counters the last slice resets: nothing
+// is zeroed between calls); the merge order is fixed, so results are bitwise reproducible.
 // With lanes (p.lanes > 1) the grid is dealt into one lane per column block (column lanes: L2
 // serves the other lanes' reads of a tile) or per (KV head, column block) (head lanes: the
 // heads of a position read at about the same time), each lane scheduled over the same tiles
@@ -27,8 +27,10 @@
 //              CTA's tiles n = g, g + G, ...; each warp keeps a private online softmax over its
 //              rows of each tile), then the epilogue;
 //   epilogue   the warps' softmax states merged in shared memory; a whole unit is normalised
-//              and written to `out` (and LSE); a cut one parks FP32 partials and, if its piece
-//              is the unit's last to arrive, merges all of the unit's pieces (merge_unit).
+//              and written to `out` (and LSE); a cut one parks FP32 partials and counts itself in;
+//   merge      once the CTA's last piece is done, its slice of each cut unit it holds a piece of
+//              (merge_cut_unit: waits until the unit's pieces are all parked; the grid is
+//              resident at once, so every wait ends).
 //
 // Ring protocol, n = the CTA's running tile count, stage s = n % STAGES, parity (n / STAGES) & 1:
 //   producer  wait empty[s] (from the second lap); K boxes on k_full[s], V boxes on v_full[s]
@@ -96,6 +98,7 @@
 #include "kv_format.cuh"
 #include "schedule.cuh"
 #include "scheduler.cuh"
+#include "merge.cuh"
 #include "score_mods.cuh"
 #include "trace.cuh"
 #include "wgmma.cuh"
@@ -113,8 +116,8 @@ enum TracePoint {
     TRACE_FIRST_TILE,   // thread 0, first K tile landed
     TRACE_FIRST_LOOP,   // thread 0, first piece's KV loop done
     TRACE_LAST_LOOP,    // thread 0, last piece's KV loop done
-    TRACE_PARKED,       // thread 0, last cut piece counted in
-    TRACE_MERGED,       // thread 0, last merge written
+    TRACE_PARKED,       // thread 0, every piece written or parked
+    TRACE_MERGED,       // thread 0, its slices of the cut units' merges written
     TRACE_EXIT,         // thread 0, every consumer done
 };
 
@@ -180,16 +183,9 @@ constexpr int TILE_GROUPS = CONSUMER_GROUPS / WIDE_ROW_GROUPS;
 constexpr int EPI_PARTS = WIDE ? TILE_GROUPS : CONSUMER_WARPS;
 // (the wide consumer stages its query rows itself, as a wgmma operand: the producer loads none)
 constexpr int Q_REGION = WIDE ? GROUP_PAD * HEAD_DIM * 2 : Q_BUFFERS * Q_BYTES;
-// merge_unit stages two floats per column and piece in the epilogue scratch, MERGE_COLS columns
-// at a time, which holds at least a unit cut twice per SM of a 132-SM GPU (once for the wide
-// consumer, whose rows would cost its ring a stage). A unit has at most one piece per CTA of the
-// grid, so the grid may have MERGE_MAX_PIECES CTAs (the host's `PersistentVariant::max_grid`).
-constexpr int MIN_MERGE_PIECES = WIDE ? 132 : 264;
-constexpr int MERGE_COLS = GROUP_PAD < 64 ? GROUP_PAD : 64;
-constexpr int MERGE_FLOATS = EPI_PARTS * MERGE_WARP_FLOATS > 2 * MIN_MERGE_PIECES * MERGE_COLS
-                                 ? EPI_PARTS * MERGE_WARP_FLOATS
-                                 : 2 * MIN_MERGE_PIECES * MERGE_COLS;
-constexpr int MERGE_MAX_PIECES = MERGE_FLOATS / (2 * MERGE_COLS);
+// The epilogue scratch: each part's rescaled O of every column (the merge of cut units reads
+// the parked partials from global memory, merge_slice)
+constexpr int MERGE_FLOATS = EPI_PARTS * MERGE_WARP_FLOATS;
 // The wide consumer with an e4m3 cache: a ring tile is widened into f16 K and V tiles in the
 // 2-byte layout (rows of 128 bytes, 64 dims a box), which the warpgroup MMAs read (a wgmma operand
 // in shared memory is 16-bit here): blocks of 64 rows, by each warpgroup into copies of its own;
@@ -217,8 +213,7 @@ struct SharedPlan {
     static constexpr int col_row = col_out + 8 * GROUP_PAD;
     static constexpr int col_visible = col_row + 8 * GROUP_PAD;
     static constexpr int col_low = col_visible + 4 * GROUP_PAD;
-    static constexpr int start = col_low + 4 * GROUP_PAD;  // StartShared (48 bytes at most)
-    static constexpr int merge_flag = start + 56;               // int: this CTA merges the unit
+    static constexpr int start = col_low + 4 * GROUP_PAD;  // StartShared (64 bytes at most)
     // gather: each producer warp's copy of one chunk's page ids, one tile's pool rows
     // (produce_gathered)
     static constexpr int page_ids = start + 64;
@@ -242,14 +237,12 @@ static_assert((SOFTMAX_SLICES == 1 || SOFTMAX_SLICES == 2) && M_SLICES % SOFTMAX
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
 // the host's mirror of this layout (PersistentVariant::shared_bytes) sizes the launch
 static_assert(SharedPlan::bytes + SharedPlan::align <= KVS_SHARED_BYTES, "shared memory the host launches with");
-static_assert(MERGE_MAX_PIECES >= MIN_MERGE_PIECES && EPI_PARTS * MERGE_WARP_FLOATS <= MERGE_FLOATS,
-              "merge scratch");
 static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern boundary");
 static_assert(SMEM_ROW % 16 == 0 && Q_BYTES % 16 == 0, "bulk copies of query rows: 16-byte aligned");
 
 
 // ================================ scheduler (scheduler.cuh) ================================
-static_assert(sizeof(StartShared) <= SharedPlan::merge_flag - SharedPlan::start, "StartShared slot");
+static_assert(sizeof(StartShared) <= SharedPlan::page_ids - SharedPlan::start, "StartShared slot");
 using Walk = PieceWalk<TILE_TOKENS>;
 
 // ================================ producer ================================================
@@ -612,86 +605,29 @@ __device__ __forceinline__ void store_normalised(const PersistentParams& p, cons
     if (p.lse && d == 0) p.lse[cols.row(p, g)] = n.lse;
 }
 
-// The unit's cut pieces, merged in CTA order by the CTA that parked the last of them. Piece i
-// of the unit is that of the CTA at place c0 + i of the lane; only the first can sit in its
-// CTA's second slot. MERGE_COLS columns at a time, the pieces' statistics go to shared memory
-// first (the epilogue scratch, free again: the caller has synchronised). Then `split` adjacent
-// threads share each group of four head dims (as many as the threads allow, up to a warp),
-// thread j of them summing pieces j, j + split, ... with MERGE_LOADS loads in flight, and a
-// butterfly over the `split` lanes adds their sums in a fixed order: one L2 round trip per
-// MERGE_LOADS x split pieces, bitwise reproducible.
-constexpr int MERGE_LOADS = 16;
-__device__ __forceinline__ void merge_unit(const PersistentParams& p, const Schedule& s, const Piece& pc,
-                                           int lane, const Columns& cols,
-                                           const float (&v_scale)[HEADS_PER_ROW], float* scratch) {
-    const int c0 = s.cta_of(pc.start), pieces = s.cta_of(pc.start + pc.tiles - 1) - c0 + 1;
-    const int first_slot = lane_slot(s.slot(c0, pc.start), p.lanes, lane);
-    auto slot_of = [&](int i) { return i == 0 ? first_slot : lane_slot(2 * (c0 + i), p.lanes, lane); };
-    // MERGE_COLS columns at a time (every column of a narrow block, 64 of a 128-row wide one)
-    // (one pass wherever a block fits: a bound the compiler sees)
-    const int passes = MERGE_COLS >= GROUP_PAD ? 1 : (cols.count + MERGE_COLS - 1) / MERGE_COLS;
-    for (int g0 = 0; g0 < passes * MERGE_COLS; g0 += MERGE_COLS) {
-        const int count = min(MERGE_COLS, cols.count - g0);
-        float* piece_m = scratch;                   // [count][pieces]
-        float* piece_l = scratch + count * pieces;  // [count][pieces]
-        if (g0 > 0) named_barrier_sync(1, CONSUMER_THREADS);  // the previous columns' are read
-        for (int j = threadIdx.x; j < count * pieces; j += CONSUMER_THREADS) {
-            const int g = g0 + j / pieces, i = j % pieces;
-            const long long row = (long long)slot_of(i) * GROUP_PAD + g;
-            piece_m[j] = ld_global_l2(p.ml_partial + row * 2);
-            piece_l[j] = ld_global_l2(p.ml_partial + row * 2 + 1);
-        }
-        named_barrier_sync(1, CONSUMER_THREADS);
-        const int elements = count * (Q_DIM / 4);
-        int split = 1;
-        while (split < 32 && split * 2 * elements <= CONSUMER_THREADS && split < pieces) split *= 2;
-        const int part = threadIdx.x % split;
-        // every thread of a group of `split` runs the same trips, so the butterfly's lanes match
-        for (int e0 = threadIdx.x / split; e0 < (elements + CONSUMER_THREADS / split - 1) / (CONSUMER_THREADS / split) *
-                                                    (CONSUMER_THREADS / split);
-             e0 += CONSUMER_THREADS / split) {
-            const bool valid = e0 < elements;
-            const int e = valid ? e0 : 0;
-            const int c = e / (Q_DIM / 4), d = (e % (Q_DIM / 4)) * 4, g = g0 + c;
-            const float* m = piece_m + c * pieces;
-            const float* l = piece_l + c * pieces;
-            float m_max = neg_inf();
-            for (int i = 0; i < pieces; ++i) m_max = fmaxf(m_max, m[i]);
-            const float m_use = m_max == neg_inf() ? 0.f : m_max;
-            float l_sum = 0.f;
-            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int i0 = part; i0 < pieces; i0 += MERGE_LOADS * split) {
-                // every load leaves before the first use: a piece index past the end reads the
-                // last piece again and gets weight 0
-                float4 v[MERGE_LOADS];
+// This CTA's slice of cut unit u's merge (merge.cuh), once every piece of it is parked; the
+// column tables (multi-token) are the unit's for it. Not inlined: called at most twice a CTA,
+// after the KV loop, and inlined it costs the paired e4m3 consumers (255 registers) a spill.
+constexpr int MERGE_LOADS = 8;  // pieces' partials in flight per merging thread
+__device__ __noinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const Piece& u, int lane,
+                                            unsigned char* smem) {
+    const CutPieces pieces(p, s, u.start, u.tiles, lane);
+    int* counters = unit_counters(p, u.batch, u.unit);
+    const Columns cols = piece_columns(p, u, smem);
+    named_barrier_sync(1, CONSUMER_THREADS);  // the tables are free
+    if (!cols.single_token) fill_columns(p, u, smem);
+    wait_until_parked<CONSUMER_THREADS>(counters, pieces.count);
+    const int kv_head = u.unit / p.col_blocks;
+    float v_scale[HEADS_PER_ROW];
 #pragma unroll
-                for (int u = 0; u < MERGE_LOADS; ++u) {
-                    const int i = min(i0 + u * split, pieces - 1);
-                    v[u] = ld_global_l2(reinterpret_cast<const float4*>(
-                        p.o_partial + ((long long)slot_of(i) * GROUP_PAD + g) * Q_DIM + d));
-                }
-#pragma unroll
-                for (int u = 0; u < MERGE_LOADS; ++u) {
-                    const int i = i0 + u * split;
-                    const float w = i < pieces ? exp2_approx(m[min(i, pieces - 1)] - m_use) : 0.f;
-                    l_sum += w * l[min(i, pieces - 1)];
-                    o.x += w * v[u].x;
-                    o.y += w * v[u].y;
-                    o.z += w * v[u].z;
-                    o.w += w * v[u].w;
-                }
-            }
-            for (int off = 1; off < split; off *= 2) {
-                l_sum += __shfl_xor_sync(0xffffffffu, l_sum, off);
-                o.x += __shfl_xor_sync(0xffffffffu, o.x, off);
-                o.y += __shfl_xor_sync(0xffffffffu, o.y, off);
-                o.z += __shfl_xor_sync(0xffffffffu, o.z, off);
-                o.w += __shfl_xor_sync(0xffffffffu, o.w, off);
-            }
-            if (valid && part == 0)
-                store_normalised(p, cols, g, d, o, m_max, l_sum, of_part(v_scale, cols.part(p, g)));
-        }
-    }
+    for (int r = 0; r < HEADS_PER_ROW; ++r)
+        v_scale[r] = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, u.batch,
+                                      kv_head * HEADS_PER_ROW + r);
+    merge_slice<Q_DIM, GROUP_PAD, CONSUMER_THREADS, MERGE_LOADS>(
+        p, pieces, lane_place(p) - pieces.c0, cols.count, [&](int g, int d, const MergeState& st) {
+            store_normalised(p, cols, g, d, st.o, st.m, st.l, of_part(v_scale, cols.part(p, g)));
+        });
+    count_slice_in<CONSUMER_THREADS>(counters, pieces.count);
 }
 
 // Zero-length requests own no tiles: the CTAs write their output (0, LSE -inf) by request
@@ -1124,7 +1060,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     const u32 q_base0 = smem_addr(smem + SharedPlan::q);
     const u32 ring_base = smem_addr(smem + SharedPlan::ring);
     float* merge = reinterpret_cast<float*>(smem + SharedPlan::merge);
-    int* merge_flag = reinterpret_cast<int*>(smem + SharedPlan::merge_flag);
     // ldmatrix lane addressing of Q as the col B operand, two k-steps (K and V^T: kv_format.cuh)
     const int q_row = lane % 8, q_col = (lane / 8) * 8;
 
@@ -1406,26 +1341,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             }
         }
         if (!whole) {
-            // Park, then count this piece in; the CTA that brings the count to the unit's piece
-            // count merges (and resets the counter for the next call). The barrier orders every
-            // thread's partials before thread 0's release; its acquire, and the barrier after
-            // it, order the merge's reads after every other piece's release.
+            // Park: count this piece in once every thread's partials are written (the barrier
+            // orders them before thread 0's release; merge_cut_unit's acquire pairs with it).
             named_barrier_sync(1, CONSUMER_THREADS);
-            if (threadIdx.x == 0) {
-                const int pieces = sched.cta_of(pc.start + pc.tiles - 1) - sched.cta_of(pc.start) + 1;
-                int* counter = p.arrivals + unit_index(p, pc.batch, pc.unit);
-                const int last = atom_add_acq_rel_gpu(counter, 1) == pieces - 1;
-                if (last) *counter = 0;
-                *merge_flag = last;
-            }
-            named_barrier_sync(1, CONSUMER_THREADS);
-            if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
-            if (*merge_flag) {
-                merge_unit(p, sched, pc, st.lane, cols, v_scale, merge);
-                if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);
-            }
+            count_piece_in(p, pc.batch, pc.unit);
         }
     }
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
+    const CutUnits cuts = cut_units<TILE_TOKENS>(p, st);
+    if (cuts.has_first) merge_cut_unit(p, sched, cuts.first, st.lane, smem);
+    if (cuts.has_last) merge_cut_unit(p, sched, cuts.last, st.lane, smem);
+    if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);
     write_empty_requests(p);
     if (TRACE) {
         named_barrier_sync(1, CONSUMER_THREADS);

@@ -81,6 +81,7 @@
 #include "kv_format.cuh"
 #include "schedule.cuh"
 #include "scheduler.cuh"
+#include "merge.cuh"
 #include "trace.cuh"
 #include "wgmma.cuh"
 
@@ -367,119 +368,31 @@ __device__ __forceinline__ float lse_of(float m, float l) {
     return l > 0.f ? (m + __log2f(l)) * 0.69314718055994531f : neg_inf();
 }
 
-// Slot of piece i of a cut unit whose pieces lie in the CTAs at places c0, c0 + 1, ... of a
-// lane: only the first can sit in its CTA's second slot (schedule.cuh).
-struct CutUnit {
-    int batch, unit;
-    long long start;  // global index of the unit's first tile
-    int tiles;        // the unit's tile count
-};
-
-// This CTA's slice of a cut unit's output (every piece parked): head-dim groups of four split
-// evenly among the unit's CTAs; `split` adjacent threads share a group, each folding pieces
-// part, part + split, ... into a softmax state of its own (MERGE_LOADS pieces' partials, maxima
-// and denominators in flight at once, one L2 round trip per MERGE_LOADS pieces), and a
-// butterfly merges their states in a fixed order: bitwise reproducible.
-struct MergeState {
-    float m, l;
-    float4 o;
-    // folds in a state of weight 2^(m_in - max): -inf maxima (nothing seen) weigh 0
-    __device__ __forceinline__ void add(float m_in, float l_in, float4 o_in) {
-        const float m_new = fmaxf(m, m_in);
-        const float m_use = m_new == neg_inf() ? 0.f : m_new;
-        const float a = exp2_approx(m - m_use), b = exp2_approx(m_in - m_use);
-        m = m_new;
-        l = l * a + l_in * b;
-        o = make_float4(o.x * a + o_in.x * b, o.y * a + o_in.y * b, o.z * a + o_in.z * b, o.w * a + o_in.w * b);
+// Waits until every piece of the cut unit is parked, merges this CTA's slice (merge.cuh), counts
+// it in; the last slice resets both counters.
+__device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const Piece& u,
+                                               int lane) {
+    const CutPieces pieces(p, s, u.start, u.tiles, lane);
+    int* counters = unit_counters(p, u.batch, u.unit);
+    if (TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_ALL_PARKED)) {
+        while (ld_acquire_gpu(counters) < pieces.count) nanosleep(64);
+        trace_stamp(TRACE_ALL_PARKED);
     }
-};
-
-__device__ __forceinline__ void merge_slice(const PersistentParams& p, const Schedule& s, const CutUnit& u,
-                                            int lane) {
-    const int c0 = s.cta_of(u.start), pieces = s.cta_of(u.start + u.tiles - 1) - c0 + 1;
-    const int first_slot = lane_slot(s.slot(c0, u.start), p.lanes, lane);
-    auto slot_of = [&](int i) { return i == 0 ? first_slot : lane_slot(2 * (c0 + i), p.lanes, lane); };
-    const int count = columns_in(p, u.unit);
-    const int groups = count * (V_DIM / 4);
-    const int me = lane_place(p) - c0;
-    const int g_begin = (int)((long long)me * groups / pieces), g_end = (int)((long long)(me + 1) * groups / pieces);
-    // as many threads a group as keep every group in one trip
-    int split = 1;
-    while (split < 32 && 2 * split * (g_end - g_begin) <= CONSUMER_THREADS && split < pieces) split *= 2;
-    const int part = threadIdx.x % split, lanes = CONSUMER_THREADS / split;
+    wait_until_parked<CONSUMER_THREADS>(counters, pieces.count);
+    const bool first = TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_MERGE_START);
+    if (first) trace_stamp(TRACE_MERGE_START);
     const float v_scale = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, u.batch, 0);
-    // every thread of a group of `split` runs the same trips, so the butterfly's lanes match
-    const int trips = (g_end - g_begin + lanes - 1) / lanes;
-    for (int t = 0; t < trips; ++t) {
-        const int e = g_begin + t * lanes + (int)threadIdx.x / split;
-        const bool valid = e < g_end;
-        const int c = (valid ? e : g_begin) / (V_DIM / 4), d = ((valid ? e : g_begin) % (V_DIM / 4)) * 4;
-        MergeState st = {neg_inf(), 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
-        for (int i0 = part; i0 < pieces; i0 += MERGE_LOADS * split) {
-            // every load leaves before the first use; an index past the end loads nothing (the
-            // load queue, not the latency, is what a merge waits on) and is not folded in
-            float4 v[MERGE_LOADS];
-            float2 ml[MERGE_LOADS];
-#pragma unroll
-            for (int k = 0; k < MERGE_LOADS; ++k) {
-                v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-                ml[k] = make_float2(neg_inf(), 0.f);
-                if (i0 + k * split < pieces) {
-                    const long long row = (long long)slot_of(i0 + k * split) * GROUP_PAD + c;
-                    v[k] = ld_global_l2(reinterpret_cast<const float4*>(p.o_partial + row * V_DIM + d));
-                    ml[k] = ld_global_l2(reinterpret_cast<const float2*>(p.ml_partial + row * 2));
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < MERGE_LOADS; ++k)
-                if (i0 + k * split < pieces) st.add(ml[k].x, ml[k].y, v[k]);
-        }
-        for (int off = 1; off < split; off *= 2) {
-            const float m_o = __shfl_xor_sync(0xffffffffu, st.m, off), l_o = __shfl_xor_sync(0xffffffffu, st.l, off);
-            const float4 o_o = make_float4(__shfl_xor_sync(0xffffffffu, st.o.x, off),
-                                           __shfl_xor_sync(0xffffffffu, st.o.y, off),
-                                           __shfl_xor_sync(0xffffffffu, st.o.z, off),
-                                           __shfl_xor_sync(0xffffffffu, st.o.w, off));
-            // the lower lane's state first on both sides: the same sum in both lanes
-            if (part & off) {
-                MergeState lower = {m_o, l_o, o_o};
-                lower.add(st.m, st.l, st.o);
-                st = lower;
-            } else {
-                st.add(m_o, l_o, o_o);
-            }
-        }
-        if (valid && part == 0) {
+    merge_slice<V_DIM, GROUP_PAD, CONSUMER_THREADS, MERGE_LOADS>(
+        p, pieces, lane_place(p) - pieces.c0, columns_in(p, u.unit), [&](int c, int d, const MergeState& st) {
             const Column col = column_of(p, u.unit, c);
             const float inv = normaliser(st.l, v_scale);
             *reinterpret_cast<uint2*>(out_ptr(p, u.batch, col) + d) = make_uint2(
                 pack_half2<IS_F16>(st.o.x * inv, st.o.y * inv), pack_half2<IS_F16>(st.o.z * inv, st.o.w * inv));
             if (p.lse && d == 0) p.lse[out_row(p, u.batch, col)] = lse_of(st.m, st.l);
-        }
-    }
-}
-
-// Waits until every piece of the cut unit is parked, merges this CTA's slice, counts it in;
-// the last slice resets both counters.
-__device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const CutUnit& u,
-                                               int lane) {
-    const int pieces = s.cta_of(u.start + u.tiles - 1) - s.cta_of(u.start) + 1;
-    int* counters = p.arrivals + 2 * unit_index(p, u.batch, u.unit);
-    if (threadIdx.x == 0) {
-        while (ld_acquire_gpu(counters) < pieces) nanosleep(64);
-        if (TRACE && !trace_stamped(TRACE_ALL_PARKED)) trace_stamp(TRACE_ALL_PARKED);
-    }
-    named_barrier_sync(1, CONSUMER_THREADS);
-    const bool first = TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_MERGE_START);
-    if (first) trace_stamp(TRACE_MERGE_START);
-    merge_slice(p, s, u, lane);
+        });
     if (first) trace_stamp(TRACE_MERGE_DONE);
-    named_barrier_sync(1, CONSUMER_THREADS);
+    count_slice_in<CONSUMER_THREADS>(counters, pieces.count);
     if (first) trace_stamp(TRACE_MERGE_SYNCED);
-    if (threadIdx.x == 0 && atom_add_acq_rel_gpu(counters + 1, 1) == pieces - 1) {
-        counters[0] = 0;
-        counters[1] = 0;
-    }
 }
 
 // Zero-length requests own no tiles: the CTAs write their output (0, LSE -inf) by request
@@ -498,11 +411,6 @@ __device__ __forceinline__ void write_empty_requests(const PersistentParams& p) 
 }
 
 // ================================ consumers ===============================================
-// The cut units a CTA parked a piece of: only its first and its last piece can be cut.
-struct CutUnits {
-    CutUnit first = {}, last = {};
-    bool has_first = false, has_last = false;
-};
 // What a CTA's consumers streamed, for the trace.
 struct Tally {
     int tiles, pieces;
@@ -512,28 +420,7 @@ struct Tally {
 // thread 0's release).
 __device__ __forceinline__ void park_piece(const PersistentParams& p, const Piece& pc) {
     named_barrier_sync(1, CONSUMER_THREADS);
-    if (threadIdx.x == 0) atom_add_acq_rel_gpu(p.arrivals + 2 * unit_index(p, pc.batch, pc.unit), 1);
-}
-
-// The cut units this CTA parked a piece of, found again from the schedule once the consumers are
-// done (held through the KV loop, they would take registers there): only the CTA's first and
-// last piece can be cut.
-__device__ __forceinline__ CutUnits cut_units(const PersistentParams& p, const StartShared& st) {
-    CutUnits cuts;
-    Walk walk(p, st);
-    Piece pc;
-    for (bool first = true; walk.next(p, pc); first = false) {
-        if (pc.whole()) continue;
-        const CutUnit u = {pc.batch, pc.unit, pc.start, pc.tiles};
-        if (first) {
-            cuts.first = u;
-            cuts.has_first = true;
-        } else {
-            cuts.last = u;
-            cuts.has_last = true;
-        }
-    }
-    return cuts;
+    count_piece_in(p, pc.batch, pc.unit);
 }
 
 // The eight consumer warps of a narrow column block (16 or 32 rows; see the top of the file).
@@ -1213,7 +1100,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
     } else {
         tally = consume_narrow(p, smem, st);
     }
-    const CutUnits cuts = cut_units(p, st);
+    const CutUnits cuts = cut_units<TILE_TOKENS>(p, st);
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
     const Schedule sched = {st.total, st.ctas, st.per};
     if (cuts.has_first) merge_cut_unit(p, sched, cuts.first, st.lane);

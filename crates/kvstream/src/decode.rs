@@ -195,6 +195,28 @@ impl Decoder {
                     AnyVariant::Persistent(pp.variant),
                     pp.variant.shared_bytes(),
                 )?;
+                // a cut unit's merge waits for all of its pieces' CTAs: the grid must be
+                // resident at once
+                // SAFETY: the kernel was just loaded into the runtime's context.
+                let per_sm = unsafe {
+                    crate::launch::max_active_ctas_per_sm(
+                        kernel.func,
+                        pp.variant.threads(),
+                        pp.variant.shared_bytes(),
+                    )?
+                };
+                let resident = per_sm * rt.facts().sm_count;
+                if pp.grid > resident {
+                    return Err(Error::invalid(
+                        "persistent_ctas",
+                        pp.grid,
+                        format!(
+                            "at most {resident} for {}: {per_sm} of its CTAs fit an SM at once \
+                             (its merge waits for every CTA of the grid)",
+                            crate::kernels::Variant::name(&pp.variant)
+                        ),
+                    ));
+                }
                 let (.., bytes) = pp.workspace_offsets(&problem);
                 let workspace = alloc_zeroed::<u8>(rt, bytes, "the decode workspace")?;
                 let schedule_log = if options.record_schedule {

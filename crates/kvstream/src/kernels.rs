@@ -10,11 +10,15 @@ use crate::problem::{
 };
 
 /// Headers the kernels include, by the name they use in `#include "..."`.
-pub const HEADERS: [(&str, &str); 9] = [
+pub const HEADERS: [(&str, &str); 10] = [
     ("ptx.cuh", include_str!("../../../kernels/include/ptx.cuh")),
     (
         "kv_format.cuh",
         include_str!("../../../kernels/include/kv_format.cuh"),
+    ),
+    (
+        "merge.cuh",
+        include_str!("../../../kernels/include/merge.cuh"),
     ),
     (
         "params.cuh",
@@ -444,29 +448,10 @@ impl PersistentVariant {
         }
     }
 
-    /// Columns whose pieces' statistics the merge stages at a time (`MERGE_COLS`).
-    fn merge_columns(&self) -> usize {
-        (self.n_tiles * 8).min(64)
-    }
-
-    /// Floats of the epilogue scratch (`MERGE_FLOATS` in decode.cu): the warps' parked states,
-    /// and at least two statistics a merged column for a unit cut twice per SM
-    /// ([`plan::PERSISTENT_MAX_FORCED_GRID`] times; the wide consumer: once per SM).
+    /// Floats of the epilogue scratch (`MERGE_FLOATS` in decode.cu): each epilogue part's
+    /// rescaled O of every column.
     fn merge_floats(&self) -> usize {
-        let columns = self.n_tiles * 8;
-        let pieces = if self.wide() {
-            plan::PERSISTENT_MAX_GRID
-        } else {
-            plan::PERSISTENT_MAX_FORCED_GRID
-        };
-        (self.epilogue_parts() * columns * (self.head_dim + 4))
-            .max(2 * pieces * self.merge_columns())
-    }
-
-    /// Most CTAs of a grid (`MERGE_MAX_PIECES` in decode.cu): a unit has at most one piece per
-    /// CTA, and the merge stages two statistics a column and piece in the epilogue scratch.
-    pub fn max_grid(&self) -> usize {
-        self.merge_floats() / (2 * self.merge_columns())
+        self.epilogue_parts() * self.n_tiles * 8 * (self.head_dim + 4)
     }
 
     /// Threads per CTA: the consumer warps and the producer warps.

@@ -63,6 +63,23 @@ pub unsafe fn max_active_clusters(func: sys::CUfunction, cfg: &LaunchConfig) -> 
     Ok(n.max(0) as usize)
 }
 
+/// How many CTAs of `func` with `threads` threads and `shared_bytes` of dynamic shared memory
+/// one SM holds at once.
+///
+/// # Safety
+/// `func` must be a live kernel of the current context.
+pub unsafe fn max_active_ctas_per_sm(
+    func: sys::CUfunction,
+    threads: u32,
+    shared_bytes: usize,
+) -> Result<usize> {
+    let mut n = 0i32;
+    sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, func, threads as i32, shared_bytes)
+        .result()
+        .map_err(|e| Error::driver("querying CTA occupancy", e))?;
+    Ok(n.max(0) as usize)
+}
+
 fn attributes(cfg: &LaunchConfig) -> Vec<sys::CUlaunchAttribute> {
     let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
     // SAFETY (both blocks): CUlaunchAttribute is plain data; zero is a valid empty value.

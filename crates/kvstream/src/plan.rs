@@ -521,15 +521,16 @@ impl PersistentPlan {
         }
     }
 
-    /// Workspace, in bytes: `[o_partial | ml_partial | arrivals]`, each 256-byte aligned. The
-    /// arrival counters must be zero before the first call (the engine keeps them so).
+    /// Workspace, in bytes: `[o_partial | ml_partial | arrivals]`, each 256-byte aligned; two
+    /// arrival counters a unit (pieces parked, slices merged), which must be zero before the
+    /// first call (the engine keeps them so).
     pub fn workspace_offsets(&self, problem: &DecodeProblem) -> (usize, usize, usize, usize) {
         let columns = self.variant.n_tiles * 8;
         let slots = 2 * self.grid;
         let o = 0;
         let ml = align(slots * columns * problem.head_dim * 4);
         let arrivals = ml + align(slots * columns * 2 * 4);
-        let end = arrivals + align(problem.batch * problem.hkv * self.col_blocks * 4);
+        let end = arrivals + align(problem.batch * problem.hkv * self.col_blocks * 2 * 4);
         (o, ml, arrivals, end)
     }
 }
@@ -549,8 +550,8 @@ fn persistent_grid(device: DeviceFacts, options: &PlanOptions, max: usize) -> Re
 }
 
 /// Most CTAs a forced grid of the GQA persistent decode may have
-/// ([`PlanOptions::persistent_ctas`]): two per SM, where the variant's merge scratch holds a
-/// unit cut that many times ([`PersistentVariant::max_grid`]).
+/// ([`PlanOptions::persistent_ctas`]): two per SM, where two fit (the merge waits for every
+/// CTA: the decoder checks with the occupancy API that the grid is resident at once).
 pub const PERSISTENT_MAX_FORCED_GRID: usize = 2 * PERSISTENT_MAX_GRID;
 
 /// The fewest tiles a working CTA of a persistent kernel takes: `default`, or the knob.
@@ -660,11 +661,7 @@ pub fn plan_persistent(
             ));
         }
     }
-    let grid = persistent_grid(
-        device,
-        &options,
-        variant.max_grid().min(PERSISTENT_MAX_FORCED_GRID),
-    )?;
+    let grid = persistent_grid(device, &options, PERSISTENT_MAX_FORCED_GRID)?;
     let min_tiles_per_cta = min_tiles_per_cta(&options, PERSISTENT_MIN_TILES_PER_CTA)?;
     let col_blocks = variant.column_blocks(problem);
     // a lane needs one CTA at least
@@ -1279,8 +1276,8 @@ pub struct PlanOptions {
     /// [`crate::Decoder::last_schedule`].
     pub record_schedule: bool,
     /// Persistent engine, tuning knob: launch this many CTAs instead of one per SM: up to
-    /// [`PERSISTENT_MAX_FORCED_GRID`] for GQA decode (two per SM; the variant's
-    /// [`PersistentVariant::max_grid`]), [`PERSISTENT_MAX_GRID`] for MLA decode.
+    /// [`PERSISTENT_MAX_FORCED_GRID`] for GQA decode (two per SM, where the kernel's resources
+    /// let two be resident: the decoder checks), [`PERSISTENT_MAX_GRID`] for MLA decode.
     pub persistent_ctas: Option<usize>,
     /// Persistent engine, tuning knob: the fewest tiles a working CTA takes instead of
     /// [`PERSISTENT_MIN_TILES_PER_CTA`].
@@ -2241,7 +2238,7 @@ mod tests {
     }
 
     #[test]
-    fn forced_grids_reach_two_ctas_per_sm_where_the_merge_scratch_holds_them() {
+    fn forced_grids_reach_two_ctas_per_sm() {
         let ctas = |p: &DecodeProblem, c: usize, wide: bool| {
             persistent(
                 p,
@@ -2251,21 +2248,21 @@ mod tests {
                     ..Default::default()
                 },
             )
-            .map(|pp| (pp.grid, pp.variant.max_grid()))
+            .map(|pp| pp.grid)
         };
         let b16 = DecodeProblem::new(16, 32, 8, 128, 32768, DType::Bf16).unwrap();
-        assert_eq!(ctas(&b16, 264, false).unwrap(), (264, 264));
+        assert_eq!(ctas(&b16, 264, false).unwrap(), 264);
         let msg = ctas(&b16, 265, false).unwrap_err().to_string();
         assert!(
             msg.contains("persistent_ctas") && msg.contains("1..=264"),
             "{msg}"
         );
-        // the wide consumer's scratch holds a unit cut once per SM only
+        // (whether they are resident at once is the decoder's check, with the compiled kernel)
         let mt = DecodeProblem::new(16, 64, 8, 128, 4096, DType::Bf16)
             .and_then(|p| p.with_q_len(8))
             .unwrap();
-        assert_eq!(ctas(&mt, 132, true).unwrap(), (132, 132));
-        assert!(ctas(&mt, 133, true).is_err());
+        assert_eq!(ctas(&mt, 264, true).unwrap(), 264);
+        assert!(ctas(&mt, 265, true).is_err());
         // a forced grid keeps the workspace's slots at two per CTA
         let pp = persistent(
             &b16,
@@ -2325,7 +2322,6 @@ mod tests {
         assert_eq!((pp.col_blocks, pp.lanes, v.n_tiles), (1, 1, 16));
         assert_eq!((v.consumer_groups, v.tile_groups(), v.stages), (2, 1, 3));
         assert!(v.shared_bytes() <= PERSISTENT_SHARED_BUDGET);
-        assert!(v.max_grid() >= PERSISTENT_MAX_GRID);
         assert!(crate::kernels::Variant::name(&v).contains(".n16.t64.s3.g2"));
         let pp = persistent(&mt(32, 1, 8, 128), rows128).unwrap();
         assert_eq!((pp.col_blocks, pp.lanes, pp.variant.n_tiles), (2, 2, 16));

@@ -1364,10 +1364,12 @@ fn resident_cta_cap_changes_nothing_but_placement() {
     }
 }
 
-/// Two persistent CTAs per SM (a forced grid of twice the SMs, units cut up to 264 times, the
-/// merge's statistics filling the epilogue scratch): equal to the reference with ragged
-/// lengths (a zero, a long request cut by most CTAs), bitwise the same twice, for d 128 and d 64
-/// (two consumer groups), contiguous and paged. Expected run time: a second.
+/// Two persistent CTAs per SM (a forced grid of twice the SMs, units cut up to 264 times, each
+/// merged in slices by all of its pieces' CTAs): equal to the reference with ragged lengths (a
+/// zero, a long request cut by most CTAs), bitwise the same twice, for d 128 and d 64 (two
+/// consumer groups), contiguous and paged. A kernel of which two CTAs do not fit an SM (the wide
+/// consumer: 288 threads of 168 registers) refuses such a grid by name, as its merge waits for
+/// every CTA. Expected run time: a second.
 #[test]
 #[ignore = "needs an H100/H200 GPU: run with --ignored"]
 fn two_ctas_per_sm_match_reference() {
@@ -1405,6 +1407,18 @@ fn two_ctas_per_sm_match_reference() {
         let second =
             run_poisoned(&stream, &dec, &dev, &mut o).unwrap_or_else(|e| panic!("{what}: {e}"));
         same_bits(&first, &second, &what).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let wide = DecodeProblem::new(2, 32, 2, 128, 4096, DType::Bf16)
+        .and_then(|p| p.with_q_len(8))
+        .unwrap();
+    let opts = PlanOptions {
+        engine: Some(kvstream::Engine::Persistent),
+        persistent_ctas: Some(kvstream::plan::PERSISTENT_MAX_FORCED_GRID),
+        ..Default::default()
+    };
+    match Decoder::new(&rt, wide, opts) {
+        Ok(_) => panic!("a wide grid of two CTAs an SM was accepted"),
+        Err(e) => assert!(e.to_string().contains("persistent_ctas"), "{e}"),
     }
 }
 
