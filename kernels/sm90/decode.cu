@@ -216,7 +216,9 @@ struct SharedPlan {
     static constexpr int start = col_low + 4 * GROUP_PAD;  // StartShared (64 bytes at most)
     // gather: each producer warp's copy of one chunk's page ids, one tile's pool rows
     // (produce_gathered)
-    static constexpr int page_ids = start + 64;
+    static constexpr int cut_count = start + 56;  // int: cut pieces parked so far
+    static constexpr int cut_pieces = start + 64;  // Piece[2]: the CTA's cut pieces (its first, last)
+    static constexpr int page_ids = cut_pieces + 2 * 48;
     static constexpr int pool_rows = page_ids + (GATHER ? 4 * CHUNK_PAGES * PRODUCER_WARPS : 0);
     static constexpr int bytes = pool_rows + (GATHER ? 4 * TILE_TOKENS : 0);
 };
@@ -242,7 +244,8 @@ static_assert(SMEM_ROW % 16 == 0 && Q_BYTES % 16 == 0, "bulk copies of query row
 
 
 // ================================ scheduler (scheduler.cuh) ================================
-static_assert(sizeof(StartShared) <= SharedPlan::page_ids - SharedPlan::start, "StartShared slot");
+static_assert(sizeof(StartShared) <= SharedPlan::cut_count - SharedPlan::start && sizeof(Piece) <= 48,
+              "StartShared and Piece slots");
 using Walk = PieceWalk<TILE_TOKENS>;
 
 // ================================ producer ================================================
@@ -605,12 +608,14 @@ __device__ __forceinline__ void store_normalised(const PersistentParams& p, cons
     if (p.lse && d == 0) p.lse[cols.row(p, g)] = n.lse;
 }
 
-// This CTA's slice of cut unit u's merge (merge.cuh), once every piece of it is parked; the
-// column tables (multi-token) are the unit's for it. Not inlined: called at most twice a CTA,
-// after the KV loop, and inlined it costs the paired e4m3 consumers (255 registers) a spill.
-constexpr int MERGE_LOADS = 8;  // pieces' partials in flight per merging thread
-__device__ __noinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const Piece& u, int lane,
-                                            unsigned char* smem) {
+// This CTA's slice of the cut unit of `batch`, `unit` whose tiles are [start, start + tiles) of
+// the sequence (merge.cuh), once every piece of it is parked; the column tables (multi-token)
+// are the unit's for it. Not inlined, its arguments scalars: at the end of the kernel, twice at
+// most, and inlined (or handed structs, which go through local memory) it spilled the paired
+// e4m3 consumers, which sit at 255 registers.
+constexpr int MERGE_LOADS = 16;  // pieces' partials in flight per merging thread
+__device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const Piece& u,
+                                               int lane, unsigned char* smem) {
     const CutPieces pieces(p, s, u.start, u.tiles, lane);
     int* counters = unit_counters(p, u.batch, u.unit);
     const Columns cols = piece_columns(p, u, smem);
@@ -1012,6 +1017,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             mbarrier_init(&q_empty[b], CONSUMER_THREADS);
         }
         fence_mbarrier_init();
+        *reinterpret_cast<int*>(smem + SharedPlan::cut_count) = 0;
     }
     // Nothing below may read global memory the previous kernel writes before it has finished.
     pdl_wait_for_producer();
@@ -1342,15 +1348,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
         }
         if (!whole) {
             // Park: count this piece in once every thread's partials are written (the barrier
-            // orders them before thread 0's release; merge_cut_unit's acquire pairs with it).
+            // orders them before thread 0's release; merge_cut_unit's acquire pairs with it),
+            // and note it for the merges after the last piece (kept in shared memory: walking
+            // the pieces again there spilled the consumers that sit at 255 registers)
             named_barrier_sync(1, CONSUMER_THREADS);
             count_piece_in(p, pc.batch, pc.unit);
+            if (threadIdx.x == 0) {
+                int* cuts = reinterpret_cast<int*>(smem + SharedPlan::cut_count);
+                reinterpret_cast<Piece*>(smem + SharedPlan::cut_pieces)[*cuts] = pc;
+                *cuts += 1;
+            }
         }
     }
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
-    const CutUnits cuts = cut_units<TILE_TOKENS>(p, st);
-    if (cuts.has_first) merge_cut_unit(p, sched, cuts.first, st.lane, smem);
-    if (cuts.has_last) merge_cut_unit(p, sched, cuts.last, st.lane, smem);
+    {
+        // the CTA's cut pieces (its first and last at most), as thread 0 recorded them
+        named_barrier_sync(1, CONSUMER_THREADS);
+        const Piece* cut = reinterpret_cast<const Piece*>(smem + SharedPlan::cut_pieces);
+        const int cuts = *reinterpret_cast<const int*>(smem + SharedPlan::cut_count);
+        for (int i = 0; i < cuts; ++i) merge_cut_unit(p, sched, cut[i], st.lane, smem);
+    }
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);
     write_empty_requests(p);
     if (TRACE) {

@@ -489,7 +489,8 @@ impl PersistentVariant {
         } else {
             0
         };
-        1024 + ring + staging + q + merge + barriers + stats + tables + 64 + page_ids
+        // the schedule's start (64 bytes), then the CTA's two cut pieces (48 bytes each)
+        1024 + ring + staging + q + merge + barriers + stats + tables + 64 + 2 * 48 + page_ids
     }
 
     /// [`Self::shared_bytes_with`] its own ring depth.
