@@ -126,8 +126,8 @@ __device__ __forceinline__ void merge_slice(const PersistentParams& p, const Cut
                 ml[k] = make_float2(neg_inf(), 0.f);
                 if (i0 + k * split < pieces.count) {
                     const long long row = (long long)pieces.slot(i0 + k * split) * COLS + c;
-                    v[k] = ld_global_l2(reinterpret_cast<const float4*>(p.o_partial + row * DIM + d));
-                    ml[k] = ld_global_l2(reinterpret_cast<const float2*>(p.ml_partial + row * 2));
+                    v[k] = ld_global_acquired(reinterpret_cast<const float4*>(p.o_partial + row * DIM + d));
+                    ml[k] = ld_global_acquired(reinterpret_cast<const float2*>(p.ml_partial + row * 2));
                 }
             }
 #pragma unroll

@@ -200,6 +200,24 @@ __device__ __forceinline__ float4 ld_global_l2(const float4* ptr) {
     return v;
 }
 
+// Loads of partials that other CTAs published to this one through an acquire (thread 0's
+// ld.acquire.gpu, then a CTA barrier: the memory model orders these weak loads after the
+// writers' releases). They may allocate in L1, so the (m, l) pair of a row that every warp of
+// the row reads comes from there after the first: ld.global.cg took 2.3x as long for the MLA
+// merge slice (bench/merge_probe.py, configurations base and ld-ca). Volatile, so they stay
+// after the barrier.
+__device__ __forceinline__ float2 ld_global_acquired(const float2* ptr) {
+    float2 v;
+    asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(ptr) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 ld_global_acquired(const float4* ptr) {
+    float4 v;
+    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(ptr) : "memory");
+    return v;
+}
+
 // Adds `v` to a global counter at GPU scope with acquire-release semantics and returns the old
 // value (PTX ISA 9.7.13.5, atom; memory model 8.x). Issued by one thread after a bar.sync, its
 // release covers what the whole CTA wrote before the barrier (cumulativity), and its acquire
