@@ -94,62 +94,79 @@ __device__ __forceinline__ void count_slice_in(int* counters, int pieces) {
 }
 
 // This CTA's slice of the unit's `columns` x DIM / 4 head-dim groups (split evenly among the
-// pieces' CTAs; the CTA is the me-th), by THREADS threads: `split` adjacent threads share a
-// group (as many as keep every group in one trip), each folding pieces part, part + split, ...
-// into a state of its own with LOADS pieces' partials in flight (one L2 round trip per LOADS
-// pieces), and a butterfly merges their states in a fixed order; store(column, dim, state) gets
-// each group's state once.
-template <int DIM, int COLS, int THREADS, int LOADS, class Store>
+// pieces' CTAs; the CTA is the me-th), by THREADS threads. The slice's partials of every piece
+// are first copied into `scratch` (shared memory the kernel no longer uses: the idle ring;
+// `scratch_bytes` of it) by cp.async, all in flight at once, so the slice costs one L2 round
+// trip, not one per trip of folds; a slice larger than the scratch goes in chunks. The (m, l)
+// pairs of the slice's columns take n x (columns / n + 2) x 8 bytes at most, a few KB: any ring
+// holds them and a chunk of groups. Then `split` adjacent threads share a group (as many as keep
+// a chunk's groups in one trip), each folding pieces part, part + split, ... into a state of its
+// own, and a butterfly merges their states in a fixed order; store(column, dim, state) gets each
+// group's state once. The order depends only on the piece count and the slice: bitwise
+// reproducible.
+template <int DIM, int COLS, int THREADS, class Store>
 __device__ __forceinline__ void merge_slice(const PersistentParams& p, const CutPieces& pieces, int me,
-                                            int columns, Store store) {
-    const int groups = columns * (DIM / 4);
-    const int g_begin = (int)((long long)me * groups / pieces.count);
-    const int g_end = (int)((long long)(me + 1) * groups / pieces.count);
-    int split = 1;
-    while (split < 32 && 2 * split * (g_end - g_begin) <= THREADS && split < pieces.count) split *= 2;
-    const int part = threadIdx.x % split, lanes = THREADS / split;
-    // every thread of a group of `split` runs the same trips, so the butterfly's lanes match
-    const int trips = (g_end - g_begin + lanes - 1) / lanes;
-    for (int t = 0; t < trips; ++t) {
-        const int e = g_begin + t * lanes + (int)threadIdx.x / split;
-        const bool valid = e < g_end;
-        const int c = (valid ? e : g_begin) / (DIM / 4), d = ((valid ? e : g_begin) % (DIM / 4)) * 4;
-        MergeState st = {neg_inf(), 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
-        for (int i0 = part; i0 < pieces.count; i0 += LOADS * split) {
-            // every load leaves before the first use; an index past the end loads nothing (the
-            // load queue, not the latency, is what a merge waits on) and is not folded in
-            float4 v[LOADS];
-            float2 ml[LOADS];
-#pragma unroll
-            for (int k = 0; k < LOADS; ++k) {
-                v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-                ml[k] = make_float2(neg_inf(), 0.f);
-                if (i0 + k * split < pieces.count) {
-                    const long long row = (long long)pieces.slot(i0 + k * split) * COLS + c;
-                    v[k] = ld_global_acquired(reinterpret_cast<const float4*>(p.o_partial + row * DIM + d));
-                    ml[k] = ld_global_acquired(reinterpret_cast<const float2*>(p.ml_partial + row * 2));
+                                            int columns, unsigned char* scratch, int scratch_bytes, Store store) {
+    constexpr int ROW_GROUPS = DIM / 4;
+    const int n = pieces.count;
+    const int groups = columns * ROW_GROUPS;
+    const int g_begin = (int)((long long)me * groups / n);
+    const int g_end = (int)((long long)(me + 1) * groups / n);
+    if (g_end <= g_begin) return;
+    const int c_lo = g_begin / ROW_GROUPS, slice_cols = (g_end - 1) / ROW_GROUPS - c_lo + 1;
+    // [piece][column of the slice] pairs, then [piece][group of the chunk] partial rows
+    float2* s_ml = reinterpret_cast<float2*>(scratch);
+    const int ml_bytes = (n * slice_cols * 8 + 15) / 16 * 16;
+    float4* s_o = reinterpret_cast<float4*>(scratch + ml_bytes);
+    const int chunk = min(g_end - g_begin, (scratch_bytes - ml_bytes) / (16 * n));
+    for (int i = threadIdx.x; i < n * slice_cols; i += THREADS) {
+        const int piece = i / slice_cols, c = c_lo + i % slice_cols;
+        const long long row = (long long)pieces.slot(piece) * COLS + c;
+        cp_async_8(smem_addr(s_ml + i), p.ml_partial + row * 2);
+    }
+    const u64 policy = l2_policy_evict_first();  // every partial is read once
+    for (int g0 = g_begin; g0 < g_end; g0 += chunk) {
+        const int len = min(chunk, g_end - g0);
+        for (int i = threadIdx.x; i < n * len; i += THREADS) {
+            const int piece = i / len, e = g0 + i % len;
+            const long long row = (long long)pieces.slot(piece) * COLS + e / ROW_GROUPS;
+            cp_async_16(smem_addr(s_o + i), p.o_partial + row * DIM + (e % ROW_GROUPS) * 4, 16, policy);
+        }
+        cp_async_wait_all();
+        named_barrier_sync(1, THREADS);
+        int split = 1;
+        while (split < 32 && 2 * split * len <= THREADS && split < n) split *= 2;
+        const int part = threadIdx.x % split, lanes = THREADS / split;
+        // every thread of a group of `split` runs the same trips, so the butterfly's lanes match
+        const int trips = (len + lanes - 1) / lanes;
+        for (int t = 0; t < trips; ++t) {
+            const int j_raw = t * lanes + (int)threadIdx.x / split;
+            const bool valid = j_raw < len;
+            const int j = valid ? j_raw : 0;
+            const int c = (g0 + j) / ROW_GROUPS, d = ((g0 + j) % ROW_GROUPS) * 4;
+            MergeState st = {neg_inf(), 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
+            for (int i = part; i < n; i += split) {
+                const float2 ml = s_ml[i * slice_cols + c - c_lo];
+                st.add(ml.x, ml.y, s_o[i * len + j]);
+            }
+            for (int off = 1; off < split; off *= 2) {
+                const float m_o = __shfl_xor_sync(0xffffffffu, st.m, off), l_o = __shfl_xor_sync(0xffffffffu, st.l, off);
+                const float4 o_o = make_float4(__shfl_xor_sync(0xffffffffu, st.o.x, off),
+                                               __shfl_xor_sync(0xffffffffu, st.o.y, off),
+                                               __shfl_xor_sync(0xffffffffu, st.o.z, off),
+                                               __shfl_xor_sync(0xffffffffu, st.o.w, off));
+                // the lower lane's state first on both sides: the same sum in both lanes
+                if (part & off) {
+                    MergeState lower = {m_o, l_o, o_o};
+                    lower.add(st.m, st.l, st.o);
+                    st = lower;
+                } else {
+                    st.add(m_o, l_o, o_o);
                 }
             }
-#pragma unroll
-            for (int k = 0; k < LOADS; ++k)
-                if (i0 + k * split < pieces.count) st.add(ml[k].x, ml[k].y, v[k]);
+            if (valid && part == 0) store(c, d, st);
         }
-        for (int off = 1; off < split; off *= 2) {
-            const float m_o = __shfl_xor_sync(0xffffffffu, st.m, off), l_o = __shfl_xor_sync(0xffffffffu, st.l, off);
-            const float4 o_o = make_float4(__shfl_xor_sync(0xffffffffu, st.o.x, off),
-                                           __shfl_xor_sync(0xffffffffu, st.o.y, off),
-                                           __shfl_xor_sync(0xffffffffu, st.o.z, off),
-                                           __shfl_xor_sync(0xffffffffu, st.o.w, off));
-            // the lower lane's state first on both sides: the same sum in both lanes
-            if (part & off) {
-                MergeState lower = {m_o, l_o, o_o};
-                lower.add(st.m, st.l, st.o);
-                st = lower;
-            } else {
-                st.add(m_o, l_o, o_o);
-            }
-        }
-        if (valid && part == 0) store(c, d, st);
+        named_barrier_sync(1, THREADS);  // the chunk's rows read before the next overwrites them
     }
 }
 

@@ -142,6 +142,12 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_by
                  :: "r"(dst), "l"(src), "r"(src_bytes), "l"(policy) : "memory");
 }
 
+// Asynchronous 8-byte copy from global to shared memory that may allocate in L1 (PTX ISA
+// 9.7.9.25.3, cp.async.ca; .cg takes 16 bytes only). Both addresses 8-byte aligned.
+__device__ __forceinline__ void cp_async_8(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src) : "memory");
+}
+
 // Arrival on `bar` once every cp.async this thread issued before has landed, counted against
 // the barrier's expected arrivals (.noinc: the barrier is initialised with one arrival per
 // copying thread; PTX ISA 9.7.9.25.3.4, cp.async.mbarrier.arrive).
@@ -197,24 +203,6 @@ __device__ __forceinline__ float4 ld_global_l2(const float4* ptr) {
     float4 v;
     asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
                  : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(ptr));
-    return v;
-}
-
-// Loads of partials that other CTAs published to this one through an acquire (thread 0's
-// ld.acquire.gpu, then a CTA barrier: the memory model orders these weak loads after the
-// writers' releases). They may allocate in L1, so the (m, l) pair of a row that every warp of
-// the row reads comes from there after the first: ld.global.cg took 2.3x as long for the MLA
-// merge slice (bench/merge_probe.py, configurations base and ld-ca). Volatile, so they stay
-// after the barrier.
-__device__ __forceinline__ float2 ld_global_acquired(const float2* ptr) {
-    float2 v;
-    asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(ptr) : "memory");
-    return v;
-}
-__device__ __forceinline__ float4 ld_global_acquired(const float4* ptr) {
-    float4 v;
-    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(ptr) : "memory");
     return v;
 }
 

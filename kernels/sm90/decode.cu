@@ -610,10 +610,7 @@ __device__ __forceinline__ void store_normalised(const PersistentParams& p, cons
 
 // This CTA's slice of the cut unit of `batch`, `unit` whose tiles are [start, start + tiles) of
 // the sequence (merge.cuh), once every piece of it is parked; the column tables (multi-token)
-// are the unit's for it. Not inlined, its arguments scalars: at the end of the kernel, twice at
-// most, and inlined (or handed structs, which go through local memory) it spilled the paired
-// e4m3 consumers, which sit at 255 registers.
-constexpr int MERGE_LOADS = 16;  // pieces' partials in flight per merging thread
+// are the unit's for it. At the end of the kernel, twice at most.
 __device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const Piece& u,
                                                int lane, unsigned char* smem) {
     const CutPieces pieces(p, s, u.start, u.tiles, lane);
@@ -628,8 +625,10 @@ __device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const 
     for (int r = 0; r < HEADS_PER_ROW; ++r)
         v_scale[r] = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, u.batch,
                                       kv_head * HEADS_PER_ROW + r);
-    merge_slice<Q_DIM, GROUP_PAD, CONSUMER_THREADS, MERGE_LOADS>(
-        p, pieces, lane_place(p) - pieces.c0, cols.count, [&](int g, int d, const MergeState& st) {
+    // (the ring is idle: the merges come after the CTA's last tile)
+    merge_slice<Q_DIM, GROUP_PAD, CONSUMER_THREADS>(
+        p, pieces, lane_place(p) - pieces.c0, cols.count, smem + SharedPlan::ring, STAGES * STAGE_BYTES,
+        [&](int g, int d, const MergeState& st) {
             store_normalised(p, cols, g, d, st.o, st.m, st.l, of_part(v_scale, cols.part(p, g)));
         });
     count_slice_in<CONSUMER_THREADS>(counters, pieces.count);

@@ -158,7 +158,6 @@ constexpr int Q_BYTES = GROUP_PAD * SMEM_ROW;
 constexpr int Q_BUFFERS = N_TILES <= 2 ? 2 : 1;
 constexpr int P_ROW = TILE_TOKENS * 2 + 16;  // P^T as [column][position], padded likewise
 constexpr int RUNS_PER_LANE = TILE_TOKENS / 32;  // paged: page runs per tile, per producer lane
-constexpr int MERGE_LOADS = 8;                   // partial rows in flight per merging thread
 // full barriers a stage: one a box for the wide consumer of a 2-byte cache, whose S starts on a
 // tile's first box while the rest are still landing (a 72 KB tile takes ~1.5 us to arrive at an
 // SM's share of the bandwidth); one for the narrow consumer, whose warps split the dims among
@@ -371,7 +370,7 @@ __device__ __forceinline__ float lse_of(float m, float l) {
 // Waits until every piece of the cut unit is parked, merges this CTA's slice (merge.cuh), counts
 // it in; the last slice resets both counters.
 __device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const Schedule& s, const Piece& u,
-                                               int lane) {
+                                               int lane, unsigned char* smem) {
     const CutPieces pieces(p, s, u.start, u.tiles, lane);
     int* counters = unit_counters(p, u.batch, u.unit);
     if (TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_ALL_PARKED)) {
@@ -382,8 +381,10 @@ __device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const 
     const bool first = TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_MERGE_START);
     if (first) trace_stamp(TRACE_MERGE_START);
     const float v_scale = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, u.batch, 0);
-    merge_slice<V_DIM, GROUP_PAD, CONSUMER_THREADS, MERGE_LOADS>(
-        p, pieces, lane_place(p) - pieces.c0, columns_in(p, u.unit), [&](int c, int d, const MergeState& st) {
+    // (the ring is idle: the merges come after the CTA's last tile)
+    merge_slice<V_DIM, GROUP_PAD, CONSUMER_THREADS>(
+        p, pieces, lane_place(p) - pieces.c0, columns_in(p, u.unit), smem + SharedPlan::ring, STAGES * TILE_BYTES,
+        [&](int c, int d, const MergeState& st) {
             const Column col = column_of(p, u.unit, c);
             const float inv = normaliser(st.l, v_scale);
             *reinterpret_cast<uint2*>(out_ptr(p, u.batch, col) + d) = make_uint2(
@@ -1103,8 +1104,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
     const CutUnits cuts = cut_units<TILE_TOKENS>(p, st);
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
     const Schedule sched = {st.total, st.ctas, st.per};
-    if (cuts.has_first) merge_cut_unit(p, sched, cuts.first, st.lane);
-    if (cuts.has_last) merge_cut_unit(p, sched, cuts.last, st.lane);
+    if (cuts.has_first) merge_cut_unit(p, sched, cuts.first, st.lane, smem);
+    if (cuts.has_last) merge_cut_unit(p, sched, cuts.last, st.lane, smem);
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);
     write_empty_requests(p);
     if (TRACE) {
