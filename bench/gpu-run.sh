@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide racediag widencu serving mla mlamatrix mlapeers mlatrace mlancu mlancunarrow mergeprobe mlamerge ab (default:
+# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide racediag widencu serving mla mlamatrix mlapeers mlatrace mlancu mlancunarrow mlamerge ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -356,11 +356,7 @@ if want mlancunarrow; then
   ncu_part mla-narrow-e4m3 '^kvs_decode_mla$' mla $narrow --kv-dtype fp8_e4m3
   ncu_part mla-narrow-bf16 '^kvs_decode_mla$' mla $narrow
 fi
-# the cut-unit merge alone (bench/merge_probe.py: which step of an MLA merge slice takes the time)
-if want mergeprobe; then
-  timeout $(cap 120) python3 bench/merge_probe.py --json $O/merge-probe.json 2>&1 | tee $O/merge-probe.txt
-fi
-# the same merge in the decode: the seed's batch-1 row (one unit cut by every CTA) with the
+# the MLA cut-unit merge in the decode: the seed's batch-1 row (one unit cut by every CTA) with the
 # request cut in fewer pieces and without PDL (the default first and last: the run's drift), then
 # ncu's stall samples of that launch
 if want mlamerge; then
