@@ -93,13 +93,23 @@ __device__ __forceinline__ void count_slice_in(int* counters, int pieces) {
     }
 }
 
+// Most pieces a cut unit has: one per CTA of a lane, and a grid has at most two CTAs an SM of a
+// 132-SM GPU (the host's plan::PERSISTENT_MAX_FORCED_GRID; a test compares the two).
+constexpr int MERGE_MAX_PIECES = 264;
+// Bytes a merge slice's scratch needs at least, for a unit of `columns` columns cut into up to
+// `pieces` pieces: the slice's (m, l) pairs (n x slice columns <= columns + 2 n) and one head-dim
+// group of every piece, so that a chunk holds one group at least (each kernel asserts its ring
+// holds it).
+__host__ __device__ constexpr int merge_scratch_floor(int pieces, int columns) {
+    return 8 * (columns + 2 * pieces) + 16 + 16 * pieces;
+}
+
 // This CTA's slice of the unit's `columns` x DIM / 4 head-dim groups (split evenly among the
 // pieces' CTAs; the CTA is the me-th), by THREADS threads. The slice's partials of every piece
 // are first copied into `scratch` (shared memory the kernel no longer uses: the idle ring;
 // `scratch_bytes` of it) by cp.async, all in flight at once, so the slice costs one L2 round
-// trip, not one per trip of folds; a slice larger than the scratch goes in chunks. The (m, l)
-// pairs of the slice's columns take n x (columns / n + 2) x 8 bytes at most, a few KB: any ring
-// holds them and a chunk of groups. Then `split` adjacent threads share a group (as many as keep
+// trip, not one per trip of folds; a slice larger than the scratch goes in chunks (of one
+// group at least: merge_scratch_floor). Then `split` adjacent threads share a group (as many as keep
 // a chunk's groups in one trip), each folding pieces part, part + split, ... into a state of its
 // own, and a butterfly merges their states in a fixed order; store(column, dim, state) gets each
 // group's state once. The order depends only on the piece count and the slice: bitwise

@@ -183,8 +183,8 @@ constexpr int TILE_GROUPS = CONSUMER_GROUPS / WIDE_ROW_GROUPS;
 constexpr int EPI_PARTS = WIDE ? TILE_GROUPS : CONSUMER_WARPS;
 // (the wide consumer stages its query rows itself, as a wgmma operand: the producer loads none)
 constexpr int Q_REGION = WIDE ? GROUP_PAD * HEAD_DIM * 2 : Q_BUFFERS * Q_BYTES;
-// The epilogue scratch: each part's rescaled O of every column (the merge of cut units reads
-// the parked partials from global memory, merge_slice)
+// The epilogue scratch: each part's rescaled O of every column (the merge of cut units stages
+// the parked partials in the idle ring instead: merge_slice)
 constexpr int MERGE_FLOATS = EPI_PARTS * MERGE_WARP_FLOATS;
 // The wide consumer with an e4m3 cache: a ring tile is widened into f16 K and V tiles in the
 // 2-byte layout (rows of 128 bytes, 64 dims a box), which the warpgroup MMAs read (a wgmma operand
@@ -213,7 +213,7 @@ struct SharedPlan {
     static constexpr int col_row = col_out + 8 * GROUP_PAD;
     static constexpr int col_visible = col_row + 8 * GROUP_PAD;
     static constexpr int col_low = col_visible + 4 * GROUP_PAD;
-    static constexpr int start = col_low + 4 * GROUP_PAD;  // StartShared (64 bytes at most)
+    static constexpr int start = col_low + 4 * GROUP_PAD;  // StartShared (56 bytes at most)
     // gather: each producer warp's copy of one chunk's page ids, one tile's pool rows
     // (produce_gathered)
     static constexpr int cut_count = start + 56;  // int: cut pieces parked so far
@@ -240,6 +240,8 @@ static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
 // the host's mirror of this layout (PersistentVariant::shared_bytes) sizes the launch
 static_assert(SharedPlan::bytes + SharedPlan::align <= KVS_SHARED_BYTES, "shared memory the host launches with");
 static_assert(STAGE_BYTES % 1024 == 0, "every box starts on a swizzle-pattern boundary");
+static_assert(STAGES * STAGE_BYTES >= merge_scratch_floor(MERGE_MAX_PIECES, GROUP_PAD),
+              "the ring holds a merge slice's chunk of one group (merge.cuh)");
 static_assert(SMEM_ROW % 16 == 0 && Q_BYTES % 16 == 0, "bulk copies of query rows: 16-byte aligned");
 
 

@@ -229,6 +229,8 @@ static_assert(!WIDE || (TILE_TOKENS == WIDE_TOKENS && CONSUMER_WARPS == 8 && STA
 static_assert(!WIDE || (SharedPlan::p % 1024 == 0 && SharedPlan::q % 1024 == 0 && WideShared::staging % 1024 == 0),
               "swizzled operands 1024-aligned");
 static_assert(TILE_BYTES % 1024 == 0, "every stage starts on a swizzle-pattern boundary");
+static_assert(STAGES * TILE_BYTES >= merge_scratch_floor(MERGE_MAX_PIECES, GROUP_PAD),
+              "the ring holds a merge slice's chunk of one group (merge.cuh)");
 static_assert(SharedPlan::full % 8 == 0, "mbarrier alignment");
 static_assert(sizeof(StartShared) <= 64, "StartShared slot");
 static_assert(SMEM_ROW % 16 == 0 && Q_BYTES % 16 == 0 && P_ROW % 16 == 0, "16-byte rows");

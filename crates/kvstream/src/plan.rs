@@ -2238,6 +2238,23 @@ mod tests {
     }
 
     #[test]
+    fn the_merge_bound_on_pieces_is_the_largest_forced_grid() {
+        // merge.cuh sizes its scratch floor for this many pieces of a cut unit
+        let header = crate::kernels::HEADERS
+            .iter()
+            .find(|(name, _)| *name == "merge.cuh")
+            .map(|(_, text)| *text)
+            .expect("merge.cuh among the headers");
+        let value = header
+            .lines()
+            .find_map(|l| l.strip_prefix("constexpr int MERGE_MAX_PIECES = "))
+            .and_then(|v| v.trim_end_matches(';').parse::<usize>().ok())
+            .expect("MERGE_MAX_PIECES in merge.cuh");
+        assert_eq!(value, PERSISTENT_MAX_FORCED_GRID);
+        assert!(PERSISTENT_MAX_GRID <= value, "the MLA decode's grid too");
+    }
+
+    #[test]
     fn forced_grids_reach_two_ctas_per_sm() {
         let ctas = |p: &DecodeProblem, c: usize, wide: bool| {
             persistent(
