@@ -4,7 +4,7 @@
 # split sweep and the SDPA peers. Expects, prepared on a build machine (bench/prepare-gpu-run.sh):
 # the release binary and the GPU test executable in .carry/bin, the compiled kernels in
 # .carry/cache (or packed, .carry/cache.tar.gz) and .carry/cubins, the Python wheel in .carry/wheels.
-# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide racediag widencu serving mla mlamatrix mlapeers mlatrace mlancu mlancunarrow mlamerge ab (default:
+# PARTS selects: jit demo sanitize sass gputests models pytests sweep peers bench engines compare compare8 fp8sweep fp8splits storekv cp cpmulti abdemo abctas abwide racediag widencu serving mla mlamatrix mlapeers mlatrace mlancu mlancunarrow mlamerge ab (default:
 # demo sanitize sass gputests pytests peers); `ab` runs bench/ab.sh over .carry/ab (see
 # prepare-gpu-run.sh's AB_REFS). `bench` runs `kvstream bench` over bench/matrix.json,
 # `compare` runs bench/compare.py (kvstream through the binding next to cuDNN, FA2 and FA3; the
@@ -114,6 +114,19 @@ if want bench; then
   timeout $(cap 300) $B bench ${BENCH_ARGS:---modes} --json bench/results/kvstream-bench-latest.json \
     --plots bench/results 2>&1 | tee $O/kvstream-bench.txt | tail -70
   tar czf $O/bench-results.tar.gz bench/results/kvstream-bench-latest.json bench/results/*.svg bench/results/*.png 2>/dev/null
+fi
+# `engines`: the engine choice (`--modes`: the persistent and split engines forced next to the
+# default plan) over the batch-1 and batch-4 rows of bench/matrix.json and the batch-1 rows of
+# bench/matrix-models.json without score modifiers -> $O/engines-<matrix>.{json,txt}
+if want engines; then
+  for m in bench/matrix.json bench/matrix-models.json; do
+    # (`kvstream bench` times a row without its score modifiers: such rows are left out)
+    ids=$(python3 -c 'import json, sys; print(",".join(r["id"] for r in json.load(open(sys.argv[1]))["shapes"]
+      if r.get("batch", 1) in (1, 4) and not {"window", "sinks", "softcap"} & set(r)))' "$m")
+    name=engines-$(basename "$m" .json)
+    timeout $(cap 300) $B bench --matrix "$m" --ids "$ids" --modes --rounds ${ENGINE_ROUNDS:-5} --no-plots \
+      --json $O/$name.json > $O/$name.txt 2>&1; echo "== $name: rc=$?"; tail -5 $O/$name.txt
+  done
 fi
 if want compare; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kvs-site .carry/wheels/*.whl .whl/*.whl
