@@ -120,7 +120,7 @@ fi
 # bench/matrix-models.json without score modifiers -> $O/engines-<matrix>.{json,txt}
 if want engines; then
   for m in bench/matrix.json bench/matrix-models.json; do
-    # (`kvstream bench` times a row without its score modifiers: such rows are left out)
+    # (`kvstream bench` refuses rows with score modifiers: they are left out)
     ids=$(python3 -c 'import json, sys; print(",".join(r["id"] for r in json.load(open(sys.argv[1]))["shapes"]
       if r.get("batch", 1) in (1, 4) and not {"window", "sinks", "softcap"} & set(r)))' "$m")
     name=engines-$(basename "$m" .json)

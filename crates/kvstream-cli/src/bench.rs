@@ -261,6 +261,22 @@ fn problem_of(s: &Shape) -> kvstream::Result<DecodeProblem> {
     if s.dtype != "bf16" {
         return Err(Error::invalid("dtype", &s.dtype, "bf16"));
     }
+    let mods: Vec<&str> = [
+        ("window", s.window.is_some()),
+        ("softcap", s.softcap.is_some()),
+        ("sinks", s.sinks),
+    ]
+    .iter()
+    .filter_map(|&(name, on)| on.then_some(name))
+    .collect();
+    if !mods.is_empty() {
+        return Err(Error::invalid(
+            "score modifiers",
+            mods.join(", "),
+            "rows without any: `kvstream bench` does not time them \
+             (bench/compare.py --matrix bench/matrix-models.json does)",
+        ));
+    }
     let kv_dtype: KvDType = s.kv_dtype.as_deref().unwrap_or("auto").parse()?;
     if s.pages_in_order && s.page_size.is_none() {
         return Err(Error::invalid(
@@ -1327,6 +1343,24 @@ mod tests {
 
     fn matrix_path() -> String {
         concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/matrix.json").into()
+    }
+
+    #[test]
+    fn rows_with_score_modifiers_are_refused_not_timed_without_them() {
+        let models = matrix_path().replace("matrix.json", "matrix-models.json");
+        let plain = parse(&["--matrix", &models, "--ids", "phi3-d96-b1-L4096"]).unwrap();
+        assert_eq!(select_shapes(&plain).unwrap().len(), 1);
+        for (id, named) in [
+            ("gptoss-sinks-w128-b1-L4096", "window, sinks"),
+            ("gemma2-softcap-b1-L4096", "softcap"),
+        ] {
+            let a = parse(&["--matrix", &models, "--ids", id]).unwrap();
+            let e = select_shapes(&a).unwrap_err();
+            assert!(
+                e.contains("score modifiers") && e.contains(named),
+                "{id}: {e}"
+            );
+        }
     }
 
     #[test]

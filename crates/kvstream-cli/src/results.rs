@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 pub const CUSTOM_GROUP: &str = "custom";
 
 /// One decode shape of the benchmark.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Shape {
     /// Unique name, e.g. `gqa-d128-L131072`.
     pub id: String,
@@ -51,6 +51,14 @@ pub struct Shape {
     /// Element type of the K and V caches when it is not `dtype` (`fp8_e4m3`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_dtype: Option<String>,
+    /// Score modifiers of a model row (bench/matrix-models.json, timed by bench/compare.py): a
+    /// left window, a softcap, attention sinks. `kvstream bench` refuses rows that carry any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub softcap: Option<f64>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sinks: bool,
 }
 
 impl Shape {
@@ -108,6 +116,9 @@ impl Shape {
             pages_in_order: false,
             lens: None,
             kv_dtype: None,
+            window: None,
+            softcap: None,
+            sinks: false,
         })
     }
 }
