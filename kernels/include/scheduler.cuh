@@ -97,6 +97,10 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
     const int* lens = p.seqlens;
     // the sequence's tiles, and the units' count and extreme lengths (x uh: per request)
     long long total = 0, busy = 0, t_min = 0, t_max = 0;
+    // the first round's tile counts, kept for the search below: a batch of up to 32 x
+    // SCAN_PER_LANE requests reads its lengths from memory once, not twice (a round trip of
+    // ~1 us at the kernel's start, while the other CTAs' first loads fill the memory queues)
+    long long first_round[SCAN_PER_LANE] = {};
     if (!lens) {
         t_min = t_max = (long long)request_tiles<TILE_TOKENS>(p, p.max_len) * uh;
         busy = t_min > 0 ? p.batch : 0;
@@ -107,6 +111,9 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
         for (int base = 0; base < p.batch; base += 32 * SCAN_PER_LANE) {
             long long t[SCAN_PER_LANE];
             load_request_tiles<TILE_TOKENS>(p, lens, base, lane, uh, t);
+            if (base == 0)
+#pragma unroll
+                for (int i = 0; i < SCAN_PER_LANE; ++i) first_round[i] = t[i];
             long long mine = 0, lo = NONE, hi = 0;
             int n = 0;
 #pragma unroll
@@ -139,7 +146,12 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
             long long prefix = 0;
             for (int base = 0;; base += 32 * SCAN_PER_LANE) {
                 long long t[SCAN_PER_LANE];
-                load_request_tiles<TILE_TOKENS>(p, lens, base, lane, uh, t);
+                if (base == 0) {
+#pragma unroll
+                    for (int i = 0; i < SCAN_PER_LANE; ++i) t[i] = first_round[i];
+                } else {
+                    load_request_tiles<TILE_TOKENS>(p, lens, base, lane, uh, t);
+                }
                 long long mine = 0;
 #pragma unroll
                 for (int i = 0; i < SCAN_PER_LANE; ++i) mine += t[i];
