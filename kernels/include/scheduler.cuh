@@ -50,6 +50,7 @@ struct StartShared {
     long long base;   // global index of the first tile of `batch`
     long long per;    // Schedule::per
     int batch;        // the request holding tile lo
+    int len;          // its length (clamped): the walks start without a load of their own
     int ctas;         // working CTAs (of each lane)
     int lane;         // this CTA's lane (lanes > 1): the last index of every unit it streams
 };
@@ -70,20 +71,21 @@ __device__ __forceinline__ long long warp_max(long long v) {
     return v;
 }
 
-// Tiles x units of requests base + 8 lane .. base + 8 lane + 7 (0 past the batch). The loads are
+// Tiles x units of requests base + 8 lane .. base + 8 lane + 7 (0 past the batch), and their
+// lengths (clamped, as request_len gives them). The loads are
 // unconditional (an index past the batch reads the last length and is then dropped), so the
 // eight leave back to back (with a branch per request ptxas issues them one round trip after
 // another).
 template <int TILE_TOKENS>
 __device__ __forceinline__ void load_request_tiles(const PersistentParams& p, const int* lens, int base,
-                                                   int lane, int uh, long long (&t)[SCAN_PER_LANE]) {
-    int raw[SCAN_PER_LANE];
+                                                   int lane, int uh, long long (&t)[SCAN_PER_LANE],
+                                                   int (&len)[SCAN_PER_LANE]) {
 #pragma unroll
-    for (int i = 0; i < SCAN_PER_LANE; ++i) raw[i] = lens[min(base + lane * SCAN_PER_LANE + i, p.batch - 1)];
+    for (int i = 0; i < SCAN_PER_LANE; ++i) len[i] = lens[min(base + lane * SCAN_PER_LANE + i, p.batch - 1)];
 #pragma unroll
     for (int i = 0; i < SCAN_PER_LANE; ++i) {
-        const int len = max(0, min(raw[i], p.max_len));
-        t[i] = base + lane * SCAN_PER_LANE + i < p.batch ? (long long)request_tiles<TILE_TOKENS>(p, len) * uh : 0;
+        len[i] = max(0, min(len[i], p.max_len));
+        t[i] = base + lane * SCAN_PER_LANE + i < p.batch ? (long long)request_tiles<TILE_TOKENS>(p, len[i]) * uh : 0;
     }
 }
 
@@ -101,6 +103,7 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
     // SCAN_PER_LANE requests reads its lengths from memory once, not twice (a round trip of
     // ~1 us at the kernel's start, while the other CTAs' first loads fill the memory queues)
     long long first_round[SCAN_PER_LANE] = {};
+    int first_lens[SCAN_PER_LANE] = {};
     if (!lens) {
         t_min = t_max = (long long)request_tiles<TILE_TOKENS>(p, p.max_len) * uh;
         busy = t_min > 0 ? p.batch : 0;
@@ -110,10 +113,14 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
         t_min = NONE;
         for (int base = 0; base < p.batch; base += 32 * SCAN_PER_LANE) {
             long long t[SCAN_PER_LANE];
-            load_request_tiles<TILE_TOKENS>(p, lens, base, lane, uh, t);
+            int l[SCAN_PER_LANE];
+            load_request_tiles<TILE_TOKENS>(p, lens, base, lane, uh, t, l);
             if (base == 0)
 #pragma unroll
-                for (int i = 0; i < SCAN_PER_LANE; ++i) first_round[i] = t[i];
+                for (int i = 0; i < SCAN_PER_LANE; ++i) {
+                    first_round[i] = t[i];
+                    first_lens[i] = l[i];
+                }
             long long mine = 0, lo = NONE, hi = 0;
             int n = 0;
 #pragma unroll
@@ -133,7 +140,7 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
         make_schedule(total, gridDim.x / p.lanes, p.min_tiles_per_cta, busy * uh, t_min / uh, t_max / uh);
     const int c = blockIdx.x / p.lanes;  // this CTA's place in its lane
     long long lo = 0, hi = 0, req_base = 0;
-    int req = 0;
+    int req = 0, req_len = 0;
     if (c < s.ctas) {
         lo = s.begin(c);
         hi = s.begin(c + 1);
@@ -141,16 +148,21 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
             const long long per = (long long)request_tiles<TILE_TOKENS>(p, p.max_len) * uh;
             req = (int)(lo / per);
             req_base = req * per;
+            req_len = p.max_len;
         } else {
             // the request b with prefix(b) <= lo < prefix(b) + tiles(b) * uh, tiles(b) > 0
             long long prefix = 0;
             for (int base = 0;; base += 32 * SCAN_PER_LANE) {
                 long long t[SCAN_PER_LANE];
+                int l[SCAN_PER_LANE];
                 if (base == 0) {
 #pragma unroll
-                    for (int i = 0; i < SCAN_PER_LANE; ++i) t[i] = first_round[i];
+                    for (int i = 0; i < SCAN_PER_LANE; ++i) {
+                        t[i] = first_round[i];
+                        l[i] = first_lens[i];
+                    }
                 } else {
-                    load_request_tiles<TILE_TOKENS>(p, lens, base, lane, uh, t);
+                    load_request_tiles<TILE_TOKENS>(p, lens, base, lane, uh, t, l);
                 }
                 long long mine = 0;
 #pragma unroll
@@ -176,16 +188,20 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
                         }
                         req = base + lane * SCAN_PER_LANE + i;
                         req_base = at;
+#pragma unroll
+                        for (int k = 0; k < SCAN_PER_LANE; ++k)
+                            if (k == i) req_len = l[k];
                     }
                     req = __shfl_sync(0xffffffffu, req, src);
                     req_base = __shfl_sync(0xffffffffu, req_base, src);
+                    req_len = __shfl_sync(0xffffffffu, req_len, src);
                     break;
                 }
                 prefix += __shfl_sync(0xffffffffu, incl, 31);
             }
         }
     }
-    if (lane == 0) *out = {total, lo, hi, req_base, s.per, req, s.ctas, (int)(blockIdx.x % p.lanes)};
+    if (lane == 0) *out = {total, lo, hi, req_base, s.per, req, req_len, s.ctas, (int)(blockIdx.x % p.lanes)};
 }
 
 // This CTA's place in its lane (schedule.cuh), and the workspace slot of its cut piece that
@@ -204,7 +220,7 @@ struct PieceWalk {
     __device__ __forceinline__ PieceWalk(const PersistentParams& p, const StartShared& s)
         : t(s.lo), hi(s.hi), base(s.base), batch(s.batch), uh(units_per_request(p)), lanes(p.lanes),
           lane(s.lane) {
-        len = t < hi ? request_len(p, batch) : 0;
+        len = t < hi ? s.len : 0;
         set_request(p);
     }
     __device__ __forceinline__ void set_request(const PersistentParams& p) {
