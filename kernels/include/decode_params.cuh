@@ -58,6 +58,10 @@ struct alignas(128) PersistentParams {
     int window_left, window_right;
     // Softcap c (scores s become c tanh(s / c)): 2 / c and c log2(e); 0, 0: off
     float softcap_scale, softcap_log2;
+    // [grid, 4] per CTA, the first tiles it streamed in the decoder's previous call {request,
+    // KV head (of the tensor maps), first position, tiles}: warmed into L2 before the PDL wait
+    // of the next call (decode.cu, "L2 warm-up"); read there as a hint only. Null: none.
+    int* warm_hints;
 };
 
 static_assert(sizeof(PersistentParams) == 512, "PersistentParams must match params.rs");

@@ -112,6 +112,14 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tensor_map, i
     tma_load_4d(smem_addr(dst), tensor_map, c0, c1, c2, c3, smem_addr(bar), policy);
 }
 
+// Tensor-map prefetch of one 4-D box into L2 (PTX ISA 9.7.9.25.5.3,
+// cp.async.bulk.prefetch.tensor): nothing lands in shared memory and nothing waits for it; parts
+// outside the tensor are skipped.
+__device__ __forceinline__ void tma_prefetch_l2_4d(const void* tensor_map, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];"
+                 :: "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+
 // The same for a 5-D box.
 __device__ __forceinline__ void tma_load_5d(u32 dst, const void* tensor_map, int c0, int c1, int c2,
                                             int c3, int c4, u32 bar, u64 policy) {

@@ -334,6 +334,50 @@ __device__ __forceinline__ int acquire_stage(const Ring& r, int n) {
     return s;
 }
 
+// ================================ L2 warm-up before the PDL wait ==========================
+// A CTA's first tiles wait out a DRAM round trip after its schedule is known, which is after the
+// PDL wait: the schedule needs the lengths, which the previous kernel may still be writing.
+// Prefetches into L2 may start before the wait (the previous kernel's writes land in L2, so
+// the loads after it still see them), of tiles guessed without the lengths. A decode step calls
+// one decoder once a layer, every layer with the same lengths, so a CTA's first tiles in the
+// decoder's previous call are its first ones in this call (from a step's second layer on; the
+// first layer's are one position off): each CTA writes them as a hint once its schedule is
+// known (write_warm_hint), and the next call's CTA of that index prefetches them
+// (warm_hinted_tiles). A hint decides nothing the decode computes: it is read while the
+// previous call may still be writing it and clamped to the tensors. Contiguous and strided
+// caches only: a page pool's boxes need page ids, and ids read before the wait as hints made
+// paged rows slower in the split engine (decode_gqa.cu, "L2 warm-up before the PDL wait").
+constexpr int WARM_TILES = 2;
+
+// Producer lane 0, before the PDL wait: the hinted tiles' K and V boxes into L2.
+__device__ __forceinline__ void warm_hinted_tiles(const PersistentParams& p) {
+    if (PAGED || !p.warm_hints) return;
+    const int* hint = p.warm_hints + 4 * blockIdx.x;
+    const int batch = ld_global_l2(hint), kv_head = ld_global_l2(hint + 1);
+    const int first = ld_global_l2(hint + 2), tiles = min(ld_global_l2(hint + 3), WARM_TILES);
+    if (batch < 0 || batch >= p.batch || kv_head < 0 || kv_head >= p.hkv || first < 0 || first >= p.max_len)
+        return;
+    for (int k = 0; k < tiles; ++k)
+#pragma unroll
+        for (int box = 0; box < BOXES; ++box) {
+            tma_prefetch_l2_4d(&p.k_map, box * Kv::DIMS_PER_BOX, kv_head, first + k * TILE_TOKENS, batch);
+            tma_prefetch_l2_4d(&p.v_map, box * Kv::DIMS_PER_BOX, kv_head, first + k * TILE_TOKENS, batch);
+        }
+}
+
+// Thread 0, once the schedule is known: this call's first tiles as the next call's hint (a CTA
+// without work writes a request of -1: nothing to warm).
+__device__ __forceinline__ void write_warm_hint(const PersistentParams& p, const StartShared& st) {
+    if (PAGED || !p.warm_hints) return;
+    Walk walk(p, st);
+    Piece pc;
+    int4 hint = make_int4(-1, 0, 0, 0);
+    if (walk.next(p, pc))
+        hint = make_int4(pc.batch, pc.unit / p.col_blocks, pc.tile_begin(pc.first, TILE_TOKENS),
+                         min(pc.end - pc.first, WARM_TILES));
+    *reinterpret_cast<int4*>(p.warm_hints + 4 * blockIdx.x) = hint;
+}
+
 // Contiguous cache (KvSource for KVS_PAGED 0), lane 0: one box per row of head dims per tile.
 // Positions past the request's length are loaded too (zeros past max_len, whatever the cache
 // holds before it); the consumers mask them.
@@ -1006,6 +1050,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     if (threadIdx.x == PRODUCER_WARP * 32) {
         prefetch_tensor_map(&p.k_map);
         prefetch_tensor_map(&p.v_map);
+        warm_hinted_tiles(p);
     }
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -1037,6 +1082,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     const Schedule sched = {st.total, st.ctas, st.per};
 
     if (p.schedule_log && threadIdx.x == 0) record_schedule<TILE_TOKENS>(p, st);
+    if (threadIdx.x == 0) write_warm_hint(p, st);
 
     if (warp >= PRODUCER_WARP) {
         // ================================ producer warp(s) ================================

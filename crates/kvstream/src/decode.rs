@@ -149,8 +149,8 @@ enum Engine {
 struct PersistentEngine {
     plan: PersistentPlan,
     kernel: LoadedKernel,
-    /// `[o_partial | ml_partial | arrivals]` (PersistentPlan::workspace_offsets); the arrival
-    /// counters are zeroed here once and every call leaves them zero.
+    /// `[o_partial | ml_partial | arrivals | warm_hints]` (PersistentPlan::workspace_offsets);
+    /// the arrival counters are zeroed here once and every call leaves them zero.
     workspace: (CudaSlice<u8>, u64),
     /// Per-CTA record of the pieces (PlanOptions::record_schedule).
     schedule_log: Option<(CudaSlice<i32>, u64)>,
@@ -932,7 +932,7 @@ impl PersistentEngine {
     ) -> Result<()> {
         let pp = &self.plan;
         let ws = self.workspace.1;
-        let (o_off, ml_off, arrivals_off, _) = pp.workspace_offsets(p);
+        let (o_off, ml_off, arrivals_off, hints_off, _) = pp.workspace_offsets(p);
         let tile = pp.variant.tile_tokens;
         let rows = row_strides(p);
         // the caches as the kernel streams them (paired heads: half the heads, 128-dim rows)
@@ -982,6 +982,7 @@ impl PersistentEngine {
             window_right: p.window.to_window_size().1 as i32,
             softcap_scale: p.softcap.map_or(0.0, |c| 2.0 / c),
             softcap_log2: p.softcap.map_or(0.0, |c| c * std::f32::consts::LOG2_E),
+            warm_hints: ws + hints_off as u64,
         };
         let cfg = LaunchConfig {
             grid: [pp.grid as u32, 1, 1],

@@ -447,6 +447,7 @@ impl MlaDecoder {
             window_right: -1,
             softcap_scale: 0.0,
             softcap_log2: 0.0,
+            warm_hints: 0,
         };
         let cfg = LaunchConfig {
             grid: [plan.grid as u32, 1, 1],

@@ -118,6 +118,7 @@ pub struct PersistentParams {
     pub window_right: i32,
     pub softcap_scale: f32,
     pub softcap_log2: f32,
+    pub warm_hints: u64,
 }
 
 // Same number as the static_assert in decode_params.cuh.
@@ -338,6 +339,7 @@ mod tests {
             max_len, scale_log2, page_size, table_stride, num_pages, min_tiles_per_cta, lanes, k_scale,
             v_scale, k_scale_batch_stride, k_scale_head_stride, v_scale_batch_stride,
             v_scale_head_stride, sinks, window_left, window_right, softcap_scale, softcap_log2,
+            warm_hints,
         );
         let header = include_str!("../../../kernels/include/decode_params.cuh");
         let (cuda, size) = cuda_layout(header, "PersistentParams");

@@ -521,17 +521,22 @@ impl PersistentPlan {
         }
     }
 
-    /// Workspace, in bytes: `[o_partial | ml_partial | arrivals]`, each 256-byte aligned; two
-    /// arrival counters a unit (pieces parked, slices merged), which must be zero before the
-    /// first call (the engine keeps them so).
-    pub fn workspace_offsets(&self, problem: &DecodeProblem) -> (usize, usize, usize, usize) {
+    /// Workspace, in bytes: `[o_partial | ml_partial | arrivals | warm_hints]` (offsets, then the
+    /// size), each 256-byte aligned; two arrival counters a unit (pieces parked, slices merged),
+    /// which must be zero before the first call (the engine keeps them so), and four int32 a CTA
+    /// of L2 warm-up hints (any value is safe: the kernel clamps them).
+    pub fn workspace_offsets(
+        &self,
+        problem: &DecodeProblem,
+    ) -> (usize, usize, usize, usize, usize) {
         let columns = self.variant.n_tiles * 8;
         let slots = 2 * self.grid;
         let o = 0;
         let ml = align(slots * columns * problem.head_dim * 4);
         let arrivals = ml + align(slots * columns * 2 * 4);
-        let end = arrivals + align(problem.batch * problem.hkv * self.col_blocks * 2 * 4);
-        (o, ml, arrivals, end)
+        let hints = arrivals + align(problem.batch * problem.hkv * self.col_blocks * 2 * 4);
+        let end = hints + align(self.grid * 4 * 4);
+        (o, ml, arrivals, hints, end)
     }
 }
 
@@ -2289,7 +2294,7 @@ mod tests {
             },
         )
         .unwrap();
-        let (_, ml, _, _) = pp.workspace_offsets(&b16);
+        let (_, ml, ..) = pp.workspace_offsets(&b16);
         assert!(ml >= 2 * 264 * 8 * 128 * 4);
     }
 
