@@ -15,7 +15,8 @@
 # the split engine's fp8 rows at the plan's split count (FP8_TARGET_CTAS_PER_SM), the 2-byte one and
 # twice the plan's (at most 128).
 # `trace` runs the rows TRACE_IDS of TRACE_MATRIX (default bench/serving.json; rows without
-# score modifiers of bench/matrix-models.json too) with the phase-trace kernels (prepare with TRACE=1)
+# score modifiers of bench/matrix-models.json too) with the phase-trace kernels (prepare with TRACE=1;
+# TRACE_ARGS, e.g. `--ctas 132`, forces the persistent engine where the plan picks the split one)
 # and summarises them with bench/trace.py into $OUT/trace (timings there carry the stamps).
 # `serving` runs bench/serving.json (SERVING_ARGS) and bench/serving_peers.py (PEERS_ARGS, e.g.
 # --fa3-contiguous: FA3 on a contiguous copy of the skewed batch).
@@ -278,7 +279,7 @@ fi
 if want trace; then
   mkdir -p $O/trace
   KVSTREAM_TRACE=$O/trace timeout $(cap 300) $B bench --matrix ${TRACE_MATRIX:-bench/serving.json} \
-    --ids "${TRACE_IDS:-contig-d128-b1-L4096,paged16-d128-b1-L4096,paged64-d128-b1-L4096}" --no-plots \
+    --ids "${TRACE_IDS:-contig-d128-b1-L4096,paged16-d128-b1-L4096,paged64-d128-b1-L4096}" ${TRACE_ARGS:-} --no-plots \
     --json $O/trace/bench-traced.json 2>&1 | tail -12
   python3 bench/trace.py $O/trace --json $O/trace/summary.json | tee $O/trace/summary.txt
 fi
