@@ -125,7 +125,7 @@ if want engines; then
     ids=$(python3 -c 'import json, sys; print(",".join(r["id"] for r in json.load(open(sys.argv[1]))["shapes"]
       if r.get("batch", 1) in (1, 4) and not {"window", "sinks", "softcap"} & set(r)))' "$m")
     name=engines-$(basename "$m" .json)
-    timeout $(cap 300) $B bench --matrix "$m" --ids "$ids" --modes --rounds ${ENGINE_ROUNDS:-5} --no-plots \
+    timeout $(cap 300) $B bench --matrix "$m" --ids "$ids" --modes --rounds ${ENGINE_ROUNDS:-7} --no-plots \
       --json $O/$name.json > $O/$name.txt 2>&1; echo "== $name: rc=$?"; tail -5 $O/$name.txt
   done
 fi
