@@ -13,11 +13,16 @@
 //   sequence  the tiles of all units in unit order: T tiles; a request of length 0 owns none.
 //   CTAs      balanced shares: the first G = min(grid, ceil(T / min_tiles)) CTAs work; CTA c
 //             takes the tiles [B(c), B(c + 1)) with B(c) = floor(c * T / G), so every working
-//             CTA has floor(T / G) or ceil(T / G) tiles, whatever the lengths are;
-//             whole units instead where every unit has the same U tiles and k = ceil(N / grid)
-//             units a CTA (N units) are at most WHOLE_UNIT_SLACK tiles over ceil(T / G): CTA c
-//             takes units [c k, (c + 1) k), B(c) = min(c k U, T), ceil(N / k) CTAs work, and no
-//             unit is cut (a cut costs its pieces a park and a merge, about that many tiles).
+//             CTA has floor(T / G) or ceil(T / G) tiles, whatever the lengths are, and most
+//             hold two pieces (the end of one unit, the start of the next);
+//             aligned ranges instead where every unit has the same U tiles (N units) and the
+//             longest range is at most aligned_limit(ceil(T / G)) tiles: whole units, k =
+//             ceil(N / grid) a CTA (N >= G), CTA c takes units [c k, (c + 1) k), B(c) =
+//             min(c k U, T), ceil(N / k) CTAs work and no unit is cut; or units in parts (N < G),
+//             f = ceil(U / q) parts of q = ceil(U / floor(G / N)) tiles a unit, CTA c takes part
+//             c % f of unit c / f, B(c) = (c / f) U + (c % f) q, N f CTAs work and none holds
+//             two pieces. A piece boundary inside a range costs its CTA an epilogue and a
+//             query-row wait, a cut unit a park and a merge: a few idle SMs cost less.
 //   piece     the part of one unit inside one CTA's range. A unit lying in one CTA is written
 //             out by it directly; a unit cut by CTA boundaries has one piece per CTA it touches,
 //             each parked as FP32 partials in a slot, and merged in CTA order (deterministic
@@ -37,19 +42,25 @@
 
 namespace kvs {
 
-constexpr int WHOLE_UNIT_SLACK = 4;
+// The longest aligned range taken over balanced shares of `share` tiles: 1/32 more, plus four
+// tiles (what a unit's cut and merge cost at least).
+__device__ __host__ inline long long aligned_limit(long long share) { return share + share / 32 + 4; }
 
 struct Schedule {
     long long total;  // T: tiles in the sequence
     int ctas;         // G: working CTAs (0 when T = 0)
-    long long per;    // whole units: k U tiles a CTA; 0: balanced shares
+    long long per;    // aligned ranges: k U tiles a CTA (whole units) or q (parts); 0: balanced
+    int unit;         // parts: U, the tiles of every unit; 0: whole units or balanced
 
+    __device__ __host__ int parts() const { return (int)((unit + per - 1) / per); }
     __device__ __host__ long long begin(int c) const {
+        if (unit) return (long long)(c / parts()) * unit + (long long)(c % parts()) * per;
         if (per) return (long long)c * per < total ? (long long)c * per : total;
         return (long long)c * total / ctas;
     }
     // The CTA whose range holds tile t: the largest c with B(c) <= t.
     __device__ __host__ int cta_of(long long t) const {
+        if (unit) return (int)(t / unit) * parts() + (int)((t % unit) / per);
         return per ? (int)(t / per) : (int)(((t + 1) * ctas - 1) / total);
     }
     // Workspace slot of the cut piece of CTA c that starts at tile `start`.
@@ -64,11 +75,17 @@ __device__ __host__ inline Schedule make_schedule(long long total, int grid, int
     const long long wanted = (total + min_tiles - 1) / min_tiles;
     const int ctas = (int)(wanted < grid ? wanted : grid);
     if (total > 0 && unit_min == unit_max) {
-        const long long k = (units + grid - 1) / grid;
-        if (k * unit_min <= (total + ctas - 1) / ctas + WHOLE_UNIT_SLACK)
-            return {total, (int)((units + k - 1) / k), k * unit_min};
+        const long long limit = aligned_limit((total + ctas - 1) / ctas);
+        if (units >= ctas) {
+            const long long k = (units + grid - 1) / grid;
+            if (k * unit_min <= limit) return {total, (int)((units + k - 1) / k), k * unit_min, 0};
+        } else {
+            const long long q = (unit_min + ctas / units - 1) / (ctas / units);
+            const int f = (int)((unit_min + q - 1) / q);
+            if (q <= limit) return {total, (int)(units * f), q, f > 1 ? (int)unit_min : 0};
+        }
     }
-    return {total, ctas, 0};
+    return {total, ctas, 0, 0};
 }
 
 // Workspace slot of a cut piece of lane `lane` (of `lanes`) whose in-lane slot is `slot`.

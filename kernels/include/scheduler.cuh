@@ -49,10 +49,12 @@ struct StartShared {
     long long lo, hi; // this CTA's tiles
     long long base;   // global index of the first tile of `batch`
     long long per;    // Schedule::per
+    int unit;         // Schedule::unit
     int batch;        // the request holding tile lo
     int len;          // its length (clamped): the walks start without a load of their own
-    int ctas;         // working CTAs (of each lane)
-    int lane;         // this CTA's lane (lanes > 1): the last index of every unit it streams
+    short ctas;       // working CTAs (of each lane; at most MERGE_MAX_PIECES)
+    short lane;       // this CTA's lane (lanes > 1): the last index of every unit it streams
+    __device__ __forceinline__ Schedule schedule() const { return {total, ctas, per, unit}; }
 };
 
 __device__ __forceinline__ long long warp_sum(long long v) {
@@ -201,7 +203,7 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
             }
         }
     }
-    if (lane == 0) *out = {total, lo, hi, req_base, s.per, req, req_len, s.ctas, (int)(blockIdx.x % p.lanes)};
+    if (lane == 0) *out = {total, lo, hi, req_base, s.per, s.unit, req, req_len, (short)s.ctas, (short)(blockIdx.x % p.lanes)};
 }
 
 // This CTA's place in its lane (schedule.cuh), and the workspace slot of its cut piece that

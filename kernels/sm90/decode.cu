@@ -1079,7 +1079,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     __syncthreads();
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_SCHEDULED);
     const StartShared st = *start;
-    const Schedule sched = {st.total, st.ctas, st.per};
+    const Schedule sched = st.schedule();
 
     if (p.schedule_log && threadIdx.x == 0) record_schedule<TILE_TOKENS>(p, st);
     if (threadIdx.x == 0) write_warm_hint(p, st);

@@ -434,7 +434,7 @@ __device__ __forceinline__ Tally consume_narrow(const PersistentParams& p, unsig
     u64* q_empty = reinterpret_cast<u64*>(smem + NarrowShared::q_empty);
     float* tile_max = reinterpret_cast<float*>(smem + NarrowShared::tile_max);
     float* slice_l = reinterpret_cast<float*>(smem + NarrowShared::slice_l);
-    const Schedule sched = {st.total, st.ctas, st.per};
+    const Schedule sched = st.schedule();
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
@@ -806,7 +806,7 @@ __device__ __forceinline__ Tally consume_wide(const PersistentParams& p, unsigne
     float* row_alpha = reinterpret_cast<float*>(smem + WideShared::row_alpha);
     float* row_m = reinterpret_cast<float*>(smem + WideShared::row_m);
     float* row_l = reinterpret_cast<float*>(smem + WideShared::row_l);
-    const Schedule sched = {st.total, st.ctas, st.per};
+    const Schedule sched = st.schedule();
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / WG_THREADS, 0);  // warp-uniform for ptxas
     const int lane = threadIdx.x % 32;
     const int r0 = 16 * ((threadIdx.x % WG_THREADS) / 32) + lane / 4;  // and r0 + 8
@@ -1105,7 +1105,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode_mla(const __
     }
     const CutUnits cuts = cut_units<TILE_TOKENS>(p, st);
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_PARKED);
-    const Schedule sched = {st.total, st.ctas, st.per};
+    const Schedule sched = st.schedule();
     if (cuts.has_first) merge_cut_unit(p, sched, cuts.first, st.lane, smem);
     if (cuts.has_last) merge_cut_unit(p, sched, cuts.last, st.lane, smem);
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_MERGED);

@@ -3,9 +3,11 @@
 //! this out on the device at every call; this model is what the tests compare the kernel's
 //! record with, and what the CPU reference uses to check the merge rule.
 
-/// Most tiles a whole-unit schedule may put on a CTA over the balanced share and still be
-/// chosen (`WHOLE_UNIT_SLACK`): about what cutting a unit costs its pieces (a park and a merge).
-pub const WHOLE_UNIT_SLACK: u64 = 4;
+/// The longest aligned range (`aligned_limit`) taken over balanced shares of `share` tiles:
+/// 1/32 more, plus four tiles (what a unit's cut and merge cost at least).
+pub fn aligned_limit(share: u64) -> u64 {
+    share + share / 32 + 4
+}
 
 /// The sequence of `total` tiles cut over `ctas` working CTAs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -14,15 +16,19 @@ pub struct Schedule {
     pub total: u64,
     /// Working CTAs (0 when there are no tiles).
     pub ctas: usize,
-    /// Whole units: the tiles of each CTA (k units of U tiles); 0: balanced shares.
+    /// Aligned ranges: the tiles of each CTA (k whole units of U tiles) or of each part of a
+    /// unit (q); 0: balanced shares.
     pub per: u64,
+    /// Units in parts: U, the tiles of every unit; 0: whole units or balanced shares.
+    pub unit: u64,
 }
 
 impl Schedule {
     /// `make_schedule`: at most `grid` CTAs, each with at least `min_tiles` tiles where there
-    /// are enough, in balanced shares; or whole units where all `units` units have the same
-    /// tiles (`unit_min == unit_max`) and that costs a CTA at most [`WHOLE_UNIT_SLACK`] tiles
-    /// over the balanced share.
+    /// are enough, in balanced shares; or aligned ranges where all `units` units have the same
+    /// tiles (`unit_min == unit_max`) and the longest range is at most [`aligned_limit`] of the
+    /// balanced share: k whole units a CTA where there are as many units as CTAs, else each
+    /// unit in equal parts.
     pub fn new(
         total: u64,
         grid: usize,
@@ -33,25 +39,49 @@ impl Schedule {
     ) -> Self {
         let ctas = total.div_ceil(min_tiles as u64).min(grid as u64);
         if total > 0 && unit_min == unit_max {
-            let k = units.div_ceil(grid as u64);
-            if k * unit_min <= total.div_ceil(ctas) + WHOLE_UNIT_SLACK {
-                return Schedule {
-                    total,
-                    ctas: units.div_ceil(k) as usize,
-                    per: k * unit_min,
-                };
+            let limit = aligned_limit(total.div_ceil(ctas));
+            if units >= ctas {
+                let k = units.div_ceil(grid as u64);
+                if k * unit_min <= limit {
+                    return Schedule {
+                        total,
+                        ctas: units.div_ceil(k) as usize,
+                        per: k * unit_min,
+                        unit: 0,
+                    };
+                }
+            } else {
+                let q = unit_min.div_ceil(ctas / units);
+                let f = unit_min.div_ceil(q);
+                if q <= limit {
+                    return Schedule {
+                        total,
+                        ctas: (units * f) as usize,
+                        per: q,
+                        unit: if f > 1 { unit_min } else { 0 },
+                    };
+                }
             }
         }
         Schedule {
             total,
             ctas: ctas as usize,
             per: 0,
+            unit: 0,
         }
+    }
+
+    /// Parts of a unit (units in parts).
+    fn parts(&self) -> u64 {
+        self.unit.div_ceil(self.per)
     }
 
     /// B(c): the first tile of CTA c.
     pub fn begin(&self, c: usize) -> u64 {
-        if self.per > 0 {
+        if self.unit > 0 {
+            let c = c as u64;
+            (c / self.parts()) * self.unit + (c % self.parts()) * self.per
+        } else if self.per > 0 {
             (c as u64 * self.per).min(self.total)
         } else {
             c as u64 * self.total / self.ctas as u64
@@ -60,9 +90,12 @@ impl Schedule {
 
     /// The CTA whose range holds tile `t`.
     pub fn cta_of(&self, t: u64) -> usize {
-        match t.checked_div(self.per) {
-            Some(c) => c as usize, // whole units
-            None => (((t + 1) * self.ctas as u64 - 1) / self.total) as usize,
+        if self.unit > 0 {
+            ((t / self.unit) * self.parts() + (t % self.unit) / self.per) as usize
+        } else if self.per > 0 {
+            (t / self.per) as usize // whole units
+        } else {
+            (((t + 1) * self.ctas as u64 - 1) / self.total) as usize
         }
     }
 
@@ -358,17 +391,22 @@ mod tests {
                 let share: u64 = list.iter().map(|p| (p.end - p.first) as u64).sum();
                 assert_eq!(share, s.begin(c + 1) - s.begin(c), "case {case} cta {c}");
                 let floor = total / s.ctas as u64;
-                if s.per > 0 {
+                let balanced = total.div_ceil(total.div_ceil(min_tiles as u64).min(grid as u64));
+                if s.unit > 0 {
+                    // units in parts: one piece a CTA, every part q tiles but a unit's last,
+                    // at most the limit over the balanced share
+                    assert_eq!(list.len(), 1, "case {case}: two pieces in one part");
+                    assert!(share == s.per || (list[0].end == list[0].tiles && share < s.per));
+                    assert!(s.per <= aligned_limit(balanced), "case {case}");
+                } else if s.per > 0 {
                     // whole units: k of them a CTA (the last CTA the rest), none cut, at most
-                    // the slack over the balanced share of the CTAs the grid would have had
+                    // the limit over the balanced share of the CTAs the grid would have had
                     assert!(share == s.per || (c + 1 == s.ctas && share <= s.per));
                     assert!(
                         list.iter().all(|p| p.whole()),
                         "case {case}: a cut whole unit"
                     );
-                    let balanced =
-                        total.div_ceil(total.div_ceil(min_tiles as u64).min(grid as u64));
-                    assert!(s.per <= balanced + WHOLE_UNIT_SLACK, "case {case}");
+                    assert!(s.per <= aligned_limit(balanced), "case {case}");
                 } else {
                     assert!(
                         share == floor || share == floor + 1,
@@ -518,14 +556,31 @@ mod tests {
                     total,
                     ctas,
                     per: 0,
+                    unit: 0,
                 };
                 let per = total.div_ceil(ctas as u64);
                 let whole = Schedule {
                     total,
                     ctas: total.div_ceil(per) as usize,
                     per,
+                    unit: 0,
                 };
-                for s in [balanced, whole] {
+                let mut schedules = vec![balanced, whole];
+                if ctas == 1 && total <= 120 {
+                    // units in parts: `units` units of U tiles, each in f parts of q
+                    for units in (1..total).filter(|u| total % u == 0) {
+                        let unit = total / units;
+                        for q in 1..unit {
+                            schedules.push(Schedule {
+                                total,
+                                ctas: (units * unit.div_ceil(q)) as usize,
+                                per: q,
+                                unit,
+                            });
+                        }
+                    }
+                }
+                for s in schedules {
                     for t in 0..total {
                         let c = s.cta_of(t);
                         assert!(c < s.ctas, "{s:?} {t}");
@@ -536,23 +591,30 @@ mod tests {
         }
     }
 
-    /// Whole units where uniform units fit the slack, balanced shares elsewhere (32/8 heads,
+    /// Aligned ranges where uniform units fit the limit, balanced shares elsewhere (32/8 heads,
     /// d 128: 8 units a request, 64-position tiles, 132 SMs, 2 tiles at least).
     #[test]
-    fn uniform_batches_take_whole_units_where_they_fit() {
+    fn uniform_batches_take_aligned_ranges_where_they_fit() {
         let plan = |batch: usize, len: usize| {
             let (s, per_cta) = pieces(&vec![len; batch], 8, 64, 132, 2);
-            let cut = per_cta.iter().flatten().filter(|p| !p.whole()).count();
-            (s.ctas, s.per, cut)
+            let most = per_cta.iter().map(Vec::len).max().unwrap_or(0);
+            (s.ctas, s.per, s.unit, most)
         };
-        assert_eq!(plan(16, 4096), (128, 64, 0)); // one unit a CTA: 64 tiles, share 63
-        assert_eq!(plan(32, 4096), (128, 128, 0)); // two: 128, share 125
-        assert_eq!(plan(64, 4096).1, 0); // four would be 256 tiles, share 249: cut
-        assert_eq!(plan(16, 32768).1, 0); // 512 tiles, share 497
-        assert_eq!(plan(1, 4096).1, 0); // 8 units over 132 CTAs
-                                        // a zero-length request leaves the others uniform
+        // whole units: one or more a CTA, four SMs idle
+        assert_eq!(plan(16, 4096), (128, 64, 0, 1)); // share 63
+        assert_eq!(plan(32, 4096), (128, 128, 0, 2)); // share 125
+        assert_eq!(plan(64, 4096), (128, 256, 0, 4)); // share 249, limit 260
+        assert_eq!(plan(16, 32768), (128, 512, 0, 1)); // share 497, limit 516
+                                                       // units in parts: one piece a CTA
+        assert_eq!(plan(1, 4096), (128, 4, 64, 1)); // 16 parts of 4
+        assert_eq!(plan(4, 4096), (128, 16, 64, 1)); // 4 parts of 16
+        assert_eq!(plan(8, 4096), (128, 32, 64, 1)); // 2 parts of 32
+        assert_eq!(plan(3, 4096), (120, 13, 64, 1)); // 5 parts of 13 (the last 12), share 12
+                                                     // 48 units in two parts of 32 against a share of 24: balanced
+        assert_eq!(plan(6, 4096).1, 0);
+        // a zero-length request leaves the others uniform
         let (s, per_cta) = pieces(&[4096, 0, 4096], 8, 64, 16, 2);
-        assert_eq!((s.ctas, s.per), (16, 64));
+        assert_eq!((s.ctas, s.per, s.unit), (16, 64, 0));
         assert!(per_cta.iter().flatten().all(|p| p.whole()));
         // one different length: balanced
         assert_eq!(pieces(&[4096, 4032], 8, 64, 16, 2).0.per, 0);
