@@ -46,22 +46,31 @@ namespace kvs {
 // tiles (what a unit's cut and merge cost at least).
 __device__ __host__ inline long long aligned_limit(long long share) { return share + share / 32 + 4; }
 
+// a / b for a >= 0, b > 0: a 32-bit division where a fits (a 64-bit one is a called routine
+// of ~70 instructions, and the schedule's run at the start and at every merge)
+__device__ __host__ inline long long div_tiles(long long a, long long b) {
+    return a <= 0x7fffffff && b <= 0x7fffffff ? (long long)((unsigned)a / (unsigned)b) : a / b;
+}
+
 struct Schedule {
     long long total;  // T: tiles in the sequence
     int ctas;         // G: working CTAs (0 when T = 0)
     long long per;    // aligned ranges: k U tiles a CTA (whole units) or q (parts); 0: balanced
     int unit;         // parts: U, the tiles of every unit; 0: whole units or balanced
+    int parts;        // parts: f = ceil(U / q) a unit
 
-    __device__ __host__ int parts() const { return (int)((unit + per - 1) / per); }
     __device__ __host__ long long begin(int c) const {
-        if (unit) return (long long)(c / parts()) * unit + (long long)(c % parts()) * per;
+        if (unit) return (long long)(c / parts) * unit + (long long)(c % parts) * per;
         if (per) return (long long)c * per < total ? (long long)c * per : total;
-        return (long long)c * total / ctas;
+        return div_tiles((long long)c * total, ctas);
     }
     // The CTA whose range holds tile t: the largest c with B(c) <= t.
     __device__ __host__ int cta_of(long long t) const {
-        if (unit) return (int)(t / unit) * parts() + (int)((t % unit) / per);
-        return per ? (int)(t / per) : (int)(((t + 1) * ctas - 1) / total);
+        if (unit) {
+            const long long u = div_tiles(t, unit);
+            return (int)u * parts + (int)(t - u * unit) / (int)per;
+        }
+        return (int)(per ? div_tiles(t, per) : div_tiles((t + 1) * ctas - 1, total));
     }
     // Workspace slot of the cut piece of CTA c that starts at tile `start`.
     __device__ __host__ int slot(int c, long long start) const {
@@ -72,20 +81,21 @@ struct Schedule {
 // `units` units of tiles, the shortest `unit_min` tiles and the longest `unit_max`.
 __device__ __host__ inline Schedule make_schedule(long long total, int grid, int min_tiles, long long units,
                                                   long long unit_min, long long unit_max) {
-    const long long wanted = (total + min_tiles - 1) / min_tiles;
+    const long long wanted = div_tiles(total + min_tiles - 1, min_tiles);
     const int ctas = (int)(wanted < grid ? wanted : grid);
     if (total > 0 && unit_min == unit_max) {
-        const long long limit = aligned_limit((total + ctas - 1) / ctas);
+        const long long limit = aligned_limit(div_tiles(total + ctas - 1, ctas));
         if (units >= ctas) {
-            const long long k = (units + grid - 1) / grid;
-            if (k * unit_min <= limit) return {total, (int)((units + k - 1) / k), k * unit_min, 0};
+            const long long k = div_tiles(units + grid - 1, grid);
+            if (k * unit_min <= limit) return {total, (int)div_tiles(units + k - 1, k), k * unit_min, 0, 1};
         } else {
-            const long long q = (unit_min + ctas / units - 1) / (ctas / units);
-            const int f = (int)((unit_min + q - 1) / q);
-            if (q <= limit) return {total, (int)(units * f), q, f > 1 ? (int)unit_min : 0};
+            const int each = ctas / (int)units;  // CTAs a unit (units < ctas)
+            const long long q = div_tiles(unit_min + each - 1, each);
+            const int f = (int)div_tiles(unit_min + q - 1, q);
+            if (q <= limit) return {total, (int)units * f, q, f > 1 ? (int)unit_min : 0, f};
         }
     }
-    return {total, ctas, 0, 0};
+    return {total, ctas, 0, 0, 1};
 }
 
 // Workspace slot of a cut piece of lane `lane` (of `lanes`) whose in-lane slot is `slot`.

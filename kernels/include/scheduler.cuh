@@ -54,7 +54,10 @@ struct StartShared {
     int len;          // its length (clamped): the walks start without a load of their own
     short ctas;       // working CTAs (of each lane; at most MERGE_MAX_PIECES)
     short lane;       // this CTA's lane (lanes > 1): the last index of every unit it streams
-    __device__ __forceinline__ Schedule schedule() const { return {total, ctas, per, unit}; }
+    // (parts: per < unit, both int; a 32-bit division)
+    __device__ __forceinline__ Schedule schedule() const {
+        return {total, ctas, per, unit, unit ? (unit + (int)per - 1) / (int)per : 1};
+    }
 };
 
 __device__ __forceinline__ long long warp_sum(long long v) {
@@ -237,7 +240,7 @@ struct PieceWalk {
             len = request_len(p, ++batch);
             set_request(p);
         }
-        const int unit = (int)((t - base) / tiles);
+        const int unit = (int)div_tiles(t - base, tiles);
         const long long start = base + (long long)unit * tiles;
         const long long end = hi - start < tiles ? hi - start : tiles;
         pc = {batch, unit * lanes + lane, len, (int)(t - start), (int)end, tiles, start, origin};

@@ -21,6 +21,8 @@ pub struct Schedule {
     pub per: u64,
     /// Units in parts: U, the tiles of every unit; 0: whole units or balanced shares.
     pub unit: u64,
+    /// Units in parts: f = ceil(U / q) parts a unit; 1 otherwise.
+    pub parts: u64,
 }
 
 impl Schedule {
@@ -48,6 +50,7 @@ impl Schedule {
                         ctas: units.div_ceil(k) as usize,
                         per: k * unit_min,
                         unit: 0,
+                        parts: 1,
                     };
                 }
             } else {
@@ -59,6 +62,7 @@ impl Schedule {
                         ctas: (units * f) as usize,
                         per: q,
                         unit: if f > 1 { unit_min } else { 0 },
+                        parts: f,
                     };
                 }
             }
@@ -68,19 +72,15 @@ impl Schedule {
             ctas: ctas as usize,
             per: 0,
             unit: 0,
+            parts: 1,
         }
-    }
-
-    /// Parts of a unit (units in parts).
-    fn parts(&self) -> u64 {
-        self.unit.div_ceil(self.per)
     }
 
     /// B(c): the first tile of CTA c.
     pub fn begin(&self, c: usize) -> u64 {
         if self.unit > 0 {
             let c = c as u64;
-            (c / self.parts()) * self.unit + (c % self.parts()) * self.per
+            (c / self.parts) * self.unit + (c % self.parts) * self.per
         } else if self.per > 0 {
             (c as u64 * self.per).min(self.total)
         } else {
@@ -91,7 +91,7 @@ impl Schedule {
     /// The CTA whose range holds tile `t`.
     pub fn cta_of(&self, t: u64) -> usize {
         if self.unit > 0 {
-            ((t / self.unit) * self.parts() + (t % self.unit) / self.per) as usize
+            ((t / self.unit) * self.parts + (t % self.unit) / self.per) as usize
         } else if self.per > 0 {
             (t / self.per) as usize // whole units
         } else {
@@ -557,6 +557,7 @@ mod tests {
                     ctas,
                     per: 0,
                     unit: 0,
+                    parts: 1,
                 };
                 let per = total.div_ceil(ctas as u64);
                 let whole = Schedule {
@@ -564,6 +565,7 @@ mod tests {
                     ctas: total.div_ceil(per) as usize,
                     per,
                     unit: 0,
+                    parts: 1,
                 };
                 let mut schedules = vec![balanced, whole];
                 if ctas == 1 && total <= 120 {
@@ -576,6 +578,7 @@ mod tests {
                                 ctas: (units * unit.div_ceil(q)) as usize,
                                 per: q,
                                 unit,
+                                parts: unit.div_ceil(q),
                             });
                         }
                     }
@@ -605,12 +608,14 @@ mod tests {
         assert_eq!(plan(32, 4096), (128, 128, 0, 2)); // share 125
         assert_eq!(plan(64, 4096), (128, 256, 0, 4)); // share 249, limit 260
         assert_eq!(plan(16, 32768), (128, 512, 0, 1)); // share 497, limit 516
-                                                       // units in parts: one piece a CTA
+
+        // units in parts: one piece a CTA
         assert_eq!(plan(1, 4096), (128, 4, 64, 1)); // 16 parts of 4
         assert_eq!(plan(4, 4096), (128, 16, 64, 1)); // 4 parts of 16
         assert_eq!(plan(8, 4096), (128, 32, 64, 1)); // 2 parts of 32
         assert_eq!(plan(3, 4096), (120, 13, 64, 1)); // 5 parts of 13 (the last 12), share 12
-                                                     // 48 units in two parts of 32 against a share of 24: balanced
+
+        // 48 units in two parts of 32 against a share of 24: balanced
         assert_eq!(plan(6, 4096).1, 0);
         // a zero-length request leaves the others uniform
         let (s, per_cta) = pieces(&[4096, 0, 4096], 8, 64, 16, 2);
