@@ -90,10 +90,10 @@ impl Schedule {
 
     /// The CTA whose range holds tile `t`.
     pub fn cta_of(&self, t: u64) -> usize {
-        if self.unit > 0 {
-            ((t / self.unit) * self.parts + (t % self.unit) / self.per) as usize
-        } else if self.per > 0 {
-            (t / self.per) as usize // whole units
+        if let Some(u) = t.checked_div(self.unit) {
+            (u * self.parts + (t - u * self.unit) / self.per) as usize // units in parts
+        } else if let Some(c) = t.checked_div(self.per) {
+            c as usize // whole units
         } else {
             (((t + 1) * self.ctas as u64 - 1) / self.total) as usize
         }
