@@ -1026,6 +1026,13 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
 
 using namespace kvs;
 
+// The scheduler role as a function of its own: inlined into the consumer warps' code, its
+// registers made ptxas spill the paired-softmax variants (two consumer groups at 168 registers);
+// it runs once a CTA, so the call costs nothing measurable.
+__device__ __noinline__ void schedule_apart(const PersistentParams& p, StartShared* out) {
+    schedule_start<TILE_TOKENS>(p, out);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid_constant__ PersistentParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((SharedPlan::align - smem_addr(smem_raw) % SharedPlan::align) %
@@ -1069,7 +1076,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
     pdl_wait_for_producer();
     pdl_release_dependents();
     if (TRACE && threadIdx.x == 0) trace_stamp(TRACE_WAITED);
-    if (warp == 0) schedule_start<TILE_TOKENS>(p, start);
+    if (warp == 0) schedule_apart(p, start);
     if constexpr (HEADS_PER_ROW > 1) {
         // the other head's half of every query row: zero for good (the bulk copies write only
         // their own half, and a column slot keeps its half on every piece)
