@@ -1027,8 +1027,8 @@ __device__ __forceinline__ void consume_wide_piece(const PersistentParams& p, co
 using namespace kvs;
 
 // The scheduler role as a function of its own: inlined into the consumer warps' code, its
-// registers made ptxas spill the paired-softmax variants (two consumer groups at 168 registers);
-// it runs once a CTA, so the call costs nothing measurable.
+// registers made ptxas spill the paired-softmax variants (two consumer groups at 168 registers).
+// It runs once a CTA, before any tile is issued.
 __device__ __noinline__ void schedule_apart(const PersistentParams& p, StartShared* out) {
     schedule_start<TILE_TOKENS>(p, out);
 }
