@@ -34,9 +34,9 @@ __device__ __forceinline__ int* unit_counters(const PersistentParams& p, int bat
 }
 
 // Thread 0 counts a piece in once the caller's barrier has ordered every thread's partials
-// before it (the release pairs with wait_until_parked's acquire).
+// before it (the release pairs with wait_until_parked's acquire; nothing is acquired here).
 __device__ __forceinline__ void count_piece_in(const PersistentParams& p, int batch, int unit) {
-    if (threadIdx.x == 0) atom_add_acq_rel_gpu(unit_counters(p, batch, unit), 1);
+    if (threadIdx.x == 0) red_add_release_gpu(unit_counters(p, batch, unit), 1);
 }
 
 // The pieces of a cut unit whose tiles start at global tile `start` (`tiles` of them): piece i
@@ -84,10 +84,13 @@ __device__ __forceinline__ void wait_until_parked(const int* counters, int piece
 }
 
 // Once every thread's slice is written: the slice counted in; the last resets both counters.
+// Relaxed: the slices' outputs are for the next kernel (ordered by the grid's end), and every
+// count comes after its CTA's acquire of the full piece count (wait_until_parked), so the reset
+// follows every read of it.
 template <int THREADS>
 __device__ __forceinline__ void count_slice_in(int* counters, int pieces) {
     named_barrier_sync(1, THREADS);
-    if (threadIdx.x == 0 && atom_add_acq_rel_gpu(counters + 1, 1) == pieces - 1) {
+    if (threadIdx.x == 0 && atom_add_relaxed_gpu(counters + 1, 1) == pieces - 1) {
         counters[0] = 0;
         counters[1] = 0;
     }

@@ -214,15 +214,20 @@ __device__ __forceinline__ float4 ld_global_l2(const float4* ptr) {
     return v;
 }
 
-// Adds `v` to a global counter at GPU scope with acquire-release semantics and returns the old
-// value (PTX ISA 9.7.13.5, atom; memory model 8.x). Issued by one thread after a bar.sync, its
-// release covers what the whole CTA wrote before the barrier (cumulativity), and its acquire
-// makes what the earlier releasers wrote visible to this CTA after the next bar.sync. One
-// thread's atomic instead of a fence in every thread (`__threadfence` is a sequentially
-// consistent MEMBAR.SC.GPU in each of them).
-__device__ __forceinline__ int atom_add_acq_rel_gpu(int* ptr, int v) {
+// Adds `v` to a global counter at GPU scope with release semantics, no value returned (PTX ISA
+// 9.7.13.6, red; memory model 8.x). Issued by one thread after a bar.sync, its release covers
+// what the whole CTA wrote before the barrier (cumulativity): one thread's fence instead of one
+// in every thread (`__threadfence` is a sequentially consistent MEMBAR.SC.GPU in each of them).
+// Nothing is acquired and the old value is not waited for.
+__device__ __forceinline__ void red_add_release_gpu(int* ptr, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(ptr), "r"(v) : "memory");
+}
+
+// Adds `v` to a global counter at GPU scope, relaxed (no fence), and returns the old value: for
+// counts that order nothing but themselves.
+__device__ __forceinline__ int atom_add_relaxed_gpu(int* ptr, int v) {
     int old;
-    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
+    asm volatile("atom.add.relaxed.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
     return old;
 }
 
