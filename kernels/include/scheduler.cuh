@@ -9,6 +9,7 @@
 #include "decode_params.cuh"
 #include "ptx.cuh"
 #include "schedule.cuh"
+#include "trace.cuh"
 
 namespace kvs {
 
@@ -97,8 +98,11 @@ __device__ __forceinline__ void load_request_tiles(const PersistentParams& p, co
 // Consumer warp 0: the sequence's length and where this CTA's range starts. Lane l holds the
 // tile counts of requests base + 8l .. base + 8l + 7 per round, so up to 256 requests take one
 // round trip to memory per pass.
+// (lengths_point / written_point: trace points lane 0 stamps once the first round of lengths is
+// in registers and once the start is written; -1 for none)
 template <int TILE_TOKENS>
-__device__ __forceinline__ void schedule_start(const PersistentParams& p, StartShared* out) {
+__device__ __forceinline__ void schedule_start(const PersistentParams& p, StartShared* out, int lengths_point = -1,
+                                               int written_point = -1) {
     const int lane = threadIdx.x % 32;
     const int uh = units_per_request(p);
     const int* lens = p.seqlens;
@@ -137,6 +141,8 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
             }
             total += warp_sum(mine);
             busy += warp_sum(n);
+            // (a branch on the loaded values: the stamp cannot be scheduled before they land)
+            if (TRACE && base == 0 && lengths_point >= 0 && lane == 0 && total >= 0) trace_stamp(lengths_point);
             t_min = min(t_min, warp_min(lo));
             t_max = max(t_max, warp_max(hi));
         }
@@ -207,6 +213,7 @@ __device__ __forceinline__ void schedule_start(const PersistentParams& p, StartS
         }
     }
     if (lane == 0) *out = {total, lo, hi, req_base, s.per, s.unit, req, req_len, (short)s.ctas, (short)(blockIdx.x % p.lanes)};
+    if (TRACE && written_point >= 0 && lane == 0) trace_stamp(written_point);
 }
 
 // This CTA's place in its lane (schedule.cuh), and the workspace slot of its cut piece that

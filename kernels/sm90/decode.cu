@@ -119,6 +119,10 @@ enum TracePoint {
     TRACE_PARKED,       // thread 0, every piece written or parked
     TRACE_MERGED,       // thread 0, its slices of the cut units' merges written
     TRACE_EXIT,         // thread 0, every consumer done
+    TRACE_LENGTHS,      // scheduler lane 0, the first round of lengths in registers
+    TRACE_START_WRITTEN,  // scheduler lane 0, the CTA's start written for the other roles
+    TRACE_PRODUCER_READY,  // contiguous producer, its role entered (the schedule read)
+    TRACE_Q_ISSUED,     // contiguous producer, the first piece's query rows issued
 };
 
 constexpr bool IS_F16 = KVS_IS_F16;
@@ -383,7 +387,9 @@ __device__ __forceinline__ void write_warm_hint(const PersistentParams& p, const
 // holds before it); the consumers mask them.
 __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, const Ring& r,
                                                    const StartShared& start, u64 policy) {
+    if (TRACE) trace_stamp(TRACE_PRODUCER_READY);
     ProducerWalk walk(p, start, r, true);
+    if (TRACE) trace_stamp(TRACE_Q_ISSUED);
     Piece pc;
     int n = 0;
     while (walk.next(p, r, true, pc)) {
@@ -1030,7 +1036,7 @@ using namespace kvs;
 // registers made ptxas spill the paired-softmax variants (two consumer groups at 168 registers).
 // It runs once a CTA, before any tile is issued.
 __device__ __noinline__ void schedule_apart(const PersistentParams& p, StartShared* out) {
-    schedule_start<TILE_TOKENS>(p, out);
+    schedule_start<TILE_TOKENS>(p, out, TRACE_LENGTHS, TRACE_START_WRITTEN);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid_constant__ PersistentParams p) {

@@ -52,6 +52,10 @@ const PERSISTENT_POINTS: [&str; 12] = [
 /// CTA's first merge (its cut unit's pieces all parked, the merge started, its own part done,
 /// every thread's part done).
 const MLA_MERGE_POINTS: [&str; 4] = ["all_parked", "merge_start", "merge_done", "merge_synced"];
+/// Trace points of decode.cu's `TracePoint` after the persistent engine's: the start's steps (the
+/// scheduler's first round of lengths in registers, its result written; the contiguous
+/// producer's walk built, the first piece's query rows issued).
+const GQA_START_POINTS: [&str; 4] = ["lengths", "start_written", "producer_ready", "q_issued"];
 /// Record ring size, trace slots per record and record bytes of decode_gqa.cu
 /// (`TRACE_RECORDS`, `TRACE_SLOTS`, `TraceRecord`).
 const RECORDS: usize = 1 << 15;
@@ -116,7 +120,7 @@ pub fn dump(
         } else if variant.starts_with("decode_mla.") {
             [PERSISTENT_POINTS.as_slice(), MLA_MERGE_POINTS.as_slice()].concat()
         } else {
-            PERSISTENT_POINTS.to_vec()
+            [PERSISTENT_POINTS.as_slice(), GQA_START_POINTS.as_slice()].concat()
         };
         // the persistent kernel's `splits` field counts its pieces
         let tail = if variant.starts_with("decode_gqa.") {
