@@ -2,7 +2,7 @@
 // kvstream bench` compiles it and writes the records): per CTA, the global timer and the SM clock
 // at each trace point, parked in shared memory by the one thread that sees the point and
 // written out as one record per CTA at its end. The record layout is the one
-// crates/kvstream-cli/src/trace.rs reads (16 slots, 224 bytes, a ring of TRACE_RECORDS).
+// crates/kvstream-cli/src/trace.rs reads (24 slots, 320 bytes, a ring of TRACE_RECORDS).
 #pragma once
 
 #include "ptx.cuh"
@@ -14,13 +14,13 @@
 namespace kvs {
 
 constexpr bool TRACE = KVS_TRACE;
-constexpr int TRACE_SLOTS = 16;
+constexpr int TRACE_SLOTS = 24;
 struct TraceRecord {
     u64 ns[TRACE_SLOTS];      // global timer, 0 where a point was not reached
     u32 cycles[TRACE_SLOTS];  // SM clock at the same points
     u32 block[3], sm, tiles, splits, len, flags;  // splits: a persistent CTA's pieces
 };
-static_assert(sizeof(TraceRecord) == 224, "records are 224 bytes (trace.rs reads them so)");
+static_assert(sizeof(TraceRecord) == 320, "records are 320 bytes (trace.rs reads them so)");
 constexpr int TRACE_RECORDS = 1 << 15;
 #if KVS_TRACE
 extern "C" {  // unmangled, for cuModuleGetGlobal

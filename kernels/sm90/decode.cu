@@ -123,6 +123,11 @@ enum TracePoint {
     TRACE_START_WRITTEN,  // scheduler lane 0, the CTA's start written for the other roles
     TRACE_PRODUCER_READY,  // contiguous producer, its role entered (the schedule read)
     TRACE_Q_ISSUED,     // contiguous producer, the first piece's query rows issued
+    TRACE_ALL_PARKED,   // thread 0, its first cut unit's pieces all parked (the merge may start)
+    TRACE_MERGE_START,  // thread 0, the first merge's barrier passed
+    TRACE_MERGE_DONE,   // thread 0, its own part of the first merge done
+    TRACE_MERGE_SYNCED, // thread 0, every thread's part of the first merge done
+    TRACE_FIRST_COUNTED,  // thread 0, its first cut piece counted in (the release returned)
 };
 
 constexpr bool IS_F16 = KVS_IS_F16;
@@ -670,7 +675,13 @@ __device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const 
     const Columns cols = piece_columns(p, u, smem);
     named_barrier_sync(1, CONSUMER_THREADS);  // the tables are free
     if (!cols.single_token) fill_columns(p, u, smem);
+    if (TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_ALL_PARKED)) {
+        while (ld_acquire_gpu(counters) < pieces.count) nanosleep(64);
+        trace_stamp(TRACE_ALL_PARKED);
+    }
     wait_until_parked<CONSUMER_THREADS>(counters, pieces.count);
+    const bool first = TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_MERGE_START);
+    if (first) trace_stamp(TRACE_MERGE_START);
     const int kv_head = u.unit / p.col_blocks;
     float v_scale[HEADS_PER_ROW];
 #pragma unroll
@@ -683,7 +694,9 @@ __device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const 
         [&](int g, int d, const MergeState& st) {
             store_normalised(p, cols, g, d, st.o, st.m, st.l, of_part(v_scale, cols.part(p, g)));
         });
+    if (first) trace_stamp(TRACE_MERGE_DONE);
     count_slice_in<CONSUMER_THREADS>(counters, pieces.count);
+    if (first) trace_stamp(TRACE_MERGE_SYNCED);
 }
 
 // Zero-length requests own no tiles: the CTAs write their output (0, LSE -inf) by request
@@ -1413,6 +1426,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kvs_decode(const __grid
             // the pieces again there spilled the consumers that sit at 255 registers)
             named_barrier_sync(1, CONSUMER_THREADS);
             count_piece_in(p, pc.batch, pc.unit);
+            if (TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_FIRST_COUNTED)) trace_stamp(TRACE_FIRST_COUNTED);
             if (threadIdx.x == 0) {
                 int* cuts = reinterpret_cast<int*>(smem + SharedPlan::cut_count);
                 reinterpret_cast<Piece*>(smem + SharedPlan::cut_pieces)[*cuts] = pc;

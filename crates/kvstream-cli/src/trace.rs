@@ -59,8 +59,8 @@ const GQA_START_POINTS: [&str; 4] = ["lengths", "start_written", "producer_ready
 /// Record ring size, trace slots per record and record bytes of decode_gqa.cu
 /// (`TRACE_RECORDS`, `TRACE_SLOTS`, `TraceRecord`).
 const RECORDS: usize = 1 << 15;
-const SLOTS: usize = 16;
-const RECORD_BYTES: usize = 224;
+const SLOTS: usize = 24;
+const RECORD_BYTES: usize = 320;
 
 /// Forgets every record so far (before a timing).
 pub fn reset(rt: &Arc<Runtime>, stream: &Arc<CudaStream>) -> kvstream::Result<()> {
@@ -120,7 +120,7 @@ pub fn dump(
         } else if variant.starts_with("decode_mla.") {
             [PERSISTENT_POINTS.as_slice(), MLA_MERGE_POINTS.as_slice()].concat()
         } else {
-            [PERSISTENT_POINTS.as_slice(), GQA_START_POINTS.as_slice()].concat()
+            [PERSISTENT_POINTS.as_slice(), GQA_START_POINTS.as_slice(), MLA_MERGE_POINTS.as_slice(), &["first_counted"]].concat()
         };
         // the persistent kernel's `splits` field counts its pieces
         let tail = if variant.starts_with("decode_gqa.") {
