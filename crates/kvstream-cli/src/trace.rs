@@ -48,14 +48,16 @@ const PERSISTENT_POINTS: [&str; 12] = [
     "merged",
     "exit",
 ];
-/// Trace points of decode_mla.cu's `TracePoint` after the persistent engine's: the steps of the
-/// CTA's first merge (its cut unit's pieces all parked, the merge started, its own part done,
-/// every thread's part done).
-const MLA_MERGE_POINTS: [&str; 4] = ["all_parked", "merge_start", "merge_done", "merge_synced"];
-/// Trace points of decode.cu's `TracePoint` after the persistent engine's: the start's steps (the
-/// scheduler's first round of lengths in registers, its result written; the contiguous
-/// producer's walk built, the first piece's query rows issued).
+/// The steps of a persistent CTA's first merge (its cut unit's pieces all parked, the merge
+/// started, its own part done, every thread's part done): decode_mla.cu's `TracePoint` after the
+/// persistent engine's, and decode.cu's after its start points.
+const MERGE_POINTS: [&str; 4] = ["all_parked", "merge_start", "merge_done", "merge_synced"];
+/// decode.cu's `TracePoint`: after the persistent engine's, the start's steps (the scheduler's
+/// first round of lengths in registers, its result written; the contiguous producer's walk
+/// built, the first piece's query rows issued), then the merge's, then its first cut piece
+/// counted in.
 const GQA_START_POINTS: [&str; 4] = ["lengths", "start_written", "producer_ready", "q_issued"];
+const GQA_PARK_POINTS: [&str; 1] = ["first_counted"];
 /// Record ring size, trace slots per record and record bytes of decode_gqa.cu
 /// (`TRACE_RECORDS`, `TRACE_SLOTS`, `TraceRecord`).
 const RECORDS: usize = 1 << 15;
@@ -118,9 +120,15 @@ pub fn dump(
         let points: Vec<&str> = if variant.starts_with("decode_gqa.") {
             SPLIT_POINTS.to_vec()
         } else if variant.starts_with("decode_mla.") {
-            [PERSISTENT_POINTS.as_slice(), MLA_MERGE_POINTS.as_slice()].concat()
+            [PERSISTENT_POINTS.as_slice(), MERGE_POINTS.as_slice()].concat()
         } else {
-            [PERSISTENT_POINTS.as_slice(), GQA_START_POINTS.as_slice(), MLA_MERGE_POINTS.as_slice(), &["first_counted"]].concat()
+            [
+                PERSISTENT_POINTS.as_slice(),
+                GQA_START_POINTS.as_slice(),
+                MERGE_POINTS.as_slice(),
+                GQA_PARK_POINTS.as_slice(),
+            ]
+            .concat()
         };
         // the persistent kernel's `splits` field counts its pieces
         let tail = if variant.starts_with("decode_gqa.") {
