@@ -76,10 +76,14 @@ __device__ __forceinline__ CutUnits cut_units(const PersistentParams& p, const S
 }
 
 // Thread 0 waits until the unit's pieces are all parked; then every one of THREADS threads.
+// Traced builds: thread 0 stamps `parked_point` (the kernel's trace point, -1 for none) once, at
+// the CTA's first merge.
 template <int THREADS>
-__device__ __forceinline__ void wait_until_parked(const int* counters, int pieces) {
-    if (threadIdx.x == 0)
+__device__ __forceinline__ void wait_until_parked(const int* counters, int pieces, int parked_point = -1) {
+    if (threadIdx.x == 0) {
         while (ld_acquire_gpu(counters) < pieces) nanosleep(64);
+        if (TRACE && parked_point >= 0 && !trace_stamped(parked_point)) trace_stamp(parked_point);
+    }
     named_barrier_sync(1, THREADS);
 }
 

@@ -675,11 +675,7 @@ __device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const 
     const Columns cols = piece_columns(p, u, smem);
     named_barrier_sync(1, CONSUMER_THREADS);  // the tables are free
     if (!cols.single_token) fill_columns(p, u, smem);
-    if (TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_ALL_PARKED)) {
-        while (ld_acquire_gpu(counters) < pieces.count) nanosleep(64);
-        trace_stamp(TRACE_ALL_PARKED);
-    }
-    wait_until_parked<CONSUMER_THREADS>(counters, pieces.count);
+    wait_until_parked<CONSUMER_THREADS>(counters, pieces.count, TRACE_ALL_PARKED);
     const bool first = TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_MERGE_START);
     if (first) trace_stamp(TRACE_MERGE_START);
     const int kv_head = u.unit / p.col_blocks;

@@ -375,11 +375,7 @@ __device__ __forceinline__ void merge_cut_unit(const PersistentParams& p, const 
                                                int lane, unsigned char* smem) {
     const CutPieces pieces(p, s, u.start, u.tiles, lane);
     int* counters = unit_counters(p, u.batch, u.unit);
-    if (TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_ALL_PARKED)) {
-        while (ld_acquire_gpu(counters) < pieces.count) nanosleep(64);
-        trace_stamp(TRACE_ALL_PARKED);
-    }
-    wait_until_parked<CONSUMER_THREADS>(counters, pieces.count);
+    wait_until_parked<CONSUMER_THREADS>(counters, pieces.count, TRACE_ALL_PARKED);
     const bool first = TRACE && threadIdx.x == 0 && !trace_stamped(TRACE_MERGE_START);
     if (first) trace_stamp(TRACE_MERGE_START);
     const float v_scale = kv_scale<KV_FP8>(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride, u.batch, 0);
