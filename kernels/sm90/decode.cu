@@ -420,12 +420,15 @@ __device__ __forceinline__ void produce_contiguous(const PersistentParams& p, co
 
 // Paged caches, the whole warp: a piece's tiles with the page ids they need. The warp reads a
 // piece's page ids a chunk of CHUNK_PAGES at a time (lane i holds pages i, i + 32, ... of the
-// chunk) and keeps two chunks, so the next chunk's table read hides behind a whole chunk of
-// tiles; a piece's first chunk is read when the producer reaches it, while the ring still holds
-// the previous piece's last STAGES tiles. `use_chunk(ids)` runs when a chunk becomes current,
+// chunk) and keeps ID_CHUNKS chunks, so a chunk's table read is issued ID_CHUNKS - 1 chunks
+// before its tiles: with pages of 1 a chunk is one tile, and one tile's time does not cover a
+// table read while the memory system is saturated (the producer then stalls on the ids). A
+// piece's first chunks are read when the producer reaches it, while the ring still holds the
+// previous piece's last STAGES tiles. `use_chunk(ids)` runs when a chunk becomes current,
 // `issue(stage, kv_head, tile_begin, chunk_page, ids)` once per tile with its stage acquired;
 // the warp with `query_rows` also loads the pieces' query rows.
 static_assert(CHUNK_PAGES % TILE_TOKENS == 0, "a tile's pages never straddle two chunks");
+constexpr int ID_CHUNKS = 4;
 
 // Page ids of pages [first + 32 * i + lane] (i < RUNS_PER_LANE), -1 from `end` on: their boxes
 // are out of bounds and arrive zero-filled, their gathered copies are zero-filled (masked by
@@ -455,13 +458,13 @@ __device__ __forceinline__ void walk_paged_tiles(const PersistentParams& p, cons
         const int* table = p.block_table + (long long)pc.batch * p.table_stride;
         const int first_page = pc.tile_begin(pc.first, TILE_TOKENS) >> shift;
         const int end_page = ((min(pc.len, pc.tile_begin(pc.end, TILE_TOKENS)) - 1) >> shift) + 1;
-        int ids[2][RUNS_PER_LANE];
-        load_page_chunk(ids[0], table, first_page, end_page, lane);
-        load_page_chunk(ids[1], table, first_page + CHUNK_PAGES, end_page, lane);
-        int k = pc.first;
-        for (int chunk = 0; k < pc.end; chunk += 2) {
+        int ids[ID_CHUNKS][RUNS_PER_LANE];
 #pragma unroll
-            for (int b = 0; b < 2; ++b) {
+        for (int b = 0; b < ID_CHUNKS; ++b) load_page_chunk(ids[b], table, first_page + b * CHUNK_PAGES, end_page, lane);
+        int k = pc.first;
+        for (int chunk = 0; k < pc.end; chunk += ID_CHUNKS) {
+#pragma unroll
+            for (int b = 0; b < ID_CHUNKS; ++b) {
                 const int chunk_page = first_page + (chunk + b) * CHUNK_PAGES;
                 use_chunk(ids[b]);
                 for (; k < pc.end; ++k, ++n) {
@@ -469,7 +472,7 @@ __device__ __forceinline__ void walk_paged_tiles(const PersistentParams& p, cons
                     if ((tile_begin >> shift) >= chunk_page + CHUNK_PAGES) break;
                     issue(acquire_stage(r, n), kv_head, tile_begin, chunk_page, ids[b]);
                 }
-                load_page_chunk(ids[b], table, first_page + (chunk + b + 2) * CHUNK_PAGES, end_page, lane);
+                load_page_chunk(ids[b], table, first_page + (chunk + b + ID_CHUNKS) * CHUNK_PAGES, end_page, lane);
             }
         }
     }
