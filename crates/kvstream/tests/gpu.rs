@@ -1552,6 +1552,13 @@ fn paged_cache_equals_contiguous() {
                     persistent_paged_gather: Some(false),
                     ..persistent
                 },
+                // three CTAs: pieces of tens of tiles, so the producer's chunks of page ids are
+                // refilled many times over a piece (with pages of 1 a chunk is one tile)
+                PlanOptions {
+                    persistent_paged_gather: Some(true),
+                    persistent_ctas: Some(3),
+                    ..persistent
+                },
                 // the paired softmax step (a tuning knob), on 128-position tiles
                 PlanOptions {
                     persistent_softmax_slices: Some(2),
