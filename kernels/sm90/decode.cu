@@ -465,6 +465,7 @@ __device__ __forceinline__ void walk_paged_tiles(const PersistentParams& p, cons
         for (int chunk = 0; k < pc.end; chunk += ID_CHUNKS) {
 #pragma unroll
             for (int b = 0; b < ID_CHUNKS; ++b) {
+                if (k >= pc.end) break;  // a piece shorter than ID_CHUNKS chunks: none to make current
                 const int chunk_page = first_page + (chunk + b) * CHUNK_PAGES;
                 use_chunk(ids[b]);
                 for (; k < pc.end; ++k, ++n) {
