@@ -188,7 +188,7 @@ pub(crate) fn alloc_zeroed<T: cudarc::driver::DeviceRepr + cudarc::driver::Valid
 impl Decoder {
     /// Plans `problem` for this GPU, loads its kernels and allocates the split workspace.
     pub fn new(rt: &Arc<Runtime>, problem: DecodeProblem, options: PlanOptions) -> Result<Self> {
-        let plan = choose(&problem, rt.facts(), options)?;
+        let mut plan = choose(&problem, rt.facts(), options)?;
         let engine = match &plan {
             Plan::Persistent(pp) => {
                 let kernel = rt.kernel(
@@ -232,7 +232,12 @@ impl Decoder {
                     schedule_log,
                 })
             }
-            Plan::Split(sp) => Engine::Split(SplitEngine::new(rt, sp.clone())?),
+            Plan::Split(sp) => {
+                let (split_plan, engine) =
+                    SplitEngine::without_cluster_waves(rt, &problem, options, sp)?;
+                plan = Plan::Split(split_plan);
+                Engine::Split(engine)
+            }
         };
         Ok(Decoder {
             rt: rt.clone(),
@@ -636,6 +641,35 @@ impl SplitEngine {
             }
         }
         Ok(engine)
+    }
+
+    /// The engine of `plan`, or where the heuristic chose a cluster merge whose clusters the GPU
+    /// cannot hold at once (a GPC holds fewer clusters of 8 large CTAs than its SMs suggest, and
+    /// the grid would run in waves: plan::clusters_fit_one_wave), of the same problem merged by
+    /// kernel; with the plan it runs.
+    fn without_cluster_waves(
+        rt: &Arc<Runtime>,
+        problem: &DecodeProblem,
+        options: PlanOptions,
+        plan: &DecodePlan,
+    ) -> Result<(DecodePlan, Self)> {
+        let engine = SplitEngine::new(rt, plan.clone())?;
+        if options.reduction.is_some() || !engine.cluster() || plan.device_plan.is_some() {
+            return Ok((plan.clone(), engine));
+        }
+        // SAFETY: the decode kernel was loaded into this runtime's context by new().
+        let resident = unsafe { max_active_clusters(engine.decode.func, &engine.decode_config())? };
+        if crate::plan::clusters_fit_one_wave(plan, resident) {
+            return Ok((plan.clone(), engine));
+        }
+        let kernel_merge = PlanOptions {
+            reduction: Some(Reduction::Kernel),
+            ..options
+        };
+        let Plan::Split(merged) = choose(problem, rt.facts(), kernel_merge)? else {
+            unreachable!("the reduction is a knob of the split engine")
+        };
+        Ok((merged.clone(), SplitEngine::new(rt, merged)?))
     }
 
     /// Whether the splits merge inside a thread-block cluster (no combine launch).

@@ -1231,6 +1231,16 @@ pub fn auto_reduction(num_splits: usize, tiles_per_split: usize, columns: usize)
     }
 }
 
+/// Whether the clusters of a cluster-merged `plan` are all resident at once, given that the GPU
+/// holds `resident` of them (`cuOccupancyMaxActiveClusters`): otherwise the grid runs in waves
+/// and kernel reduction is faster. With one 137 KB CTA an SM, an H100 held fewer than the 16
+/// clusters of 8 that 16 heads x 8 splits ask for: e4m3 16/16 heads d 64 L 1024 ran 9.1 us
+/// merged by cluster against 4.8 by kernel (docs/tuning.md, "Cluster waves").
+pub fn clusters_fit_one_wave(plan: &DecodePlan, resident: usize) -> bool {
+    let ctas: usize = plan.grid.iter().map(|&g| g as usize).product();
+    ctas.div_ceil(plan.num_splits.max(1)) <= resident
+}
+
 /// Most splits the paged heuristic may ask for and still be served by two splits merged in a
 /// cluster ([`paged_cluster_pair`]).
 pub const PAGED_PAIR_MAX_SPLITS: usize = 4;
@@ -2257,6 +2267,26 @@ mod tests {
             .expect("MERGE_MAX_PIECES in merge.cuh");
         assert_eq!(value, PERSISTENT_MAX_FORCED_GRID);
         assert!(PERSISTENT_MAX_GRID <= value, "the MLA decode's grid too");
+    }
+
+    #[test]
+    fn cluster_merges_count_their_clusters_against_the_resident_ones() {
+        // e4m3 16/16 heads d 64 L 1024: the heuristic's 8 splits in clusters, 16 clusters
+        let p = DecodeProblem::new(1, 16, 16, 64, 1024, DType::Bf16)
+            .and_then(|p| p.with_kv_dtype(KvDType::Fp8E4m3))
+            .unwrap();
+        let sp = plan(&p, DeviceFacts::H200, PlanOptions::default()).unwrap();
+        assert_eq!(
+            (sp.reduction, sp.num_splits, sp.grid),
+            (Reduction::Cluster, 8, [8, 16, 1])
+        );
+        assert!(clusters_fit_one_wave(&sp, 16));
+        assert!(!clusters_fit_one_wave(&sp, 15));
+        // batches count every request's clusters
+        let b3 = DecodeProblem::new(3, 16, 16, 64, 1024, DType::Bf16).unwrap();
+        let sp = plan(&b3, DeviceFacts::H200, PlanOptions::default()).unwrap();
+        let clusters = 3 * 16 * sp.grid[0] as usize / sp.num_splits;
+        assert!(clusters_fit_one_wave(&sp, clusters) && !clusters_fit_one_wave(&sp, clusters - 1));
     }
 
     #[test]

@@ -1489,6 +1489,71 @@ fn cluster_reduction_matches_kernel_reduction() {
     }
 }
 
+/// A cluster merge the heuristic chooses runs only where the GPU holds all of its clusters at
+/// once: e4m3 16/16 heads at L 1024 want 8 splits, 16 clusters of 8 CTAs of ~137 KB, which a
+/// 132-SM H100 / H200 runs in two waves (twice the time of kernel reduction: docs/tuning.md,
+/// "Cluster waves"), so the decoder merges those by kernel; every case matches the reference,
+/// as 2-byte caches whose clusters fit keep the cluster merge.
+/// Expected run time: a few seconds.
+#[test]
+#[ignore = "needs an H100/H200 GPU: run with --ignored"]
+fn automatic_cluster_merges_fit_one_wave() {
+    let (rt, stream) = open_gpu();
+    let mut rng = SplitMix64::new(0xC3);
+    // (head dim, cache, len, the merge a 132-SM GPU runs)
+    let cases = [
+        (64, KvDType::Fp8E4m3, 1024, Reduction::Kernel),
+        (128, KvDType::Fp8E4m3, 1024, Reduction::Kernel),
+        (64, KvDType::Fp8E4m3, 2048, Reduction::Kernel),
+        (64, KvDType::AsQuery, 1024, Reduction::Cluster),
+    ];
+    for (d, kv, len, on_132_sms) in cases {
+        let p = DecodeProblem::new(1, 16, 16, d, len, DType::Bf16)
+            .and_then(|p| p.with_kv_dtype(kv))
+            .expect("a valid problem");
+        let what = format!("{p:?}");
+        let heuristic =
+            kvstream::plan::choose(&p, rt.facts(), PlanOptions::default()).expect("a plan");
+        let dec = make_decoder(&rt, &p, PlanOptions::default());
+        let (chosen, ran) = (
+            heuristic.split().expect("split engine"),
+            dec.plan().split().expect("split engine"),
+        );
+        if rt.facts().sm_count == 132 {
+            assert_eq!(
+                ran.reduction, on_132_sms,
+                "{what}: the merge run (the heuristic chose {:?})",
+                chosen.reduction
+            );
+        }
+        if chosen.reduction == Reduction::Cluster && ran.reduction == Reduction::Kernel {
+            assert!(
+                ran.combine.is_some() && ran.workspace.bytes() > 0,
+                "{what}: a kernel merge with its combine"
+            );
+        }
+        let lens = vec![len];
+        let errors = if kv == KvDType::Fp8E4m3 {
+            fp8_case::<bf16>(
+                &rt,
+                &stream,
+                &mut rng,
+                &p,
+                &lens,
+                KvScaleLayout::PerKvHead,
+                PlanOptions::default(),
+            )
+        } else {
+            let x = make_inputs::<bf16>(&mut rng, &p, &lens);
+            let dev = DeviceInputs::upload(&stream, &x, Some(&lens));
+            let mut o = Outputs::<bf16>::new(&stream, &p, true);
+            run_poisoned(&stream, &dec, &dev, &mut o)
+                .and_then(|out| check_output(&p, &out, &reference(&p, &x, &lens)))
+        };
+        errors.unwrap_or_else(|e| panic!("{what}: {e}"));
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3c. Paged caches and multi-token decode
 // ---------------------------------------------------------------------------------------------
