@@ -784,9 +784,10 @@ def make_pool(shape, sets, seed=1):
         f8 = torch.float8_e4m3fn
         pool["k8"] = torch.empty(k.shape, device="cuda", dtype=f8)
         pool["v8"] = torch.empty(k.shape, device="cuda", dtype=f8)
-        for i in range(sets):
+        for i in range(sets):  # a request at a time: fp32 temporaries of one request's cache
             for src, dst in ((k, pool["k8"]), (v, pool["v8"])):
-                dst[i] = (src[i].float() / FP8_SCALE).clamp_(-448.0, 448.0).to(f8)
+                for j in range(s["batch"]):
+                    dst[i, j] = (src[i, j].float() / FP8_SCALE).clamp_(-448.0, 448.0).to(f8)
         pool["q8"] = q.to(f8)
         pool["scale"] = torch.full((1,), FP8_SCALE, device="cuda", dtype=torch.float32)
         pool["descale"] = torch.full((s["batch"], s["hkv"]), FP8_SCALE, device="cuda",
@@ -804,30 +805,36 @@ def sdpa_layout(pool):
     }
 
 
-def reference(q, k, v, window=None, softcap=0.0, sinks=None):
-    """fp32 attention of q [b,q_len,hq,d] over k, v [b,L,hkv,d]: [b, hq, d] for one token
-    without score modifiers, else [b, q_len, hq, d] (reference_mods).
+def widen(x, scale=1.0):
+    """One request's cache as fp32, times its dequantisation scale (e4m3 caches)."""
+    x = x.float()
+    return x * scale if scale != 1.0 else x
 
-    One request at a time, so the fp32 upcast of the largest shape (batch 128, 16 GiB of bf16 KV)
-    needs only one request's worth of memory."""
+
+def reference(q, k, v, window=None, softcap=0.0, sinks=None, kv_scale=1.0):
+    """fp32 attention of q [b,q_len,hq,d] over k, v [b,L,hkv,d] (times kv_scale: e4m3 caches):
+    [b, hq, d] for one token without score modifiers, else [b, q_len, hq, d] (reference_mods).
+
+    One request at a time, so the fp32 upcast of the largest shape (batch 128, 16 GiB of bf16 KV;
+    its e4m3 copy next to it on an 80 GB GPU) needs only one request's worth of memory."""
     import torch
 
     if q.shape[1] > 1 or window is not None or softcap or sinks is not None:
-        return reference_mods(q, k, v, window, softcap, sinks)
+        return reference_mods(q, k, v, window, softcap, sinks, kv_scale)
     b, _, hq, d = q.shape
     group = hq // k.shape[2]
     out = torch.empty(b, hq, d, device=q.device, dtype=torch.float32)
     for i in range(b):
         qi = q[i, 0].float().unsqueeze(1)  # [hq, 1, d]
-        ki = k[i].float().transpose(0, 1).repeat_interleave(group, dim=0)  # [hq, L, d]
-        vi = v[i].float().transpose(0, 1).repeat_interleave(group, dim=0)
+        ki = widen(k[i], kv_scale).transpose(0, 1).repeat_interleave(group, dim=0)  # [hq, L, d]
+        vi = widen(v[i], kv_scale).transpose(0, 1).repeat_interleave(group, dim=0)
         p = torch.softmax(qi @ ki.transpose(1, 2) / math.sqrt(d), dim=-1)
         out[i] = (p @ vi).squeeze(1)
         del ki, vi, p
     return out
 
 
-def reference_mods(q, k, v, window, softcap, sinks):
+def reference_mods(q, k, v, window, softcap, sinks, kv_scale=1.0):
     """fp32 decode attention with score modifiers: [b, q_len, hq, d].
 
     Token i of a request of length L sees positions 0 .. L - q_len + i, with a window only those
@@ -852,8 +859,8 @@ def reference_mods(q, k, v, window, softcap, sinks):
     out = torch.empty(b, q_len, hq, d, device=q.device, dtype=torch.float32)
     for i in range(b):
         qi = q[i].float().permute(1, 0, 2).reshape(hkv, rows, d)
-        ki = k[i].float().transpose(0, 1)  # [hkv, L, d]
-        vi = v[i].float().transpose(0, 1)
+        ki = widen(k[i], kv_scale).transpose(0, 1)  # [hkv, L, d]
+        vi = widen(v[i], kv_scale).transpose(0, 1)
         sc = qi @ ki.transpose(1, 2) / math.sqrt(d)  # [hkv, rows, L]
         if softcap:
             sc = softcap * torch.tanh(sc / softcap)
@@ -1086,8 +1093,7 @@ def measure_attention(shape, handles, rounds):
         ref = reference(pool["q"][0], pool["k"][0], pool["v"][0], **mods)
         # fp8 rows: what kvstream and FA3 were given, dequantised
         ref8 = None if "k8" not in pool else reference(
-            pool["q"][0], pool["k8"][0].float() * FP8_SCALE, pool["v8"][0].float() * FP8_SCALE,
-            **mods)
+            pool["q"][0], pool["k8"][0], pool["v8"][0], kv_scale=FP8_SCALE, **mods)
         for name in live:
             try:
                 call = make_call(name, handles[name][0], pool, sdpa, shape)
