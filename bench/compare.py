@@ -1049,7 +1049,11 @@ def busy_gpu():
 
 
 def kvstream_plan(kvstream, shape):
-    """(splits, mode) of the binding's default plan for the shape."""
+    """(splits, mode) of the plan the binding runs for the shape: a decoder's own, which on the
+    GPU merges by kernel where the heuristic's clusters would not all be resident at once
+    (docs/tuning.md, "Cluster waves"); the GPU-less validate() would name the clusters."""
+    import torch
+
     s = shape
     fp8 = kv_dtype(s) if kv_dtype(s) != s["dtype"] else None
     # only what differs from the defaults: a plain row's call is the one the main matrix makes
@@ -1062,9 +1066,9 @@ def kvstream_plan(kvstream, shape):
         extra["softcap"] = softcap_of(s)
     if s.get("sinks"):
         extra["sinks"] = True
-    plan = kvstream._native.validate(s["batch"], s["hq"], s["hkv"], s["d"], s["L"], s["dtype"],
-                                     kv_dtype=fp8, **extra)
-    return parse_plan(plan)
+    decoder = kvstream._native.Decoder(s["batch"], s["hq"], s["hkv"], s["d"], s["L"], s["dtype"],
+                                       device=torch.cuda.current_device(), kv_dtype=fp8, **extra)
+    return parse_plan(decoder.plan)
 
 
 def measure_attention(shape, handles, rounds):
