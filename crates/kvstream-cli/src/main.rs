@@ -503,6 +503,16 @@ fn print_plan(shape: &ShapeArgs) -> kvstream::Result<()> {
                 ),
                 None => println!("splits: {} a request (from L; merged by {})", dp.num_splits, dp.reduction.name()),
             }
+            if dp.reduction == kvstream::Reduction::Cluster
+                && opts.reduction.is_none()
+                && dp.device_plan.is_none()
+            {
+                let clusters =
+                    dp.grid.iter().map(|&g| g as usize).product::<usize>() / dp.num_splits.max(1);
+                println!(
+                    "  (a decoder merges by kernel instead where the GPU cannot hold all {clusters} clusters at once: docs/tuning.md, \"Cluster waves\")"
+                );
+            }
             println!("grid: {} x {} x {}", dp.grid[0], dp.grid[1], dp.grid[2]);
             println!("shared memory: {} bytes a CTA", dp.decode_shared_bytes);
             println!("workspace: {} bytes", dp.workspace.bytes());
