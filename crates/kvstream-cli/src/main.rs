@@ -503,14 +503,10 @@ fn print_plan(shape: &ShapeArgs) -> kvstream::Result<()> {
                 ),
                 None => println!("splits: {} a request (from L; merged by {})", dp.num_splits, dp.reduction.name()),
             }
-            if dp.reduction == kvstream::Reduction::Cluster
-                && opts.reduction.is_none()
-                && dp.device_plan.is_none()
-            {
-                let clusters =
-                    dp.grid.iter().map(|&g| g as usize).product::<usize>() / dp.num_splits.max(1);
+            if kvstream::plan::cluster_merge_checked(dp, &opts) {
                 println!(
-                    "  (a decoder merges by kernel instead where the GPU cannot hold all {clusters} clusters at once: docs/tuning.md, \"Cluster waves\")"
+                    "  (a decoder merges by kernel instead where the GPU cannot hold all {} clusters at once: docs/tuning.md, \"Cluster waves\")",
+                    dp.clusters()
                 );
             }
             println!("grid: {} x {} x {}", dp.grid[0], dp.grid[1], dp.grid[2]);

@@ -654,7 +654,7 @@ impl SplitEngine {
         plan: &DecodePlan,
     ) -> Result<(DecodePlan, Self)> {
         let engine = SplitEngine::new(rt, plan.clone())?;
-        if options.reduction.is_some() || !engine.cluster() || plan.device_plan.is_some() {
+        if !crate::plan::cluster_merge_checked(plan, &options) {
             return Ok((plan.clone(), engine));
         }
         // SAFETY: the decode kernel was loaded into this runtime's context by new().

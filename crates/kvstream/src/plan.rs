@@ -1237,8 +1237,26 @@ pub fn auto_reduction(num_splits: usize, tiles_per_split: usize, columns: usize)
 /// clusters of 8 that 16 heads x 8 splits ask for: e4m3 16/16 heads d 64 L 1024 ran 9.1 us
 /// merged by cluster against 4.8 by kernel (docs/tuning.md, "Cluster waves").
 pub fn clusters_fit_one_wave(plan: &DecodePlan, resident: usize) -> bool {
-    let ctas: usize = plan.grid.iter().map(|&g| g as usize).product();
-    ctas.div_ceil(plan.num_splits.max(1)) <= resident
+    plan.clusters() <= resident
+}
+
+/// Whether `plan`'s cluster merge is the heuristic's choice, which `Decoder::new` keeps only
+/// where the clusters fit one wave ([`clusters_fit_one_wave`]); a merge the caller forces, or
+/// the device planner's, is kept as it is.
+pub fn cluster_merge_checked(plan: &DecodePlan, options: &PlanOptions) -> bool {
+    plan.reduction == Reduction::Cluster
+        && plan.num_splits > 1
+        && options.reduction.is_none()
+        && plan.device_plan.is_none()
+}
+
+impl DecodePlan {
+    /// Thread-block clusters of the grid under cluster reduction: one a (request, KV head,
+    /// column block), of `num_splits` CTAs.
+    pub fn clusters(&self) -> usize {
+        let ctas: usize = self.grid.iter().map(|&g| g as usize).product();
+        ctas.div_ceil(self.num_splits.max(1))
+    }
 }
 
 /// Most splits the paged heuristic may ask for and still be served by two splits merged in a
@@ -2282,6 +2300,17 @@ mod tests {
         );
         assert!(clusters_fit_one_wave(&sp, 16));
         assert!(!clusters_fit_one_wave(&sp, 15));
+        assert_eq!(sp.clusters(), 16);
+        // the heuristic's cluster merge is checked; a forced one is the caller's
+        assert!(cluster_merge_checked(&sp, &PlanOptions::default()));
+        let forced = PlanOptions {
+            reduction: Some(Reduction::Cluster),
+            ..Default::default()
+        };
+        assert!(!cluster_merge_checked(
+            &plan(&p, DeviceFacts::H200, forced).unwrap(),
+            &forced
+        ));
         // batches count every request's clusters
         let b3 = DecodeProblem::new(3, 16, 16, 64, 1024, DType::Bf16).unwrap();
         let sp = plan(&b3, DeviceFacts::H200, PlanOptions::default()).unwrap();
