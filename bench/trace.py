@@ -2,7 +2,7 @@
 """Summarises the decode kernels' phase trace (`KVS_TRACE` in decode_gqa.cu, decode.cu and
 decode_mla.cu).
 
-    KVSTREAM_TRACE=<dir> kvstream bench --ids ...   # writes <dir>/<shape>.<variant>.csv
+    KVSTREAM_TRACE=<dir> kvstream bench --ids ...   # writes <dir>/<shape>.<key>.<variant>.csv
     python3 bench/trace.py <dir> [--json out.json] [--perfetto trace.json]
 
 One CSV line per CTA. CTAs are grouped into calls by the moment their PDL wait returned (a call's

@@ -1186,13 +1186,20 @@ fn measure_shape(
     // ---- one interleaved timing of everything ----
     let mut list: Vec<(&CudaGraph, usize)> = timed.iter().map(|t| (&t.2, arena.sets)).collect();
     list.extend(floor.iter().map(|(_, g)| (g, floor_sets)));
-    let trace_dir = kvstream::jit::compile::trace_dir();
-    if trace_dir.is_some() {
-        trace::reset(rt, stream)?;
-    }
     let timings = time_graphs(stream, &list, rounds)?;
-    if let Some(dir) = &trace_dir {
-        trace::dump(rt, stream, dir, &shape.id)?;
+    // traced builds: each timed decoder's records apart, `<shape>.<key>` (the interleaved
+    // timing above writes every decoder's calls into the same records)
+    if let Some(dir) = kvstream::jit::compile::trace_dir() {
+        for (key, _, graph, _) in &timed {
+            trace::reset(rt, stream)?;
+            time_graphs(stream, &[(graph, arena.sets)], rounds)?;
+            trace::dump(
+                rt,
+                stream,
+                &dir,
+                &format!("{}.{}", shape.id, key.replace('/', "-")),
+            )?;
+        }
     }
     for (i, (key, decoder, _, err)) in timed.iter().enumerate() {
         let t = timings[i];

@@ -1,7 +1,8 @@
 //! The decode kernels' phase trace (`KVSTREAM_TRACE=<dir>`, `KVS_TRACE` in decode_gqa.cu,
-//! decode.cu and decode_mla.cu): after a shape's timing, every loaded decode module's records are written to
-//! `<dir>/<shape id>.<variant>.csv`, one line per CTA, each column named after its kernel's trace
-//! point, for `bench/trace.py`.
+//! decode.cu and decode_mla.cu): after a shape's timing, each timed decoder (`bench`'s keys:
+//! `kvstream`, `kvstream/<ring>`, ...) replays its graph alone and every loaded decode module's
+//! records are written to `<dir>/<shape id>.<key>.<variant>.csv` (`/` in a key as `-`), one line
+//! per CTA, each column named after its kernel's trace point, for `bench/trace.py`.
 //!
 //! A debugging aid only: the traced kernels carry the stamps, so their timings are not results.
 
