@@ -31,6 +31,10 @@ use crate::results::{self, BenchResults, ImplResult, Matrix, Row, Shape};
 use crate::timing::{self, alloc, capture, driver, pool_sets, time_graphs};
 use crate::trace;
 
+/// Graph replays a traced decoder takes on its own (each replays every input set of the arena,
+/// 2 to 256 calls; trace.rs keeps the newest records and trace.py whole calls).
+const TRACE_REPLAYS: usize = 2;
+
 /// Relative error a bf16 decode must stay under.
 pub const TOLERANCE: f64 = 1e-2;
 /// Bytes the read ceiling streams.
@@ -1188,11 +1192,15 @@ fn measure_shape(
     list.extend(floor.iter().map(|(_, g)| (g, floor_sets)));
     let timings = time_graphs(stream, &list, rounds)?;
     // traced builds: each timed decoder's records apart, `<shape>.<key>` (the interleaved
-    // timing above writes every decoder's calls into the same records)
+    // timing above writes every decoder's calls into the same records); a few replays of its
+    // graph give trace.py its calls (its timings are not results)
     if let Some(dir) = kvstream::jit::compile::trace_dir() {
         for (key, _, graph, _) in &timed {
             trace::reset(rt, stream)?;
-            time_graphs(stream, &[(graph, arena.sets)], rounds)?;
+            for _ in 0..TRACE_REPLAYS {
+                driver("a traced replay", graph.launch())?;
+            }
+            driver("after the traced replays", stream.synchronize())?;
             trace::dump(
                 rt,
                 stream,
